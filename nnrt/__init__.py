@@ -1,0 +1,21 @@
+"""nnrt: a neural-network runtime for Linux following the Android NNAPI (HAL 1.3) contract.
+
+    import nnrt
+    m = nnrt.Model(); ...; m.finish()
+    async with nnrt.Runtime() as rt:
+        compiled = await rt.compile(m)
+        result = await compiled.execute([x, y])
+"""
+__version__ = "0.1.0"
+
+from .drivers.hal import DeviceType, ExecutionPreference  # noqa: E402
+from .errors import ErrorStatus, NnrtError, ResultCode  # noqa: E402
+from .model.builder import Model  # noqa: E402
+from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
+                          PaddingScheme)
+from .qos.priority import Priority  # noqa: E402
+from .runtime import CompiledModel, ExecutionTiming, Result, Runtime, run  # noqa: E402
+
+__all__ = ["CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference", "ExecutionTiming",
+           "FusedActivation", "Model", "NnrtError", "OperandType", "OperationType",
+           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "run", "__version__"]

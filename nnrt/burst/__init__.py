@@ -1,0 +1,1 @@
+"""Burst executions: controller (app side) and server (driver side) over the FMQ."""

@@ -1,0 +1,1 @@
+"""Drivers: the HAL, the reference CPU driver and (later) driver services."""

@@ -1,0 +1,143 @@
+"""The reference executor (AOSP's CpuExecutor): runs a validated model one
+operation at a time with the registry's numpy kernels.
+
+An :class:`Executor` is built once per prepared model (constants decoded,
+kernels looked up, per-operation argument templates made) and is shared by
+every execution of that model; per-execution state lives in
+:class:`ExecutionContext`, which kernels see as ``call.executor`` (control-flow
+kernels run referenced subgraphs through it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..errors import ErrorStatus, NnrtError
+from ..model.graph import Model, Operand
+from ..model.types import OperandLifeTime as L, OperationType
+from ..model.validate import ValidatedModel
+from ..vlog import on as vlog_on, vlog
+
+_CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
+DEFAULT_LOOP_TIMEOUT = 2.0   # seconds, NNAPI's default WHILE loop timeout
+MAX_LOOP_TIMEOUT = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    type: OperationType
+    kernel: ops.registry.Kernel
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    arg_templates: tuple[tuple, ...]     # (type, scale, zero_point, channel_quant) per input
+    out_operands: tuple[Operand, ...]
+    out_dims: tuple[tuple[int, ...], ...]  # declared/inferred, 0 = unknown, () = unknown rank
+
+
+class _SubgraphPlan:
+    def __init__(self, model: Model, index: int | None, dims: dict[int, tuple[int, ...]]):
+        sub = model.subgraph(index)
+        self.operands = sub.operands
+        self.input_indexes = sub.input_indexes
+        self.output_indexes = sub.output_indexes
+        self.initial: list = [None] * len(sub.operands)
+        for i, operand in enumerate(sub.operands):
+            if operand.lifetime in _CONSTANT:
+                self.initial[i] = model.constant_value(operand)
+            elif operand.lifetime == L.SUBGRAPH:
+                self.initial[i] = operand.location.offset
+        steps = []
+        for op in sub.operations:
+            opdef = ops.lookup(op.type)
+            templates = tuple((sub.operands[i].type, sub.operands[i].scale,
+                               sub.operands[i].zero_point, sub.operands[i].channel_quant)
+                              for i in op.inputs)
+            out_operands = tuple(sub.operands[i] for i in op.outputs)
+            steps.append(_Step(op.type, opdef.kernel, op.inputs, op.outputs, templates,
+                               out_operands, tuple(dims.get(i, ()) for i in op.outputs)))
+        self.steps = tuple(steps)
+
+
+class Executor:
+    def __init__(self, model: Model, validated: ValidatedModel):
+        self.model = model
+        self.relaxed = model.relax_computation_float32_to_float16
+        self.plans = {index: _SubgraphPlan(model, index, validated.dims[index])
+                      for index in validated.dims}
+
+    def run(self, inputs: list, *, loop_timeout: float | None = None,
+            deadline: float | None = None) -> list[np.ndarray]:
+        """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted)."""
+        context = ExecutionContext(self, loop_timeout, deadline)
+        return context.run_subgraph(None, inputs)
+
+
+class ExecutionContext:
+    """One execution's state: what kernels reach through ``call.executor``."""
+
+    def __init__(self, executor: Executor, loop_timeout: float | None, deadline: float | None):
+        self.executor = executor
+        if loop_timeout is None:
+            loop_timeout = DEFAULT_LOOP_TIMEOUT
+        self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
+        self.deadline = deadline
+
+    def run_subgraph(self, index: int | None, inputs: list) -> list:
+        plan = self.executor.plans[index]
+        values = list(plan.initial)
+        if len(inputs) != len(plan.input_indexes):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"subgraph {index} takes {len(plan.input_indexes)} inputs, "
+                            f"got {len(inputs)}")
+        for i, v in zip(plan.input_indexes, inputs):
+            values[i] = v
+        relaxed = self.executor.relaxed
+        trace = vlog_on("cpuexe")
+        for step in plan.steps:
+            args = [ops.Arg(t, values[i], s, z, c)
+                    for i, (t, s, z, c) in zip(step.inputs, step.arg_templates)]
+            call = ops.Call(step.type, args, list(step.out_operands), relaxed, self)
+            start = time.perf_counter() if trace else 0.0
+            try:
+                results = step.kernel(call)
+            except NnrtError:
+                raise
+            except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
+                    MemoryError) as e:
+                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                f"{step.type.name} failed: {type(e).__name__}: {e}") from e
+            if trace:
+                vlog("cpuexe", "%s %.3f ms", step.type.name, (time.perf_counter() - start) * 1e3)
+            if len(results) != len(step.outputs):
+                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                f"{step.type.name} kernel returned {len(results)} outputs, "
+                                f"expected {len(step.outputs)} (bug in the kernel)")
+            for k, (i, result) in enumerate(zip(step.outputs, results)):
+                values[i] = _checked_output(step, k, result)
+        return [values[i] for i in plan.output_indexes]
+
+
+def _checked_output(step: _Step, k: int, result):
+    operand = step.out_operands[k]
+    if operand.type.is_scalar:
+        return result
+    dtype = operand.type.dtype
+    if not isinstance(result, np.ndarray):
+        result = np.asarray(result)
+    if result.dtype != dtype:
+        if result.dtype.kind == "f" and dtype.kind == "f":
+            result = result.astype(dtype)
+        else:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"{step.type.name} output {k} has element type {result.dtype}, "
+                            f"operand type {operand.type.name} needs {dtype} (bug in the kernel)")
+    dims = step.out_dims[k]
+    if dims:
+        if len(dims) != result.ndim or any(d and d != r for d, r in zip(dims, result.shape)):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"{step.type.name} output {k} has shape {list(result.shape)}, "
+                            f"but its operand is declared {list(dims)}")
+    return result

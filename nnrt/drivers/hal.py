@@ -1,0 +1,165 @@
+"""The HAL: the interface between the runtime and a driver (NNAPI HAL 1.3,
+spelled the Python way). The runtime talks to drivers only through these
+classes; an in-process driver and a proxy to a driver service look the same.
+
+Status conventions: preparation and queries raise :class:`NnrtError`
+carrying an :class:`ErrorStatus`; executions return an
+:class:`ExecutionResult` ``(status, output_shapes, timing)`` because a failed
+execution still reports shapes (OUTPUT_INSUFFICIENT_SIZE) and timing.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import ErrorStatus, NnrtError
+from ..model.graph import DataLocation, Model
+from ..model.types import OperandType
+from ..qos.priority import Priority
+
+UINT64_MAX = 2**64 - 1  # "not measured" in Timing
+
+
+class DeviceType(enum.IntEnum):
+    OTHER = 1
+    CPU = 2
+    GPU = 3
+    ACCELERATOR = 4
+
+
+class ExecutionPreference(enum.IntEnum):
+    LOW_POWER = 0
+    FAST_SINGLE_ANSWER = 1
+    SUSTAINED_SPEED = 2
+
+
+class MeasureTiming(enum.IntEnum):
+    NO = 0
+    YES = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PerformanceInfo:
+    """Ratio of a device's time / power to the CPU reference's; lower is better."""
+
+    exec_time: float = 1.0
+    power_usage: float = 1.0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    relaxed_float32_to_float16_scalar: PerformanceInfo = PerformanceInfo()
+    relaxed_float32_to_float16_tensor: PerformanceInfo = PerformanceInfo()
+    operand_performance: dict[OperandType, PerformanceInfo] = field(default_factory=dict)
+    if_performance: PerformanceInfo = PerformanceInfo()
+    while_performance: PerformanceInfo = PerformanceInfo()
+
+    def performance(self, type: OperandType) -> PerformanceInfo:
+        # The HAL says a type missing from the table performs as badly as possible.
+        return self.operand_performance.get(type, PerformanceInfo(float("inf"), float("inf")))
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Microseconds; UINT64_MAX means not measured. in_driver >= on_device."""
+
+    on_device: int = UINT64_MAX
+    in_driver: int = UINT64_MAX
+
+
+NO_TIMING = Timing()
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShape:
+    dimensions: tuple[int, ...]
+    is_sufficient: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArgument:
+    has_no_value: bool = False
+    location: DataLocation | None = None
+    dimensions: tuple[int, ...] = ()  # () = as declared by the operand
+
+
+@dataclass(frozen=True)
+class Request:
+    inputs: tuple[RequestArgument, ...]
+    outputs: tuple[RequestArgument, ...]
+    pools: tuple  # buffer-protocol objects the driver reads inputs from and writes outputs to
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionResult:
+    status: ErrorStatus
+    output_shapes: tuple[OutputShape, ...] = ()
+    timing: Timing = NO_TIMING
+    message: str = ""
+
+
+class PreparedModel(abc.ABC):
+    @abc.abstractmethod
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None,
+                              loop_timeout: float | None = None) -> ExecutionResult:
+        """Run ``request`` and return when done (HAL ``executeSynchronously_1_3``)."""
+
+    @abc.abstractmethod
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        """Run ``request`` without blocking the caller's event loop (HAL
+        ``execute_1_3`` + ``IExecutionCallback``)."""
+
+
+class Buffer(abc.ABC):
+    """A driver-managed buffer (memory domains)."""
+
+    @abc.abstractmethod
+    def copy_to(self, memory) -> None: ...
+
+    @abc.abstractmethod
+    def copy_from(self, memory, dimensions: Sequence[int]) -> None: ...
+
+
+class Device(abc.ABC):
+    """A driver. Its queries answer the same for the driver's whole life."""
+
+    name: str
+    type: DeviceType
+    version_string: str
+    feature_level: int
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    def supported_extensions(self) -> list[str]:
+        return []
+
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        """(model cache files, data cache files); (0, 0) = no compilation caching."""
+        return (0, 0)
+
+    @abc.abstractmethod
+    def supported_operations(self, model: Model) -> list[bool]:
+        """One flag per operation of the main subgraph; INVALID_ARGUMENT for an
+        invalid model."""
+
+    @abc.abstractmethod
+    async def prepare_model(self, model: Model, preference: ExecutionPreference,
+                            priority: Priority, deadline: float | None = None,
+                            cache=None) -> PreparedModel: ...
+
+    def allocate(self, desc, roles) -> tuple[Buffer, int]:
+        """Allocate a driver-managed buffer; a driver without memory domains
+        fails, and the runtime then uses shared memory instead (as the HAL allows)."""
+        raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                        f"device {self.name} does not allocate driver-managed buffers")
+
+
+__all__ = ["Buffer", "Capabilities", "Device", "DeviceType", "ErrorStatus", "ExecutionPreference",
+           "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape", "PerformanceInfo",
+           "PreparedModel", "Priority", "Request", "RequestArgument", "Timing", "UINT64_MAX"]

@@ -1,0 +1,1 @@
+"""Sync fences (eventfd) and fenced executions."""

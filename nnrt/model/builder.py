@@ -1,0 +1,297 @@
+"""The app-facing model builder, ``nnrt.Model`` (ANeuralNetworksModel).
+
+Operands and operations are added one by one, checked as they come (BAD_DATA
+naming the operand or operation at fault); ``finish`` sorts the operations
+into run order, checks the graph as a whole and freezes the model into the
+HAL :class:`~nnrt.model.graph.Model`. Every mutating call after ``finish`` is
+refused with BAD_STATE, as AOSP's ModelBuilder does. Operation signatures are
+checked when the model is compiled (by the driver that prepares it), not here:
+the CTS requires ``finish`` to succeed for any model whose building succeeded.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import bad_state, invalid
+from .graph import ChannelQuant, DataLocation, Model as HalModel, Operand, Operation, Subgraph
+from .types import OperandLifeTime as L, OperandType, OperationType
+
+# Values up to this size are copied at set_operand_value; larger ones are kept
+# by reference until finish, like ANEURALNETWORKS_MAX_SIZE_OF_IMMEDIATELY_COPIED_VALUES.
+MAX_SIZE_OF_IMMEDIATELY_COPIED_VALUES = 128
+_POOL_ALIGNMENT = 64  # large constants start on a cache line so kernels read aligned data
+
+
+class Model:
+    """Builds a model graph. See DESIGN.md, "Public API"."""
+
+    def __init__(self) -> None:
+        self._operands: list[Operand] = []
+        self._operations: list[Operation] = []
+        self._inputs: tuple[int, ...] | None = None
+        self._outputs: tuple[int, ...] | None = None
+        self._small_values = bytearray()
+        self._large_values: list[tuple[int, memoryview]] = []  # (operand, value) kept by reference
+        self._relaxed = False
+        self._hal: HalModel | None = None
+
+    # --- state ---------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._hal is not None
+
+    @property
+    def hal_model(self) -> HalModel:
+        """The frozen HAL model; only after :meth:`finish`."""
+        if self._hal is None:
+            raise bad_state("model is not finished")
+        return self._hal
+
+    def _check_mutable(self, what: str) -> None:
+        if self._hal is not None:
+            raise bad_state(f"{what} after finish(): the model is immutable")
+
+    def _operand_index(self, index: int, what: str) -> int:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool) \
+                or not 0 <= index < len(self._operands):
+            raise invalid(f"{what}: operand index {index!r} out of range "
+                          f"(model has {len(self._operands)} operands)")
+        return int(index)
+
+    @property
+    def operand_count(self) -> int:
+        return len(self._operands)
+
+    def operand(self, index: int) -> Operand:
+        return self._operands[self._operand_index(index, "operand")]
+
+    # --- building --------------------------------------------------------------
+    def add_operand(self, type: OperandType | int, dimensions: Sequence[int] | None = None, *,
+                    scale: float = 0.0, zero_point: int = 0,
+                    channel_quant: tuple[int, Sequence[float]] | None = None) -> int:
+        """Add an operand and return its index. ``dimensions`` None or [] is a
+        scalar for scalar types and an unknown rank for tensor types; a 0
+        extent is unknown."""
+        self._check_mutable("add_operand")
+        try:
+            type = OperandType(type)
+        except ValueError:
+            raise invalid(f"add_operand: unknown operand type {type!r}") from None
+        index = len(self._operands)
+        dims = tuple(int(d) for d in (dimensions or ()))
+        if type.is_scalar and dims:
+            raise invalid(f"add_operand: operand {index} of scalar type {type.name} "
+                          f"cannot have dimensions {list(dims)}")
+        if any(d < 0 for d in dims):
+            raise invalid(f"add_operand: operand {index} has a negative dimension {list(dims)}")
+        cq = None
+        if type == OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL:
+            if channel_quant is not None:
+                channel_dim, scales = channel_quant
+                cq = ChannelQuant(int(channel_dim), tuple(float(s) for s in scales))
+                if dims and not 0 <= cq.channel_dim < len(dims):
+                    raise invalid(f"add_operand: operand {index} channel_dim {cq.channel_dim} "
+                                  f"outside rank {len(dims)}")
+                if dims and dims[cq.channel_dim] and len(cq.scales) != dims[cq.channel_dim]:
+                    raise invalid(f"add_operand: operand {index} has {len(cq.scales)} channel "
+                                  f"scales for {dims[cq.channel_dim]} channels")
+                if any(not s > 0 for s in cq.scales):
+                    raise invalid(f"add_operand: operand {index} has a non-positive channel scale")
+        elif channel_quant is not None:
+            raise invalid(f"add_operand: operand {index}: channel_quant only applies to "
+                          f"TENSOR_QUANT8_SYMM_PER_CHANNEL, not {type.name}")
+        if type.is_quantized and type != OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL:
+            if not float(scale) > 0:
+                raise invalid(f"add_operand: quantized operand {index} ({type.name}) needs a "
+                              f"positive scale, got {scale}")
+        if scale < 0:
+            raise invalid(f"add_operand: operand {index} has negative scale {scale}")
+        self._operands.append(Operand(type=type, dimensions=dims, scale=float(scale),
+                                      zero_point=int(zero_point), channel_quant=cq))
+        return index
+
+    def set_operand_value(self, index: int, value: Any) -> None:
+        """Give operand ``index`` a constant value; ``None`` marks an omitted
+        optional operand. Values of up to 128 bytes are copied now; larger
+        numpy arrays are kept by reference until :meth:`finish` (do not change
+        them before then), as NNAPI does."""
+        self._check_mutable("set_operand_value")
+        index = self._operand_index(index, "set_operand_value")
+        operand = self._operands[index]
+        if operand.type == OperandType.SUBGRAPH:
+            raise invalid(f"set_operand_value: operand {index} is a SUBGRAPH operand; "
+                          f"reference a model instead")
+        if value is None:
+            self._operands[index] = replace(operand, lifetime=L.NO_VALUE, location=None)
+            return
+        data = self._value_bytes(index, operand, value)
+        if len(data) <= MAX_SIZE_OF_IMMEDIATELY_COPIED_VALUES:
+            offset = len(self._small_values)
+            self._small_values += data
+            self._operands[index] = replace(operand, lifetime=L.CONSTANT_COPY,
+                                            location=DataLocation(-1, offset, len(data)))
+        else:
+            self._large_values = [(i, v) for i, v in self._large_values if i != index]
+            self._large_values.append((index, data))
+            self._operands[index] = replace(operand, lifetime=L.CONSTANT_REFERENCE,
+                                            location=DataLocation(0, 0, len(data)))
+
+    @staticmethod
+    def _value_bytes(index: int, operand: Operand, value: Any) -> memoryview:
+        dtype = operand.type.dtype
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            data = memoryview(value).cast("B")
+        else:
+            arr = np.asarray(value)
+            if arr.dtype != dtype:
+                if arr.dtype == object or not (np.can_cast(arr.dtype, dtype, "same_kind")
+                                               or arr.dtype.kind in "iub" and dtype.kind in "iub"):
+                    raise invalid(f"set_operand_value: operand {index} is {operand.type.name}; "
+                                  f"a {arr.dtype} value does not convert to {dtype}")
+                converted = arr.astype(dtype)
+                if dtype.kind in "iu" and not np.array_equal(converted, arr):
+                    raise invalid(f"set_operand_value: operand {index}: value out of range "
+                                  f"for {operand.type.name}")
+                arr = converted
+            arr = np.ascontiguousarray(arr)
+            if operand.type.is_tensor and operand.dimensions and all(operand.dimensions) \
+                    and arr.size != int(np.prod(operand.dimensions)):
+                raise invalid(f"set_operand_value: operand {index} has dimensions "
+                              f"{list(operand.dimensions)} ({int(np.prod(operand.dimensions))} "
+                              f"elements), value has {arr.size}")
+            data = memoryview(arr).cast("B")
+        if operand.type.is_scalar:
+            expected = operand.type.element_size
+        elif operand.is_fully_specified:
+            expected = operand.byte_size
+        else:
+            raise invalid(f"set_operand_value: operand {index} has unspecified dimensions "
+                          f"{list(operand.dimensions)}; a constant must be fully specified")
+        if len(data) != expected:
+            raise invalid(f"set_operand_value: operand {index} ({operand.type.name}, dimensions "
+                          f"{list(operand.dimensions)}) needs {expected} bytes, got {len(data)}")
+        return data
+
+    def add_operation(self, type: OperationType | int, inputs: Sequence[int],
+                      outputs: Sequence[int]) -> int:
+        """Add an operation; returns its index (in the order added)."""
+        self._check_mutable("add_operation")
+        index = len(self._operations)
+        try:
+            type = OperationType(type)
+        except ValueError:
+            raise invalid(f"add_operation: unknown operation type {type!r}") from None
+        ins = tuple(self._operand_index(i, f"add_operation {index} ({type.name}) input")
+                    for i in inputs)
+        outs = tuple(self._operand_index(i, f"add_operation {index} ({type.name}) output")
+                     for i in outputs)
+        if not outs:
+            raise invalid(f"add_operation {index} ({type.name}) has no outputs")
+        for o in outs:
+            if self._operands[o].lifetime != L.TEMPORARY_VARIABLE:
+                raise invalid(f"add_operation {index} ({type.name}): output operand {o} "
+                              f"is a constant or omitted value")
+        self._operations.append(Operation(type, ins, outs))
+        return index
+
+    def identify_inputs_and_outputs(self, inputs: Sequence[int], outputs: Sequence[int]) -> None:
+        self._check_mutable("identify_inputs_and_outputs")
+        ins = tuple(self._operand_index(i, "identify_inputs_and_outputs input") for i in inputs)
+        outs = tuple(self._operand_index(i, "identify_inputs_and_outputs output") for i in outputs)
+        for i in ins + outs:
+            if self._operands[i].lifetime != L.TEMPORARY_VARIABLE:
+                raise invalid(f"identify_inputs_and_outputs: operand {i} is a constant or "
+                              f"omitted value and cannot be a model input or output")
+        if len(set(ins)) != len(ins) or len(set(outs)) != len(outs):
+            raise invalid("identify_inputs_and_outputs: an operand is listed twice")
+        both = set(ins) & set(outs)
+        if both:
+            raise invalid(f"identify_inputs_and_outputs: operand {min(both)} is both an input "
+                          f"and an output")
+        self._inputs, self._outputs = ins, outs
+
+    def relax_computation_float32_to_float16(self, allow: bool = True) -> None:
+        self._check_mutable("relax_computation_float32_to_float16")
+        self._relaxed = bool(allow)
+
+    # --- finishing --------------------------------------------------------------
+    def finish(self) -> "Model":
+        """Check the graph, sort operations into run order and freeze the model."""
+        self._check_mutable("finish")
+        if self._inputs is None:
+            raise invalid("finish: identify_inputs_and_outputs was not called")
+        operands = list(self._operands)
+        for i in self._inputs:
+            operands[i] = replace(operands[i], lifetime=L.SUBGRAPH_INPUT)
+        for i in self._outputs:
+            operands[i] = replace(operands[i], lifetime=L.SUBGRAPH_OUTPUT)
+        # Large constants go into one pool, each at an aligned offset.
+        pool = bytearray()
+        for index, data in self._large_values:
+            pool += b"\0" * (-len(pool) % _POOL_ALIGNMENT)
+            operands[index] = replace(operands[index],
+                                      location=DataLocation(0, len(pool), len(data)))
+            pool += data
+        operations = _run_order(self._operations, operands)
+        hal = HalModel(
+            main=Subgraph(tuple(operands), tuple(operations), self._inputs, self._outputs),
+            operand_values=bytes(self._small_values),
+            pools=(bytes(pool),) if self._large_values else (),
+            relax_computation_float32_to_float16=self._relaxed,
+        )
+        self._large_values = []  # the app may reuse its buffers from now on
+        self._hal = hal
+        return self
+
+
+def _run_order(operations: list[Operation], operands: list[Operand]) -> list[Operation]:
+    """Topologically sort ``operations``; refuse cycles, operands written twice
+    and operands read but never written."""
+    writer: dict[int, int] = {}
+    for n, op in enumerate(operations):
+        for o in op.outputs:
+            if o in writer:
+                raise invalid(f"finish: operand {o} is written by operation {writer[o]} "
+                              f"({operations[writer[o]].type.name}) and operation {n} "
+                              f"({op.type.name})")
+            if operands[o].lifetime == L.SUBGRAPH_INPUT:
+                raise invalid(f"finish: operation {n} ({op.type.name}) writes model input "
+                              f"operand {o}")
+            writer[o] = n
+    for n, op in enumerate(operations):
+        for o in op.inputs:
+            if operands[o].lifetime in (L.TEMPORARY_VARIABLE, L.SUBGRAPH_OUTPUT) \
+                    and o not in writer:
+                raise invalid(f"finish: operation {n} ({op.type.name}) reads operand {o}, "
+                              f"which is never written")
+    for o, operand in enumerate(operands):
+        if operand.lifetime == L.SUBGRAPH_OUTPUT and o not in writer:
+            raise invalid(f"finish: model output operand {o} is never written")
+    # Kahn's algorithm, stable: among ready operations, keep the order added.
+    pending = [sum(1 for o in set(op.inputs) if o in writer) for op in operations]
+    readers: dict[int, list[int]] = {}
+    for n, op in enumerate(operations):
+        for o in set(op.inputs):
+            if o in writer:
+                readers.setdefault(o, []).append(n)
+
+    ready = [n for n, p in enumerate(pending) if p == 0]
+    heapq.heapify(ready)
+    order: list[Operation] = []
+    while ready:
+        n = heapq.heappop(ready)
+        order.append(operations[n])
+        for o in operations[n].outputs:
+            for r in readers.get(o, ()):
+                pending[r] -= 1
+                if pending[r] == 0:
+                    heapq.heappush(ready, r)
+    if len(order) != len(operations):
+        stuck = [n for n, p in enumerate(pending) if p > 0]
+        raise invalid(f"finish: the graph has a cycle through operation {stuck[0]} "
+                      f"({operations[stuck[0]].type.name})")
+    return order
