@@ -51,7 +51,7 @@ class _SubgraphPlan:
                 self.initial[i] = operand.location.offset
         steps = []
         for op in sub.operations:
-            opdef = ops.lookup(op.type)
+            opdef = ops.definition(op.type)
             templates = tuple((sub.operands[i].type, sub.operands[i].scale,
                                sub.operands[i].zero_point, sub.operands[i].channel_quant)
                               for i in op.inputs)

@@ -36,7 +36,7 @@ class ReferenceDevice(Device):
         supported = []
         for op in model.main.operations:
             try:
-                opdef = ops.lookup(op.type)
+                opdef = ops.definition(op.type)
                 opdef.validate(ops.OpView(model, None, op))
                 supported.append(True)
             except NnrtError:

@@ -96,7 +96,7 @@ def _validate_subgraph(model: Model, index: int | None, where: str):
                 raise invalid(f"{what}: operand {i} is written more than once")
             written.add(i)
             defined.add(i)
-        opdef = ops.lookup(op.type)
+        opdef = ops.definition(op.type)
         view = ops.OpView(model, index, op, known)
         try:
             version = max(version, opdef.validate(view))

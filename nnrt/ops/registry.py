@@ -182,7 +182,7 @@ def register(type: OperationType, *, validate: Validate, shape: Shape, kernel: K
     _REGISTRY[type] = OperationDef(type, validate, shape, kernel)
 
 
-def lookup(type: OperationType) -> OperationDef:
+def definition(type: OperationType) -> OperationDef:
     try:
         return _REGISTRY[type]
     except KeyError:

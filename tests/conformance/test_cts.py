@@ -1,0 +1,23 @@
+"""The NNAPI CTS vectors of ../shared/cts through the public API and the
+reference CPU driver: every run passes, none is skipped."""
+from pathlib import Path
+
+import pytest
+
+from nnrt.testing import cts
+
+CTS = Path(__file__).resolve().parents[3] / "shared" / "cts"
+VERSIONS = ["V1_0"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_cts_version_passes(version):
+    folder = CTS / version
+    if not folder.exists():
+        pytest.skip(f"{folder} is not beside the checkout")
+    outcomes = cts.run([str(folder)])
+    failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "failed"]
+    skipped = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "skipped"]
+    assert outcomes, "no vectors found"
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
+    assert not skipped, f"{len(skipped)} skipped:\n" + "\n".join(skipped[:50])
