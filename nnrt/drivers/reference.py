@@ -135,9 +135,11 @@ class ReferencePreparedModel(PreparedModel):
         for arg, index, value in zip(request.outputs, sub.output_indexes, outputs):
             operand = sub.operands[index]
             arr = np.ascontiguousarray(value, dtype=operand.type.dtype)
+            if arr.nbytes == 0:
+                continue
             loc = arg.location
             pool = memoryview(request.pools[loc.pool_index]).cast("B")
             if pool.readonly:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                 f"output operand {index}: pool {loc.pool_index} is read-only")
-            pool[loc.offset:loc.offset + arr.nbytes] = memoryview(arr).cast("B")
+            pool[loc.offset:loc.offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)

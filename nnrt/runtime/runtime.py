@@ -201,7 +201,7 @@ class CompiledModel:
                 args.append(RequestArgument(has_no_value=True))
                 continue
             arr = _as_operand_array(value, operand, f"input {k}")
-            pools.append(memoryview(arr).cast("B") if arr.ndim else arr.tobytes())
+            pools.append(arr.reshape(-1).view(np.uint8))
             dims = tuple(arr.shape) if operand.type.is_tensor else ()
             args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0, arr.nbytes), dims))
         return args, pools
@@ -230,7 +230,7 @@ class CompiledModel:
 
 
 def _writable_bytes(arr: np.ndarray):
-    return memoryview(arr.reshape(-1)).cast("B") if arr.size else bytearray(0)
+    return arr.reshape(-1).view(np.uint8) if arr.size else bytearray(0)
 
 
 def _shaped(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
