@@ -37,6 +37,7 @@ class Model:
         self._small_values = bytearray()
         self._large_values: list[tuple[int, memoryview]] = []  # (operand, value) kept by reference
         self._relaxed = False
+        self._models: dict[int, "Model"] = {}  # SUBGRAPH operand -> referenced model
         self._hal: HalModel | None = None
 
     # --- state ---------------------------------------------------------------
@@ -125,6 +126,7 @@ class Model:
         if operand.type == OperandType.SUBGRAPH:
             raise invalid(f"set_operand_value: operand {index} is a SUBGRAPH operand; "
                           f"reference a model instead")
+        self._models.pop(index, None)
         if value is None:
             self._operands[index] = replace(operand, lifetime=L.NO_VALUE, location=None)
             return
@@ -139,6 +141,24 @@ class Model:
             self._large_values.append((index, data))
             self._operands[index] = replace(operand, lifetime=L.CONSTANT_REFERENCE,
                                             location=DataLocation(0, 0, len(data)))
+
+    def set_operand_value_from_model(self, index: int, model: "Model") -> None:
+        """Make SUBGRAPH operand ``index`` refer to ``model`` (finished), the
+        condition, branch or body of an IF or WHILE."""
+        self._check_mutable("set_operand_value_from_model")
+        index = self._operand_index(index, "set_operand_value_from_model")
+        operand = self._operands[index]
+        if operand.type != OperandType.SUBGRAPH:
+            raise invalid(f"set_operand_value_from_model: operand {index} is "
+                          f"{operand.type.name}, not SUBGRAPH")
+        if not isinstance(model, Model):
+            raise invalid(f"set_operand_value_from_model: expected an nnrt.Model, got "
+                          f"{type(model).__name__}")
+        if not model.finished:
+            raise invalid("set_operand_value_from_model: the referenced model must be finished")
+        self._models[index] = model
+        self._operands[index] = replace(operand, lifetime=L.SUBGRAPH,
+                                        location=DataLocation(-1, 0, 0))
 
     @staticmethod
     def _value_bytes(index: int, operand: Operand, value: Any) -> memoryview:
@@ -237,15 +257,60 @@ class Model:
                                       location=DataLocation(0, len(pool), len(data)))
             pool += data
         operations = _run_order(self._operations, operands)
+        values = bytearray(self._small_values)
+        pools = [bytes(pool)] if self._large_values else []
+        referenced: list[Subgraph] = []
+        placed: dict[int, int] = {}
+        for index, model in self._models.items():
+            slot = _place(model.hal_model, values, pools, referenced, placed)
+            operands[index] = replace(operands[index], location=DataLocation(-1, slot, 0))
         hal = HalModel(
             main=Subgraph(tuple(operands), tuple(operations), self._inputs, self._outputs),
-            operand_values=bytes(self._small_values),
-            pools=(bytes(pool),) if self._large_values else (),
+            referenced=tuple(referenced),
+            operand_values=bytes(values),
+            pools=tuple(pools),
             relax_computation_float32_to_float16=self._relaxed,
         )
         self._large_values = []  # the app may reuse its buffers from now on
         self._hal = hal
         return self
+
+
+def _place(hal: HalModel, values: bytearray, pools: list, referenced: list,
+           placed: dict[int, int]) -> int:
+    """Append the main subgraph of the finished model ``hal`` (and everything it
+    references) to ``referenced``, rebasing its constants into ``values`` and
+    ``pools``; returns its index. A model referenced twice is placed once."""
+    if id(hal) in placed:
+        return placed[id(hal)]
+    value_base = len(values)
+    values += hal.operand_values
+    pool_base = len(pools)
+    pools.extend(hal.pools)
+    # hal.referenced is already flat: reserve its slots first, then the main.
+    first = len(referenced)
+    referenced.extend([None] * (len(hal.referenced) + 1))
+    slot = first + len(hal.referenced)
+    placed[id(hal)] = slot
+
+    def rebase(sub: Subgraph) -> Subgraph:
+        operands = []
+        for o in sub.operands:
+            loc = o.location
+            if o.lifetime == L.CONSTANT_COPY:
+                o = replace(o, location=DataLocation(-1, loc.offset + value_base, loc.length))
+            elif o.lifetime == L.CONSTANT_REFERENCE:
+                o = replace(o, location=DataLocation(loc.pool_index + pool_base, loc.offset,
+                                                     loc.length))
+            elif o.lifetime == L.SUBGRAPH:
+                o = replace(o, location=DataLocation(-1, loc.offset + first, 0))
+            operands.append(o)
+        return replace(sub, operands=tuple(operands))
+
+    for k, sub in enumerate(hal.referenced):
+        referenced[first + k] = rebase(sub)
+    referenced[slot] = rebase(hal.main)
+    return slot
 
 
 def _run_order(operations: list[Operation], operands: list[Operand]) -> list[Operation]:

@@ -36,6 +36,7 @@ def validate_model(model: Model) -> ValidatedModel:
     version = HalVersion.V1_0
     if model.relax_computation_float32_to_float16:
         version = HalVersion.V1_1
+    _check_no_reference_cycle(model)
     dims = {}
     for index in [None, *range(len(model.referenced))]:
         where = "main subgraph" if index is None else f"subgraph {index}"
@@ -43,6 +44,30 @@ def validate_model(model: Model) -> ValidatedModel:
         version = max(version, v)
         dims[index] = d
     return ValidatedModel(version, dims)
+
+
+def _check_no_reference_cycle(model: Model) -> None:
+    """A subgraph may not refer, directly or not, to itself (IF/WHILE would recurse)."""
+    def refs(sub: Subgraph) -> set[int]:
+        return {o.location.offset for o in sub.operands
+                if o.lifetime == L.SUBGRAPH and o.location is not None
+                and 0 <= o.location.offset < len(model.referenced)}
+
+    state: dict[int, str] = {}  # "open" while on the DFS path, "done" after
+
+    def visit(index: int, path: list[int]) -> None:
+        if state.get(index) == "done":
+            return
+        if state.get(index) == "open":
+            cycle = path[path.index(index):] + [index]
+            raise invalid(f"subgraph reference cycle: {' -> '.join(map(str, cycle))}")
+        state[index] = "open"
+        for k in sorted(refs(model.referenced[index])):
+            visit(k, path + [index])
+        state[index] = "done"
+
+    for k in sorted(refs(model.main)):
+        visit(k, [])
 
 
 def _validate_subgraph(model: Model, index: int | None, where: str):

@@ -71,6 +71,18 @@ class OpView:
             return None
         return self.model.constant_value(self.inputs[i])
 
+    def subgraph_ref(self, i: int) -> int:
+        """The referenced-subgraph index held by SUBGRAPH input ``i``."""
+        operand = self.inputs[i]
+        if operand.type != OperandType.SUBGRAPH or operand.lifetime != OperandLifeTime.SUBGRAPH \
+                or operand.location is None:
+            raise self.fail(f"input {i} (operand {self.operation.inputs[i]}) must be a "
+                            f"SUBGRAPH operand referring to a model")
+        index = operand.location.offset
+        if not 0 <= index < len(self.model.referenced):
+            raise self.fail(f"input {i} refers to subgraph {index}, which does not exist")
+        return index
+
     def fail(self, message: str) -> NnrtError:
         return invalid(f"{self.type.name}: {message}")
 

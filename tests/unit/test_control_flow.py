@@ -1,0 +1,271 @@
+"""IF and WHILE through nnrt.Runtime, FILL and RANK, and the validation of
+referenced subgraphs. Expected values are computed here in plain Python."""
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
+from nnrt.model.graph import DataLocation
+from nnrt.model.types import OperandLifeTime as L
+from nnrt.model.validate import validate_model
+
+
+def scalar(m, type, value):
+    i = m.add_operand(type)
+    m.set_operand_value(i, value)
+    return i
+
+
+def binary(m, op, a, b, dims, type=T.TENSOR_FLOAT32, act=True):
+    out = m.add_operand(type, dims)
+    ins = [a, b, scalar(m, T.INT32, 0)] if act else [a, b]
+    m.add_operation(op, ins, [out])
+    return out
+
+
+def fibonacci_model() -> nnrt.Model:
+    """WHILE i < n: (fib, i) = (fib @ [[0,1],[1,1]]^T, i + 1)."""
+    def loop_operands(m):
+        return (m.add_operand(T.TENSOR_FLOAT32, [1, 2]), m.add_operand(T.TENSOR_FLOAT32, [1]),
+                m.add_operand(T.TENSOR_FLOAT32, [1]))
+
+    cond = nnrt.Model()
+    fib, i, n = loop_operands(cond)
+    go = binary(cond, Op.LESS, i, n, [1], T.TENSOR_BOOL8, act=False)
+    cond.identify_inputs_and_outputs([fib, i, n], [go])
+    cond.finish()
+
+    body = nnrt.Model()
+    fib, i, n = loop_operands(body)
+    w = body.add_operand(T.TENSOR_FLOAT32, [2, 2])
+    body.set_operand_value(w, np.array([[0, 1], [1, 1]], np.float32))
+    b = body.add_operand(T.TENSOR_FLOAT32, [2])
+    body.set_operand_value(b, np.zeros(2, np.float32))
+    nxt = body.add_operand(T.TENSOR_FLOAT32, [1, 2])
+    body.add_operation(Op.FULLY_CONNECTED, [fib, w, b, scalar(body, T.INT32, 0)], [nxt])
+    one = body.add_operand(T.TENSOR_FLOAT32, [1])
+    body.set_operand_value(one, np.ones(1, np.float32))
+    i2 = binary(body, Op.ADD, i, one, [1])
+    body.identify_inputs_and_outputs([fib, i, n], [nxt, i2])
+    body.finish()
+
+    m = nnrt.Model()
+    fib, i, n = loop_operands(m)
+    cond_ref, body_ref = m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)
+    m.set_operand_value_from_model(cond_ref, cond)
+    m.set_operand_value_from_model(body_ref, body)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1, 2])
+    m.add_operation(Op.WHILE, [cond_ref, body_ref, fib, i, n], [out])
+    m.identify_inputs_and_outputs([fib, i, n], [out])
+    return m.finish()
+
+
+def fib(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return [a, b]
+
+
+async def test_while_computes_fibonacci_numbers():
+    async with nnrt.Runtime() as rt:
+        compiled = await rt.compile(fibonacci_model())
+        for n in (0, 1, 2, 10, 30):
+            r = await compiled.execute([np.array([[0, 1]], np.float32), np.zeros(1, np.float32),
+                                        np.array([n], np.float32)])
+            assert r.outputs[0].tolist() == [fib(n)]
+
+
+def endless_loop_model() -> nnrt.Model:
+    cond = nnrt.Model()
+    x = cond.add_operand(T.TENSOR_FLOAT32, [1])
+    go = binary(cond, Op.GREATER_EQUAL, x, x, [1], T.TENSOR_BOOL8, act=False)
+    cond.identify_inputs_and_outputs([x], [go])
+    cond.finish()
+    body = nnrt.Model()
+    x = body.add_operand(T.TENSOR_FLOAT32, [1])
+    y = binary(body, Op.ADD, x, x, [1])
+    body.identify_inputs_and_outputs([x], [y])
+    body.finish()
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [1])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    m.set_operand_value_from_model(refs[0], cond)
+    m.set_operand_value_from_model(refs[1], body)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1])
+    m.add_operation(Op.WHILE, [*refs, x], [out])
+    m.identify_inputs_and_outputs([x], [out])
+    return m.finish()
+
+
+async def test_endless_while_stops_at_the_loop_timeout():
+    async with nnrt.Runtime() as rt:
+        compiled = await rt.compile(endless_loop_model())
+        timeout = 0.5
+        start = time.monotonic()
+        with pytest.raises(NnrtError) as e:
+            await compiled.execute([np.zeros(1, np.float32)], loop_timeout=timeout)
+        elapsed = time.monotonic() - start
+        assert e.value.status == ErrorStatus.MISSED_DEADLINE_TRANSIENT
+        assert "loop timeout" in str(e.value)
+        assert timeout <= elapsed < 2 * timeout
+        # The compiled model still serves executions afterwards.
+        with pytest.raises(NnrtError):
+            await compiled.execute([np.zeros(1, np.float32)], loop_timeout=0.01)
+
+
+def if_model() -> nnrt.Model:
+    """IF c: x + x (shape [2]) else: concat(x, x) (shape [4])."""
+    then = nnrt.Model()
+    x = then.add_operand(T.TENSOR_FLOAT32, [2])
+    y = binary(then, Op.ADD, x, x, [2])
+    then.identify_inputs_and_outputs([x], [y])
+    then.finish()
+    other = nnrt.Model()
+    x = other.add_operand(T.TENSOR_FLOAT32, [2])
+    y = other.add_operand(T.TENSOR_FLOAT32, [4])
+    other.add_operation(Op.CONCATENATION, [x, x, scalar(other, T.INT32, 0)], [y])
+    other.identify_inputs_and_outputs([x], [y])
+    other.finish()
+    m = nnrt.Model()
+    c = m.add_operand(T.TENSOR_BOOL8, [1])
+    x = m.add_operand(T.TENSOR_FLOAT32, [2])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    m.set_operand_value_from_model(refs[0], then)
+    m.set_operand_value_from_model(refs[1], other)
+    out = m.add_operand(T.TENSOR_FLOAT32, [0])
+    m.add_operation(Op.IF, [c, *refs, x], [out])
+    m.identify_inputs_and_outputs([c, x], [out])
+    return m.finish()
+
+
+async def test_if_branches_with_different_output_shapes():
+    async with nnrt.Runtime() as rt:
+        compiled = await rt.compile(if_model())
+        x = np.array([1.5, -2], np.float32)
+        r = await compiled.execute([np.array([True]), x])
+        assert r.output_shapes == [(2,)] and r.outputs[0].tolist() == [3.0, -4.0]
+        r = await compiled.execute([np.array([False]), x])
+        assert r.output_shapes == [(4,)] and r.outputs[0].tolist() == [1.5, -2, 1.5, -2]
+
+
+def test_nested_control_flow_if_inside_while_body():
+    """WHILE i < 5: i += (2 if i is odd-ish (i >= 2) else 1), via an IF in the body."""
+    inc = {}
+    for step in (1, 2):
+        g = nnrt.Model()
+        i = g.add_operand(T.TENSOR_FLOAT32, [1])
+        k = g.add_operand(T.TENSOR_FLOAT32, [1])
+        g.set_operand_value(k, np.array([step], np.float32))
+        out = binary(g, Op.ADD, i, k, [1])
+        g.identify_inputs_and_outputs([i], [out])
+        inc[step] = g.finish()
+    body = nnrt.Model()
+    i = body.add_operand(T.TENSOR_FLOAT32, [1])
+    two = body.add_operand(T.TENSOR_FLOAT32, [1])
+    body.set_operand_value(two, np.array([2], np.float32))
+    c = binary(body, Op.GREATER_EQUAL, i, two, [1], T.TENSOR_BOOL8, act=False)
+    refs = [body.add_operand(T.SUBGRAPH), body.add_operand(T.SUBGRAPH)]
+    body.set_operand_value_from_model(refs[0], inc[2])
+    body.set_operand_value_from_model(refs[1], inc[1])
+    nxt = body.add_operand(T.TENSOR_FLOAT32, [1])
+    body.add_operation(Op.IF, [c, *refs, i], [nxt])
+    body.identify_inputs_and_outputs([i], [nxt])
+    body.finish()
+    cond = nnrt.Model()
+    i = cond.add_operand(T.TENSOR_FLOAT32, [1])
+    five = cond.add_operand(T.TENSOR_FLOAT32, [1])
+    cond.set_operand_value(five, np.array([5], np.float32))
+    go = binary(cond, Op.LESS, i, five, [1], T.TENSOR_BOOL8, act=False)
+    cond.identify_inputs_and_outputs([i], [go])
+    cond.finish()
+    m = nnrt.Model()
+    i = m.add_operand(T.TENSOR_FLOAT32, [1])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    m.set_operand_value_from_model(refs[0], cond)
+    m.set_operand_value_from_model(refs[1], body)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1])
+    m.add_operation(Op.WHILE, [*refs, i], [out])
+    m.identify_inputs_and_outputs([i], [out])
+    m.finish()
+    assert len(m.hal_model.referenced) == 4  # cond, body, and the body's two branches
+    expected, v = [], 0.0
+    while v < 5:
+        v += 2 if v >= 2 else 1
+    r = nnrt.run(m, [np.zeros(1, np.float32)])
+    assert r.outputs[0].tolist() == [v] == [6.0]
+    assert "cluster_" in nnrt.model.to_dot(m)
+
+
+def test_subgraph_reference_cycle_is_refused():
+    hal = fibonacci_model().hal_model
+    # Make the body refer to the WHILE's own condition-body pair: body -> itself.
+    body_index = hal.main.operands[4].location.offset
+    body = hal.referenced[body_index]
+    ref = replace(body.operands[0], type=T.SUBGRAPH, dimensions=(), lifetime=L.SUBGRAPH,
+                  location=DataLocation(-1, body_index, 0))
+    cyclic = replace(body, operands=body.operands + (ref,))
+    referenced = list(hal.referenced)
+    referenced[body_index] = cyclic
+    with pytest.raises(NnrtError, match="subgraph reference cycle"):
+        validate_model(replace(hal, referenced=tuple(referenced)))
+
+
+def test_type_mismatch_between_operation_and_subgraph_is_refused():
+    then = nnrt.Model()
+    x = then.add_operand(T.TENSOR_INT32, [2])  # the IF passes TENSOR_FLOAT32
+    y = binary(then, Op.ADD, x, x, [2], T.TENSOR_INT32)
+    then.identify_inputs_and_outputs([x], [y])
+    then.finish()
+    m = nnrt.Model()
+    c = m.add_operand(T.TENSOR_BOOL8, [1])
+    x = m.add_operand(T.TENSOR_FLOAT32, [2])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    m.set_operand_value_from_model(refs[0], then)
+    m.set_operand_value_from_model(refs[1], then)
+    out = m.add_operand(T.TENSOR_FLOAT32, [2])
+    m.add_operation(Op.IF, [c, *refs, x], [out])
+    m.identify_inputs_and_outputs([c, x], [out])
+    m.finish()
+    with pytest.raises(NnrtError, match="then input 0: TENSOR_FLOAT32 .* does not match"):
+        validate_model(m.hal_model)
+
+
+def test_bad_condition_operand_is_refused():
+    hal = if_model().hal_model
+    bad = replace(hal.main.operands[0], type=T.TENSOR_INT32)
+    operands = (bad,) + hal.main.operands[1:]
+    with pytest.raises(NnrtError, match="condition.*TENSOR_BOOL8"):
+        validate_model(replace(hal, main=replace(hal.main, operands=operands)))
+
+
+def test_set_operand_value_from_model_checks_its_arguments():
+    m = nnrt.Model()
+    t = m.add_operand(T.TENSOR_FLOAT32, [1])
+    s = m.add_operand(T.SUBGRAPH)
+    with pytest.raises(NnrtError, match="not SUBGRAPH"):
+        m.set_operand_value_from_model(t, if_model())
+    with pytest.raises(NnrtError, match="must be finished"):
+        m.set_operand_value_from_model(s, nnrt.Model())
+    with pytest.raises(NnrtError, match="SUBGRAPH operand"):
+        m.set_operand_value(s, 1)
+
+
+def test_fill_and_rank():
+    m = nnrt.Model()
+    dims = m.add_operand(T.TENSOR_INT32, [2])
+    value = m.add_operand(T.FLOAT32)
+    filled = m.add_operand(T.TENSOR_FLOAT32, [0, 0])
+    m.add_operation(Op.FILL, [dims, value], [filled])
+    rank = m.add_operand(T.INT32)
+    m.add_operation(Op.RANK, [filled], [rank])
+    m.identify_inputs_and_outputs([dims, value], [filled, rank])
+    m.finish()
+    r = nnrt.run(m, [np.array([2, 3], np.int32), np.float32(1.5)])
+    assert r.output_shapes == [(2, 3), ()]
+    assert r.outputs[0].tolist() == [[1.5] * 3] * 2 and int(r.outputs[1]) == 2
+    with pytest.raises(NnrtError, match="negative dimension"):
+        nnrt.run(m, [np.array([2, -1], np.int32), np.float32(1.5)])
