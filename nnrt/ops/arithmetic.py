@@ -121,12 +121,15 @@ def _binary_validator(types: dict):
 
 
 def requantize(arg: Arg, out: Operand) -> np.ndarray:
-    """Quantized ``arg`` -> the quantization of ``out``, as NNAPI's reference
-    does it: in double, rounding half away from zero *after* adding the output
-    zero point (so a tie below zero can round differently than quantize())."""
+    """Quantized ``arg`` -> the quantization of ``out``, in double. The value is
+    rounded (half away from zero) *before* the output zero point is added:
+    NNAPI's reference adds it first, which makes a tie round differently for
+    TENSOR_QUANT8_ASYMM and its signed twin; rounding first keeps the signed
+    result exactly the unsigned one minus 128 (HAL 1.3's coupling rule) and
+    stays within the CTS tolerance of 1."""
     lo, hi = qrange(out.type)
     real = (arg.value.astype(np.float64) - arg.zero_point) * np.float64(np.float32(arg.scale))
-    q = round_half_away(real / np.float64(np.float32(out.scale)) + out.zero_point)
+    q = round_half_away(real / np.float64(np.float32(out.scale))) + out.zero_point
     return np.clip(q, lo, hi).astype(out.type.dtype)
 
 

@@ -4,9 +4,13 @@
     python -m nnrt.testing.cts PATH... [--device NAME] [--filter GLOB] [--json OUT]
 
 Each case runs once per CTS suite this runner implements that the case belongs
-to: ``GeneratedTests`` (as specified) and ``DynamicOutputShapeTest`` (every
-output declared with unknown dimensions), or ``GeneratedValidationTests`` for
-``expectFailure`` cases. A run is skipped only when the device reports an
+to: ``GeneratedTests`` (as specified), ``DynamicOutputShapeTest`` (every
+output declared with unknown dimensions), ``QuantizationCouplingTest`` (every
+TENSOR_QUANT8_ASYMM operand turned into TENSOR_QUANT8_ASYMM_SIGNED, values and
+zero points shifted by -128), or ``GeneratedValidationTests`` for
+``expectFailure`` cases. ``SignedIdentity`` is nnrt's own check on the same
+cases as QuantizationCouplingTest: the signed variant's outputs must equal the
+unsigned outputs shifted by -128 exactly (not merely both within tolerance). A run is skipped only when the device reports an
 operation of the model unsupported; every skip is listed with its reason.
 The last line is ``N passed, M failed, K skipped`` (counting runs).
 """
@@ -30,7 +34,8 @@ import nnrt
 from nnrt.errors import NnrtError
 from nnrt.model.types import OperandType
 
-SUITES = ("GeneratedTests", "DynamicOutputShapeTest")
+SUITES = ("GeneratedTests", "DynamicOutputShapeTest", "QuantizationCouplingTest",
+          "SignedIdentity")
 _F16_ULP5 = 5 * 0.0009765625
 
 
@@ -106,6 +111,22 @@ def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool) -> nnrt.Mod
         m.relax_computation_float32_to_float16(True)
     m.finish()
     return m
+
+
+def to_signed(case: dict) -> dict:
+    """The QuantizationCouplingTest variant of ``case``: every TENSOR_QUANT8_ASYMM
+    operand becomes TENSOR_QUANT8_ASYMM_SIGNED with zero point and every value
+    (expected outputs too) shifted by -128."""
+    def convert(sub: dict) -> dict:
+        operands = []
+        for o in sub["operands"]:
+            if o["type"] == "TENSOR_QUANT8_ASYMM":
+                o = dict(o, type="TENSOR_QUANT8_ASYMM_SIGNED", dtype="int8",
+                         zeroPoint=o["zeroPoint"] - 128, data=[v - 128 for v in o["data"]])
+            operands.append(o)
+        return dict(sub, operands=operands)
+    return dict(case, main=convert(case["main"]),
+                referenced=[convert(s) for s in case["referenced"]])
 
 
 # --- checking ---------------------------------------------------------------
@@ -193,6 +214,10 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
         except NotImplementedError as e:
             return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
         return Outcome(name, suite, "failed", "expected a failure, but everything succeeded")
+    if suite == "SignedIdentity":
+        return await run_signed_identity(rt, case, device)
+    if suite == "QuantizationCouplingTest":
+        case = to_signed(case)
     try:
         model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest")
     except NotImplementedError as e:
@@ -216,6 +241,38 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
     return Outcome(name, suite, "failed" if problem else "passed", problem or "")
 
 
+async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) -> Outcome:
+    """Run ``case`` and its signed variant; quantized outputs must differ by
+    exactly 128 and every other output must be identical."""
+    name, suite = case["name"], "SignedIdentity"
+    results = []
+    for variant in (case, to_signed(case)):
+        try:
+            model = build_model(variant)
+            compiled = await rt.compile(model, device=device)
+            results.append(await compiled.execute(_inputs(variant)))
+        except NnrtError as e:
+            return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")
+    unsigned, signed = results
+    main = case["main"]
+    for pos, index in enumerate(main["outputIndexes"]):
+        if main["operands"][index]["isIgnored"]:
+            continue
+        u, s = np.asarray(unsigned.outputs[pos]), np.asarray(signed.outputs[pos])
+        if unsigned.output_shapes[pos] != signed.output_shapes[pos]:
+            return Outcome(name, suite, "failed", f"output {pos}: shapes "
+                           f"{unsigned.output_shapes[pos]} and {signed.output_shapes[pos]} differ")
+        expected = u.astype(np.int32) - 128 if u.dtype == np.uint8 else u
+        diff = np.flatnonzero(s.astype(np.float64).reshape(-1)
+                              != expected.astype(np.float64).reshape(-1))
+        if diff.size:
+            k = int(diff[0])
+            return Outcome(name, suite, "failed",
+                           f"output {pos}: {diff.size} elements differ, first at {k}: signed "
+                           f"{s.reshape(-1)[k]!r}, unsigned {u.reshape(-1)[k]!r}")
+    return Outcome(name, suite, "passed")
+
+
 def _inputs(case: dict) -> list:
     main = case["main"]
     values = []
@@ -228,7 +285,10 @@ def _inputs(case: dict) -> list:
 def suites_of(case: dict) -> list[str]:
     if case["expectFailure"]:
         return ["GeneratedValidationTests"]
-    return [s for s in SUITES if s in case["harness"]["ctsSuites"]]
+    suites = [s for s in SUITES if s in case["harness"]["ctsSuites"]]
+    if "QuantizationCouplingTest" in suites:
+        suites.append("SignedIdentity")
+    return suites
 
 
 def _run_file_group(args) -> list[dict]:

@@ -191,11 +191,14 @@ def test_maximum_quant8_with_different_scales_requantizes():
     assert r.tolist() == [14, 18]
 
 
-def test_requantization_rounds_after_adding_the_zero_point():
-    # real -0.5 on an output of scale 1, zero point 1: the reference rounds
-    # 0.5 (after the zero point is added) up to 1, not -0.5 down to -1 then + 1.
+def test_requantization_ties_are_the_same_for_signed_and_unsigned():
+    # real -0.5 on an output of scale 1: it rounds half away from zero to -1
+    # before the zero point is added, so the unsigned (zp 1) result is 0 and the
+    # signed twin (zp -127) gives exactly 0 - 128, as HAL 1.3's coupling requires.
     r = run(OT.MINIMUM, [arg(Q8, [0], 0.5, 1), arg(Q8, [9], 0.5, 1)], [out(Q8, (1,), 1.0, 1)])[0]
-    assert r.tolist() == [1]
+    s = run(OT.MINIMUM, [arg(Q8S, [-128], 0.5, -127), arg(Q8S, [-119], 0.5, -127)],
+            [out(Q8S, (1,), 1.0, -127)])[0]
+    assert r.tolist() == [0] and s.tolist() == [-128]
 
 
 def test_pow():
