@@ -21,6 +21,7 @@ from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..model.builder import Model
 from ..model.graph import DataLocation, Operand
 from ..model.validate import ValidatedModel, validate_model
+from . import partition
 from ..qos.priority import Priority, check_deadline, check_priority
 from ..vlog import vlog
 
@@ -79,11 +80,12 @@ class Runtime:
                 return d
         raise invalid(f"no device named {name!r}; devices: {[d.name for d in self.devices]}")
 
-    def supported_operations(self, model: Model, device: str | Device | None = None) -> list[bool]:
-        """Which operations of ``model`` the device (default: every device
-        together) can run."""
+    def supported_operations(self, model: Model,
+                             devices: Sequence[str | Device] | None = None) -> list[bool]:
+        """Which operations of ``model`` the given devices (default: every
+        device) can run together."""
         hal = _finished(model).hal_model
-        devices = [self._resolve(device)] if device is not None else self.devices
+        devices = [self._resolve(d) for d in devices] if devices is not None else self.devices
         flags = [False] * len(hal.main.operations)
         for d in devices:
             flags = [a or b for a, b in zip(flags, d.supported_operations(hal))]
@@ -95,9 +97,15 @@ class Runtime:
     async def compile(self, model: Model, *,
                       preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                       priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                      device: str | Device | None = None) -> "CompiledModel":
-        """Validate ``model`` and prepare it on a device that supports every
-        operation (``device`` picks one by name)."""
+                      devices: Sequence[str | Device] | None = None) -> "CompiledModel":
+        """Validate ``model``, assign its operations to devices and prepare
+        each step on its device.
+
+        ``devices`` restricts compilation to the named devices; then, as in
+        NNAPI, a device that fails to prepare its part fails the compilation.
+        Otherwise every device is a candidate and a part whose device fails
+        to prepare it falls back to the reference CPU device.
+        """
         hal = _finished(model).hal_model
         priority = check_priority(priority)
         deadline = check_deadline(deadline)
@@ -106,25 +114,54 @@ class Runtime:
         except ValueError:
             raise invalid(f"execution preference {preference!r} is not valid") from None
         validated = validate_model(hal)
-        candidates = [self._resolve(device)] if device is not None else self.devices
-        chosen = None
-        for d in candidates:
-            flags = d.supported_operations(hal)
-            if all(flags):
-                chosen = d
-                break
-        if chosen is None:
-            flags = self.supported_operations(model, device)
-            missing = [i for i, ok in enumerate(flags) if not ok] or [0]
-            op = hal.main.operations[missing[0]] if hal.main.operations else None
-            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                            f"no device supports operation {missing[0]}"
-                            f"{f' ({op.type.name})' if op else ''} of this model")
-        start = time.perf_counter()
-        prepared = await chosen.prepare_model(hal, preference, priority, deadline)
-        vlog("compilation", "prepared on %s in %.1f ms", chosen.name,
-             (time.perf_counter() - start) * 1e3)
-        return CompiledModel(model, validated, chosen, prepared, priority)
+        explicit = devices is not None
+        candidates = [self._resolve(d) for d in devices] if explicit else self.devices
+        if explicit and not candidates:
+            raise invalid("devices=[] names no device")
+        plans = partition.split(hal, partition.assign_devices(hal, candidates, preference))
+        steps = []
+        for plan in plans:
+            start = time.perf_counter()
+            try:
+                prepared = await plan.device.prepare_model(plan.model, preference, priority,
+                                                           deadline)
+                device = plan.device
+            except NnrtError as e:
+                if explicit or plan.device is self.cpu or e.status in _NOT_THE_DRIVERS_FAULT:
+                    raise
+                vlog("compilation", "%s failed to prepare a step (%s); falling back to %s",
+                     plan.device.name, e, self.cpu.name)
+                device = self.cpu
+                prepared = await device.prepare_model(plan.model, preference, priority, deadline)
+            vlog("compilation", "step of %d operations prepared on %s in %.1f ms",
+                 len(plan.model.main.operations), device.name,
+                 (time.perf_counter() - start) * 1e3)
+            steps.append(_Step(device, prepared, plan, validated))
+        return CompiledModel(self, model, validated, steps, priority, preference,
+                             fallback_allowed=not explicit)
+
+    @property
+    def cpu(self) -> Device:
+        """The reference CPU device every runtime has (the fallback)."""
+        for d in self.devices:
+            if type(d) is ReferenceDevice:  # sample drivers subclass it; they are not the CPU
+                return d
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "the runtime has no CPU device")
+
+    def _forget(self, device: Device) -> None:
+        """A device whose service died leaves the device list."""
+        if self._devices is not None and device in self._devices:
+            self._devices.remove(device)
+            vlog("manager", "device %s is gone", device.name)
+
+
+# Failures that are about the request or the app, not the driver: retrying on
+# the CPU would fail the same way (or break the app's deadline), so they are
+# reported as they are.
+_NOT_THE_DRIVERS_FAULT = frozenset({
+    ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
+    ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+})
 
 
 def _finished(model: Model) -> Model:
@@ -135,23 +172,97 @@ def _finished(model: Model) -> Model:
     return model
 
 
-class CompiledModel:
-    """A model prepared on a device; run it with :meth:`execute` or a :meth:`burst`."""
+class _Step:
+    """One prepared step of a compiled model and the shapes it last produced."""
 
-    def __init__(self, model: Model, validated: ValidatedModel, device: Device,
-                 prepared: PreparedModel, priority: Priority):
-        self.model = model
+    def __init__(self, device: Device, prepared: PreparedModel, plan: partition.StepPlan,
+                 validated: ValidatedModel):
         self.device = device
-        self.priority = priority
-        self._prepared = prepared
-        hal = model.hal_model
-        self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
-        self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
-        main_dims = validated.dims[None]
+        self.prepared = prepared
+        self.plan = plan
+        operands = plan.model.main.operands
+        self.inputs: list[Operand] = [operands[i] for i in plan.model.main.input_indexes]
+        self.outputs: list[Operand] = [operands[i] for i in plan.model.main.output_indexes]
         # Output shapes we expect: declared or inferred at compile time, then
         # whatever the last execution reported (so a dynamic output is sized
         # right from the second execution on).
-        self._output_guess: list[tuple[int, ...]] = [main_dims[i] for i in hal.main.output_indexes]
+        dims = validated.dims[None]
+        self.output_guess: list[tuple[int, ...]] = [dims[i] for i in plan.outputs]
+
+    async def run(self, values: dict, user_outputs: Sequence[np.ndarray] | None, measure: bool,
+                  deadline: float | None, loop_timeout: float | None):
+        """Execute the step on ``values`` (original operand index -> array or
+        None); returns the HAL result and the output arrays."""
+        in_args, pools = [], []
+        for index, operand in zip(self.plan.inputs, self.inputs):
+            arr = values[index]
+            if arr is None:
+                in_args.append(RequestArgument(has_no_value=True))
+                continue
+            pools.append(arr.reshape(-1).view(np.uint8))
+            dims = tuple(arr.shape) if operand.type.is_tensor else ()
+            in_args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0, arr.nbytes),
+                                           dims))
+        for _attempt in range(_MAX_RESIZE_RETRIES + 1):
+            out_arrays = (list(user_outputs) if user_outputs is not None
+                          else [_allocate(dims, o) for dims, o in zip(self.output_guess,
+                                                                      self.outputs)])
+            out_args = tuple(RequestArgument(False, DataLocation(len(pools) + k, 0, a.nbytes))
+                             for k, a in enumerate(out_arrays))
+            request = Request(tuple(in_args), out_args,
+                              tuple(pools) + tuple(_writable_bytes(a) for a in out_arrays))
+            result = await self.prepared.execute(request, measure, deadline, loop_timeout)
+            if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
+                    and result.output_shapes:
+                self.output_guess = [s.dimensions for s in result.output_shapes]
+                continue
+            break
+        if result.status == ErrorStatus.NONE:
+            self.output_guess = [s.dimensions for s in result.output_shapes]
+            out_arrays = [_shaped(a, s.dimensions) for a, s in zip(out_arrays,
+                                                                   result.output_shapes)]
+        return result, out_arrays
+
+
+def _allocate(dims: tuple[int, ...], operand: Operand) -> np.ndarray:
+    if operand.type.is_scalar:
+        return np.empty(1, operand.type.dtype)
+    count = int(np.prod(dims)) if dims and all(dims) else 0
+    # A zero-byte buffer is still a buffer: the driver reports the size it needs.
+    return np.empty(count, operand.type.dtype)
+
+
+class CompiledModel:
+    """A model prepared on one or more devices; run it with :meth:`execute`
+    or a :meth:`burst`."""
+
+    def __init__(self, runtime: Runtime, model: Model, validated: ValidatedModel,
+                 steps: list[_Step], priority: Priority, preference: ExecutionPreference,
+                 fallback_allowed: bool):
+        self.model = model
+        self.priority = priority
+        self.preference = preference
+        self._runtime = runtime
+        self._validated = validated
+        self._steps = steps
+        self._fallback_allowed = fallback_allowed
+        hal = model.hal_model
+        self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
+        self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
+
+    @property
+    def devices(self) -> list[Device]:
+        """The device of each step, in execution order."""
+        return [s.device for s in self._steps]
+
+    @property
+    def device(self) -> Device:
+        """The device of a single-device compilation (the first step's otherwise)."""
+        return self._steps[0].device
+
+    @property
+    def _prepared(self) -> PreparedModel:
+        return self._steps[0].prepared
 
     async def execute(self, inputs: Sequence[Any], *, outputs: Sequence[np.ndarray] | None = None,
                       measure_timing: bool = False, deadline: float | None = None,
@@ -160,73 +271,108 @@ class CompiledModel:
         convert), None for an omitted optional input. ``outputs`` may give
         the arrays to write results into; otherwise the runtime allocates them."""
         deadline = check_deadline(deadline)
-        in_args, pools = self._stage_inputs(inputs)
-        user_outputs = outputs is not None
-        for _attempt in range(_MAX_RESIZE_RETRIES + 1):
-            out_arrays = self._output_arrays(outputs)
-            out_args = []
-            for arr in out_arrays:
-                out_args.append(RequestArgument(False, DataLocation(len(pools) + len(out_args), 0,
-                                                                    arr.nbytes), ()))
-            request = Request(tuple(in_args), tuple(out_args),
-                              tuple(pools) + tuple(_writable_bytes(a) for a in out_arrays))
-            result = await self._prepared.execute(request, measure_timing, deadline, loop_timeout)
-            if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and not user_outputs \
-                    and result.output_shapes:
-                self._output_guess = [s.dimensions for s in result.output_shapes]
-                continue
-            break
-        if result.status != ErrorStatus.NONE:
-            raise NnrtError(result.status, result.message or "execution failed",
-                            output_shapes=[s.dimensions for s in result.output_shapes])
-        shapes = [s.dimensions for s in result.output_shapes]
-        self._output_guess = shapes
-        views = [_shaped(a, s) for a, s in zip(out_arrays, shapes)]
-        timing = None
-        if measure_timing:
+        arrays = self._stage_inputs(inputs)
+        user_outputs = self._check_outputs(outputs) if outputs is not None else None
+        try:
+            return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
+                                   loop_timeout)
+        except _DriverFailure as failure:
+            vlog("execution", "%s failed (%s); running the whole model on %s",
+                 failure.device.name, failure.error, self._runtime.cpu.name)
+            self._steps = await self._cpu_steps()
+            return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
+                                   loop_timeout)
+
+    async def _cpu_steps(self) -> list[_Step]:
+        """The whole model prepared on the CPU device (fallback after a driver failure)."""
+        cpu = self._runtime.cpu
+        hal = self.model.hal_model
+        plan = partition.StepPlan(cpu, hal, hal.main.input_indexes, hal.main.output_indexes)
+        prepared = await cpu.prepare_model(hal, self.preference, self.priority)
+        return [_Step(cpu, prepared, plan, self._validated)]
+
+    async def _run(self, steps: list[_Step], arrays: list, user_outputs, measure: bool,
+                   deadline: float | None, loop_timeout: float | None) -> Result:
+        hal = self.model.hal_model
+        values = dict(zip(hal.main.input_indexes, arrays))
+        single = len(steps) == 1
+        on_device = in_driver = 0
+        measured = measure
+        for step in steps:
+            result, outs = await step.run(values, user_outputs if single else None, measure,
+                                          deadline, loop_timeout)
+            if result.status != ErrorStatus.NONE:
+                error = NnrtError(result.status, result.message or "execution failed",
+                                  output_shapes=[s.dimensions for s in result.output_shapes])
+                if result.status == ErrorStatus.DEAD_OBJECT:
+                    self._runtime._forget(step.device)
+                if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
+                    raise _DriverFailure(step.device, error)
+                raise error
+            values.update(zip(step.plan.outputs, outs))
             t = result.timing
-            timing = ExecutionTiming(None if t.on_device == UINT64_MAX else t.on_device,
-                                     None if t.in_driver == UINT64_MAX else t.in_driver)
-        return Result(views, shapes, timing)
+            if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
+                measured = False
+            else:
+                on_device += t.on_device
+                in_driver += t.in_driver
+        outputs = [values[i] for i in hal.main.output_indexes]
+        if user_outputs is not None and not single:
+            outputs = _copy_into(user_outputs, outputs)
+        shapes = [tuple(np.shape(o)) for o in outputs]
+        timing = None
+        if measure:
+            timing = ExecutionTiming(on_device if measured else None,
+                                     in_driver if measured else None)
+        return Result(outputs, shapes, timing)
+
+    def _can_fall_back(self, step: _Step) -> bool:
+        try:
+            return self._fallback_allowed and step.device is not self._runtime.cpu
+        except NnrtError:  # a runtime without a CPU device has nothing to fall back to
+            return False
 
     def burst(self) -> "Burst":
         return Burst(self)
 
-    def _stage_inputs(self, inputs: Sequence[Any]):
+    def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
-        args, pools = [], []
-        for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
-            if value is None:
-                args.append(RequestArgument(has_no_value=True))
-                continue
-            arr = _as_operand_array(value, operand, f"input {k}")
-            pools.append(arr.reshape(-1).view(np.uint8))
-            dims = tuple(arr.shape) if operand.type.is_tensor else ()
-            args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0, arr.nbytes), dims))
-        return args, pools
+        return [None if value is None else _as_operand_array(value, operand, f"input {k}")
+                for k, (value, operand) in enumerate(zip(inputs, self._inputs))]
 
-    def _output_arrays(self, outputs: Sequence[np.ndarray] | None) -> list[np.ndarray]:
-        if outputs is not None:
-            if len(outputs) != len(self._outputs):
-                raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
-                              f"output arrays")
-            arrays = []
-            for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
-                if not isinstance(arr, np.ndarray) or arr.dtype != operand.type.dtype \
-                        or not arr.flags.c_contiguous or not arr.flags.writeable:
-                    raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
-                                  f"{operand.type.dtype}")
-                arrays.append(arr)
-            return arrays
-        arrays = []
-        for dims, operand in zip(self._output_guess, self._outputs):
-            count = int(np.prod(dims)) if dims and all(dims) else 0
-            if operand.type.is_scalar:
-                count = 1
-            # A zero-byte buffer is still a buffer: the driver reports the size it needs.
-            arrays.append(np.empty(count, operand.type.dtype))
-        return arrays
+    def _check_outputs(self, outputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if len(outputs) != len(self._outputs):
+            raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
+                          f"output arrays")
+        for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if not isinstance(arr, np.ndarray) or arr.dtype != operand.type.dtype \
+                    or not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
+                              f"{operand.type.dtype}")
+        return list(outputs)
+
+
+class _DriverFailure(Exception):
+    """A step failed because of its driver; the execution may be retried on the CPU."""
+
+    def __init__(self, device: Device, error: NnrtError):
+        super().__init__(str(error))
+        self.device = device
+        self.error = error
+
+
+def _copy_into(user_outputs: list[np.ndarray], results: list[np.ndarray]) -> list[np.ndarray]:
+    too_small = [r.nbytes > u.nbytes for u, r in zip(user_outputs, results)]
+    if any(too_small):
+        raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
+                        output_shapes=[tuple(r.shape) for r in results])
+    views = []
+    for u, r in zip(user_outputs, results):
+        view = u.reshape(-1)[:r.size].reshape(r.shape)
+        view[...] = r
+        views.append(view)
+    return views
 
 
 def _writable_bytes(arr: np.ndarray):

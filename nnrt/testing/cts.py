@@ -207,7 +207,7 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
     if case["expectFailure"]:
         try:
             model = build_model(case)
-            compiled = await rt.compile(model, device=device)
+            compiled = await rt.compile(model, devices=None if device is None else [device])
             await compiled.execute(_inputs(case))
         except NnrtError:
             return Outcome(name, suite, "passed")
@@ -224,13 +224,13 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
         return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
     except NnrtError as e:
         return Outcome(name, suite, "failed", f"model building refused: {e}")
-    flags = rt.supported_operations(model, device)
+    flags = rt.supported_operations(model, None if device is None else [device])
     if not all(flags):
         ops = model.hal_model.main.operations
         missing = sorted({ops[i].type.name for i, ok in enumerate(flags) if not ok})
         return Outcome(name, suite, "skipped", f"device reports unsupported: {', '.join(missing)}")
     try:
-        compiled = await rt.compile(model, device=device)
+        compiled = await rt.compile(model, devices=None if device is None else [device])
         result = await compiled.execute(_inputs(case))
     except NnrtError as e:
         return Outcome(name, suite, "failed", str(e))
@@ -249,7 +249,7 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
     for variant in (case, to_signed(case)):
         try:
             model = build_model(variant)
-            compiled = await rt.compile(model, device=device)
+            compiled = await rt.compile(model, devices=None if device is None else [device])
             results.append(await compiled.execute(_inputs(variant)))
         except NnrtError as e:
             return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")

@@ -1,0 +1,135 @@
+"""Partitioning: assign each operation to a device and cut the model into steps.
+
+Each operation goes to the device that supports it and reports the best
+performance for the compilation's preference (LOW_POWER compares
+``power_usage``, the others ``exec_time``) for the operation's data type;
+ties go to the device listed first. Consecutive operations (in run order) on
+one device form a step. A step is a HAL model of its own: it shares the
+original model's constants (``operand_values``, pools, referenced subgraphs),
+so only the main subgraph's operands are renumbered; operands that cross a
+step boundary become the step's inputs and outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..drivers.hal import Device, ExecutionPreference
+from ..errors import NnrtError, ErrorStatus
+from ..model.graph import Model, Operation, Subgraph
+from ..model.types import OperandLifeTime as L, OperandType
+
+_VALUE_LIFETIMES = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE, L.NO_VALUE, L.SUBGRAPH)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    device: Device
+    model: Model                 # the step's own HAL model
+    inputs: tuple[int, ...]      # original operand indexes, in step input order
+    outputs: tuple[int, ...]     # original operand indexes, in step output order
+
+
+def _operation_type(model: Model, op: Operation) -> OperandType:
+    """The data type that decides an operation's performance: its first
+    tensor input's (the way NNAPI's partitioner looks at an operation)."""
+    for i in op.inputs:
+        t = model.main.operands[i].type
+        if t.is_tensor:
+            return t
+    return model.main.operands[op.outputs[0]].type
+
+
+def assign_devices(model: Model, devices: list[Device],
+                   preference: ExecutionPreference) -> list[Device]:
+    """The device for each operation of the main subgraph (in order)."""
+    supported = [d.supported_operations(model) for d in devices]
+    relaxed = model.relax_computation_float32_to_float16
+    chosen = []
+    for k, op in enumerate(model.main.operations):
+        best, best_cost = None, None
+        for d, flags in zip(devices, supported):
+            if not flags[k]:
+                continue
+            caps = d.capabilities()
+            t = _operation_type(model, op)
+            if relaxed and t == OperandType.TENSOR_FLOAT32:
+                perf = caps.relaxed_float32_to_float16_tensor
+            else:
+                perf = caps.performance(t)
+            cost = perf.power_usage if preference == ExecutionPreference.LOW_POWER \
+                else perf.exec_time
+            if best is None or cost < best_cost:
+                best, best_cost = d, cost
+        if best is None:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"no device supports operation {k} ({op.type.name})")
+        chosen.append(best)
+    return chosen
+
+
+def split(model: Model, assignment: list[Device]) -> list[StepPlan]:
+    """Cut the main subgraph into steps of consecutive operations on one device."""
+    main = model.main
+    ops = main.operations
+    if not ops:
+        raise NnrtError(ErrorStatus.INVALID_ARGUMENT, "the model has no operations")
+    groups: list[tuple[Device, list[Operation]]] = []
+    for op, device in zip(ops, assignment):
+        if groups and groups[-1][0] is device:
+            groups[-1][1].append(op)
+        else:
+            groups.append((device, [op]))
+    if len(groups) == 1:
+        return [StepPlan(groups[0][0], model, main.input_indexes, main.output_indexes)]
+    # Which step reads each operand, to know what a step must hand on.
+    read_by: dict[int, set[int]] = {}
+    for s, (_, group) in enumerate(groups):
+        for op in group:
+            for i in op.inputs:
+                read_by.setdefault(i, set()).add(s)
+    model_outputs = set(main.output_indexes)
+    steps = []
+    for s, (device, group) in enumerate(groups):
+        produced = [i for op in group for i in op.outputs]
+        produced_set = set(produced)
+        inputs: list[int] = []
+        for op in group:
+            for i in op.inputs:
+                if i in produced_set or i in inputs:
+                    continue
+                if main.operands[i].lifetime in _VALUE_LIFETIMES:
+                    continue
+                inputs.append(i)
+        outputs = [i for i in produced
+                   if i in model_outputs or any(r > s for r in read_by.get(i, ()))]
+        steps.append(StepPlan(device, _step_model(model, group, inputs, outputs),
+                              tuple(inputs), tuple(outputs)))
+    return steps
+
+
+def _step_model(model: Model, group: list[Operation], inputs: list[int],
+                outputs: list[int]) -> Model:
+    main = model.main
+    used: list[int] = []
+    seen: set[int] = set()
+    for i in [*inputs, *(i for op in group for i in (*op.inputs, *op.outputs))]:
+        if i not in seen:
+            seen.add(i)
+            used.append(i)
+    index = {old: new for new, old in enumerate(used)}
+    ins, outs = set(inputs), set(outputs)
+    operands = []
+    for old in used:
+        o = main.operands[old]
+        if old in ins:
+            o = replace(o, lifetime=L.SUBGRAPH_INPUT)
+        elif old in outs:
+            o = replace(o, lifetime=L.SUBGRAPH_OUTPUT)
+        elif o.lifetime in (L.SUBGRAPH_INPUT, L.SUBGRAPH_OUTPUT):
+            o = replace(o, lifetime=L.TEMPORARY_VARIABLE)
+        operands.append(o)
+    operations = tuple(Operation(op.type, tuple(index[i] for i in op.inputs),
+                                 tuple(index[i] for i in op.outputs)) for op in group)
+    sub = Subgraph(tuple(operands), operations, tuple(index[i] for i in inputs),
+                   tuple(index[i] for i in outputs))
+    return replace(model, main=sub, _constants={})

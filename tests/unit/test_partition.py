@@ -1,0 +1,168 @@
+"""Partitioning across devices, CPU fallback at compile and at run time.
+In-process devices here; tests/integration covers driver services."""
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
+from nnrt.drivers.hal import Capabilities, ExecutionResult, PerformanceInfo
+from nnrt.drivers.reference import ReferenceDevice
+
+
+class OnlyDevice(ReferenceDevice):
+    """Supports only ``ops`` and reports itself faster than the CPU for them."""
+
+    def __init__(self, name, ops, exec_time=0.1):
+        super().__init__(name)
+        self.ops = set(ops)
+        self.exec_time = exec_time
+        self.prepared_ops = []
+
+    def capabilities(self):
+        fast = PerformanceInfo(self.exec_time, self.exec_time)
+        return Capabilities(fast, fast, {t: fast for t in T}, fast, fast)
+
+    def supported_operations(self, model):
+        return [op.type in self.ops and ok
+                for op, ok in zip(model.main.operations, super().supported_operations(model))]
+
+    async def prepare_model(self, model, *args, **kwargs):
+        self.prepared_ops.append([op.type for op in model.main.operations])
+        return await super().prepare_model(model, *args, **kwargs)
+
+
+class BrokenPrepare(OnlyDevice):
+    async def prepare_model(self, model, *args, **kwargs):
+        raise NnrtError(ErrorStatus.GENERAL_FAILURE, "this driver cannot prepare anything")
+
+
+class FailsAtRun(OnlyDevice):
+    """Prepares fine, then fails every execution with ``status``."""
+
+    def __init__(self, name, ops, status):
+        super().__init__(name, ops)
+        self.status = status
+
+    async def prepare_model(self, model, *args, **kwargs):
+        prepared = await super().prepare_model(model, *args, **kwargs)
+        status = self.status
+
+        class Failing(type(prepared)):
+            async def execute(self, request, *a, **k):
+                return ExecutionResult(status, message="the accelerator fell over")
+        prepared.__class__ = Failing
+        return prepared
+
+
+def chain_model() -> nnrt.Model:
+    """y = ((x * w + b) -> ADD c) -> MUL d -> ADD e, with a 1x1 CONV_2D first."""
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [1, 2, 2, 1])
+    w = m.add_operand(T.TENSOR_FLOAT32, [1, 1, 1, 1])
+    m.set_operand_value(w, np.array([2.0], np.float32).reshape(1, 1, 1, 1))
+    b = m.add_operand(T.TENSOR_FLOAT32, [1])
+    m.set_operand_value(b, np.array([0.5], np.float32))
+    zero = m.add_operand(T.INT32)
+    m.set_operand_value(zero, 0)
+    one = m.add_operand(T.INT32)
+    m.set_operand_value(one, 1)
+    t0 = m.add_operand(T.TENSOR_FLOAT32, [1, 2, 2, 1])
+    m.add_operation(Op.CONV_2D, [x, w, b, one, one, one, zero], [t0])
+    c = m.add_operand(T.TENSOR_FLOAT32, [1, 2, 2, 1])
+    t1 = m.add_operand(T.TENSOR_FLOAT32, [1, 2, 2, 1])
+    m.add_operation(Op.ADD, [t0, c, zero], [t1])
+    d = m.add_operand(T.TENSOR_FLOAT32, [1])
+    m.set_operand_value(d, np.array([3.0], np.float32))
+    t2 = m.add_operand(T.TENSOR_FLOAT32, [0, 0, 0, 0])  # unknown shape across a boundary
+    m.add_operation(Op.MUL, [t1, d, zero], [t2])
+    y = m.add_operand(T.TENSOR_FLOAT32, [1, 2, 2, 1])
+    m.add_operation(Op.ADD, [t2, c, zero], [y])
+    m.identify_inputs_and_outputs([x, c], [y, t1])
+    return m.finish()
+
+
+X = np.array([1, 2, 3, 4], np.float32).reshape(1, 2, 2, 1)
+C = np.array([10, 20, 30, 40], np.float32).reshape(1, 2, 2, 1)
+EXPECTED_T1 = X * 2 + 0.5 + C
+EXPECTED_Y = EXPECTED_T1 * 3 + C
+
+
+async def test_model_split_across_devices_matches_the_single_device_run():
+    adder = OnlyDevice("adder", {Op.ADD})
+    async with nnrt.Runtime(devices=[adder, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert [d.name for d in compiled.devices] == ["nnrt-reference", "adder",
+                                                      "nnrt-reference", "adder"]
+        assert adder.prepared_ops == [[Op.ADD], [Op.ADD]]
+        r = await compiled.execute([X, C], measure_timing=True)
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert np.array_equal(r.outputs[1], EXPECTED_T1)
+        assert r.timing.in_driver >= r.timing.on_device
+    async with nnrt.Runtime() as rt:  # the single-device run
+        single = await (await rt.compile(chain_model())).execute([X, C])
+        assert np.array_equal(single.outputs[0], r.outputs[0])
+
+
+async def test_low_power_preference_uses_power_usage():
+    class PowerHungry(OnlyDevice):
+        def capabilities(self):
+            return Capabilities(operand_performance={t: PerformanceInfo(0.1, 9.0) for t in T})
+    hungry = PowerHungry("hungry", {Op.ADD, Op.MUL, Op.CONV_2D})
+    async with nnrt.Runtime(devices=[hungry, ReferenceDevice()]) as rt:
+        fast = await rt.compile(chain_model())
+        assert {d.name for d in fast.devices} == {"hungry"}
+        frugal = await rt.compile(chain_model(),
+                                  preference=nnrt.ExecutionPreference.LOW_POWER)
+        assert {d.name for d in frugal.devices} == {"nnrt-reference"}
+
+
+async def test_a_device_that_fails_to_prepare_falls_back_to_the_cpu():
+    broken = BrokenPrepare("broken", {Op.ADD})
+    async with nnrt.Runtime(devices=[broken, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert {d.name for d in compiled.devices} == {"nnrt-reference"}
+        r = await compiled.execute([X, C])
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        # Naming the devices explicitly forbids the fallback (NNAPI's rule).
+        with pytest.raises(NnrtError, match="cannot prepare"):
+            await rt.compile(chain_model(), devices=["broken", "nnrt-reference"])
+
+
+async def test_a_driver_failure_at_run_time_reruns_the_model_on_the_cpu():
+    flaky = FailsAtRun("flaky", {Op.ADD}, ErrorStatus.GENERAL_FAILURE)
+    async with nnrt.Runtime(devices=[flaky, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert "flaky" in {d.name for d in compiled.devices}
+        r = await compiled.execute([X, C])
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert {d.name for d in compiled.devices} == {"nnrt-reference"}  # stays on the CPU
+        explicit = await rt.compile(chain_model(), devices=["flaky", "nnrt-reference"])
+        with pytest.raises(NnrtError) as e:
+            await explicit.execute([X, C])
+        assert e.value.status == ErrorStatus.GENERAL_FAILURE
+
+
+async def test_a_dead_device_leaves_the_device_list():
+    dead = FailsAtRun("dead", {Op.ADD}, ErrorStatus.DEAD_OBJECT)
+    async with nnrt.Runtime(devices=[dead, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        r = await compiled.execute([X, C])
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert [d.name for d in rt.devices] == ["nnrt-reference"]
+
+
+async def test_bad_input_is_not_retried_on_the_cpu():
+    adder = OnlyDevice("adder", {Op.ADD})
+    async with nnrt.Runtime(devices=[adder, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        with pytest.raises(NnrtError) as e:
+            await compiled.execute([X, np.ones((1, 2, 2, 2), np.float32)])
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        assert "adder" in {d.name for d in compiled.devices}
+
+
+async def test_no_device_supporting_an_operation_is_a_clear_error():
+    adder = OnlyDevice("adder", {Op.ADD})
+    async with nnrt.Runtime(devices=[adder]) as rt:
+        with pytest.raises(NnrtError, match=r"no device supports operation 0 \(CONV_2D\)"):
+            await rt.compile(chain_model())
