@@ -269,3 +269,31 @@ def test_fill_and_rank():
     assert r.outputs[0].tolist() == [[1.5] * 3] * 2 and int(r.outputs[1]) == 2
     with pytest.raises(NnrtError, match="negative dimension"):
         nnrt.run(m, [np.array([2, -1], np.int32), np.float32(1.5)])
+
+
+def test_values_of_unknown_rank_flow_through_subgraphs():
+    """Branch subgraphs declare their tensors with unknown rank; the IF output
+    is unknown too; the shapes come from the data at run time."""
+    branches = []
+    for op in (Op.ADD, Op.MUL):
+        g = nnrt.Model()
+        x = g.add_operand(T.TENSOR_FLOAT32, [])       # unknown rank
+        y = binary(g, op, x, x, [])
+        g.identify_inputs_and_outputs([x], [y])
+        branches.append(g.finish())
+    m = nnrt.Model()
+    c = m.add_operand(T.TENSOR_BOOL8, [1])
+    x = m.add_operand(T.TENSOR_FLOAT32, [])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    for ref, g in zip(refs, branches):
+        m.set_operand_value_from_model(ref, g)
+    out = m.add_operand(T.TENSOR_FLOAT32, [])
+    m.add_operation(Op.IF, [c, *refs, x], [out])
+    m.identify_inputs_and_outputs([c, x], [out])
+    m.finish()
+    x3 = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    r = nnrt.run(m, [np.array([True]), x3])
+    assert r.output_shapes == [(1, 2, 3)] and np.array_equal(r.outputs[0], x3 + x3)
+    x1 = np.array([3.0, -1.0], np.float32)
+    r = nnrt.run(m, [np.array([False]), x1])
+    assert r.output_shapes == [(2,)] and r.outputs[0].tolist() == [9.0, 1.0]
