@@ -17,6 +17,7 @@ The last line is ``N passed, M failed, K skipped`` (counting runs).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import fnmatch
 import gzip
 import json
@@ -337,10 +338,14 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
             if progress:
                 progress(len(outcomes))
     else:
+        # ProcessPoolExecutor, not multiprocessing.Pool: if a worker dies (a
+        # kernel crashing the interpreter), the run fails with BrokenProcessPool
+        # instead of waiting forever for the lost task.
         ctx = multiprocessing.get_context("forkserver")
-        with ctx.Pool(jobs) as pool:
-            for group in pool.imap_unordered(_run_file_group, tasks):
-                outcomes += [Outcome(**d) for d in group]
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(_run_file_group, t) for t in tasks]
+            for future in concurrent.futures.as_completed(futures):
+                outcomes += [Outcome(**d) for d in future.result()]
                 if progress:
                     progress(len(outcomes))
     return outcomes
