@@ -1,7 +1,10 @@
-"""The ``nnrt`` command line: ``nnrt devices`` lists the devices a runtime finds."""
+"""The ``nnrt`` command line: ``nnrt devices`` lists the devices a runtime
+finds; ``nnrt driver serve NAME`` runs a driver service."""
 from __future__ import annotations
 
 import argparse
+from functools import partial
+import signal
 import sys
 
 import anyio
@@ -23,11 +26,55 @@ def _devices(args) -> int:
     return 0
 
 
+def _driver_serve(args) -> int:
+    from .drivers.sample import DRIVERS, make_driver
+    from .drivers.service.server import default_socket_path, serve
+
+    kind = args.driver or (args.name if args.name in DRIVERS else "reference")
+    device = make_driver(kind, args.name)
+    path = args.socket or default_socket_path(args.name)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(serve, device, path, app_key=args.app_key))
+            print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+    try:
+        import uvloop  # noqa: F401
+        options = {"use_uvloop": True}
+    except ImportError:
+        options = {}
+    failed = False
+    try:
+        anyio.run(main, backend="asyncio", backend_options=options)
+    except* nnrt.NnrtError as group:
+        for e in group.exceptions:
+            print(f"nnrt driver serve: {e.message}", file=sys.stderr)
+        failed = True
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nnrt", description="nnrt neural-network runtime")
     parser.add_argument("--version", action="version", version=f"nnrt {nnrt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("devices", help="list the devices the runtime finds").set_defaults(func=_devices)
+    driver = sub.add_parser("driver", help="driver services").add_subparsers(dest="action",
+                                                                             required=True)
+    serve = driver.add_parser("serve", help="run a driver in this process on a Unix socket")
+    serve.add_argument("name", help="the device name the service reports")
+    serve.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
+    serve.add_argument("--driver", choices=["reference", "sample-float-fast", "sample-float-slow",
+                                            "sample-minimal", "sample-quant", "sample-partial"],
+                       help="which driver to serve (default: NAME if it is one of these, "
+                            "else reference)")
+    serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
+                       help="which peer credential keys an app's queue (default: uid)")
+    serve.set_defaults(func=_driver_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -48,30 +48,67 @@ class Result:
 class Runtime:
     """Finds devices and compiles models for them. Use as ``async with``."""
 
-    def __init__(self, *, devices: Sequence[Device] | None = None):
+    def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
+                 discover: bool = True):
+        """``devices`` replaces discovery with the given devices. Otherwise the
+        runtime has the in-process reference CPU device, the services listed in
+        ``NNRT_DRIVERS`` and the config file (``discover=True``), and the
+        services it starts itself from ``spawn`` (driver kinds such as
+        ``"sample-float-fast"``, or ``(name, kind)`` pairs), stopped on close."""
         self._given_devices = list(devices) if devices is not None else None
+        self._spawn = list(spawn)
+        self._discover = discover
         self._devices: list[Device] | None = None
+        self._services: list = []
+        self._folder = None
 
     async def __aenter__(self) -> "Runtime":
-        self.open()
+        await self.open()
         return self
 
     async def __aexit__(self, *exc) -> None:
         self.close()
 
-    def open(self) -> None:
-        if self._devices is None:
-            self._devices = (self._given_devices if self._given_devices is not None
-                             else [ReferenceDevice()])
-            vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
+    async def open(self) -> None:
+        if self._devices is not None:
+            return
+        if self._given_devices is not None:
+            self._devices = list(self._given_devices)
+        else:
+            found: list[Device] = []
+            if self._discover or self._spawn:
+                from . import discovery  # the service client needs only be loaded when used
+                if self._discover:
+                    found += await discovery.connect_configured()
+                if self._spawn:
+                    self._folder = discovery.private_folder()
+                    self._services, spawned = await discovery.spawn(self._spawn,
+                                                                    self._folder.name)
+                    found += spawned
+            self._devices = found + [ReferenceDevice()]
+        vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
     def close(self) -> None:
+        if self._devices is None:
+            return
+        if self._given_devices is None:
+            for d in self._devices:
+                if hasattr(d, "close"):
+                    d.close()
+        for service in self._services:
+            service.stop()
+        self._services = []
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
         self._devices = None
 
     @property
     def devices(self) -> list[Device]:
         if self._devices is None:
             raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
+        # A service that died leaves the list (the HAL's DEAD_OBJECT).
+        self._devices = [d for d in self._devices if getattr(d, "alive", True)]
         return list(self._devices)
 
     def device(self, name: str) -> Device:

@@ -1,0 +1,588 @@
+"""The client proxy of a driver service: a :class:`~nnrt.drivers.hal.Device`
+whose calls go over the service's Unix socket.
+
+Theory of operation
+-------------------
+A :class:`ServiceDevice` owns one connection. Calls are sent from the
+caller's thread under a lock (so frames never interleave and the pool cache
+decisions below are made in the order the service sees them); a reader
+thread receives every reply and hands it to the caller waiting on that call
+id — an asyncio future (via ``call_soon_threadsafe``), a trio task (via its
+token's ``run_sync_soon``) or a blocked thread (``threading.Event``). Many
+calls may be in flight at once; replies come in completion order.
+
+Why a reader thread rather than a task on the app's loop: the HAL's query
+methods and ``execute_synchronously`` are synchronous, the app may run
+asyncio or trio, and a dead service must be noticed even when nobody is
+awaiting it. The reader thread blocks in ``recvmsg``; when the service dies
+(EOF, ECONNRESET, a reply that does not decode) it fails every pending call
+with DEAD_OBJECT at once — executions get an ``ExecutionResult`` with that
+status, other calls raise ``NnrtError(DEAD_OBJECT)`` — and every later call
+fails the same way without touching the socket.
+
+Device queries answer the same for a device's whole life, so ``connect``
+asks them once and the proxy answers from that copy.
+
+Pools. A request pool that is an :class:`nnrt.memory.Memory` travels by fd
+the first time a prepared model sees it and by id after that (the service
+keeps it mapped); ids whose Memory was closed or collected are released in
+the next execution. Any other pool (numpy arrays, bytes) is staged: copied
+into a shared-memory *arena* (reused across executions, itself cached on the
+service by id), and output regions are copied back after the reply.
+"""
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import itertools
+import os
+import socket
+import threading
+import sys
+import weakref
+
+from ...errors import ErrorStatus, NnrtError, invalid
+from ...memory import Memory
+from ...model.graph import Model
+from ...qos.priority import Priority
+from ...vlog import vlog
+from ..hal import (Capabilities, Device, ExecutionPreference, ExecutionResult, PreparedModel,
+                   Request)
+from . import protocol as p
+
+_RECV_SIZE = 1 << 16
+_ALIGN = 64
+_MAX_FREE_ARENAS = 8
+# The service caches at most protocol.MAX_CACHED_POOLS pools per prepared
+# model; the client evicts its oldest ids well before that.
+_CLIENT_CACHE_LIMIT = p.MAX_CACHED_POOLS - 32
+
+
+def _dead(message: str) -> NnrtError:
+    return NnrtError(ErrorStatus.DEAD_OBJECT, message)
+
+
+class _Waiter:
+    """Where the reply to one call goes: set from the reader thread."""
+
+    __slots__ = ("reply", "_future", "_loop", "_event", "_schedule", "_thread_event")
+
+    def __init__(self, blocking: bool):
+        self.reply: p.Reply | None = None
+        self._future = self._loop = self._event = self._schedule = self._thread_event = None
+        if blocking:
+            self._thread_event = threading.Event()
+            return
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio: trio is the other loop anyio runs on
+            trio = sys.modules.get("trio")
+            if trio is None:
+                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                "the service client needs an asyncio or trio event loop") from None
+            self._event = trio.Event()
+            self._schedule = trio.lowlevel.current_trio_token().run_sync_soon
+        else:
+            self._future = self._loop.create_future()
+
+    def deliver(self, reply: p.Reply) -> None:
+        self.reply = reply
+        try:
+            if self._thread_event is not None:
+                self._thread_event.set()
+            elif self._loop is not None:
+                self._loop.call_soon_threadsafe(_resolve, self._future)
+            else:
+                self._schedule(self._event.set)
+        except RuntimeError:
+            pass  # the caller's loop has ended: nobody is waiting any more
+
+    async def wait(self) -> p.Reply:
+        if self._future is not None:
+            await self._future
+        else:
+            await self._event.wait()
+        return self.reply
+
+    def wait_blocking(self) -> p.Reply:
+        self._thread_event.wait()
+        return self.reply
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Channel:
+    """One connection: sending under a lock, a reader thread for replies."""
+
+    def __init__(self, sock: socket.socket, label: str):
+        self.sock = sock
+        self.label = label
+        self.proto = p.Connection("client")
+        self._send_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending: dict[int, tuple[_Waiter, p.Method]] = {}
+        self._call_ids = itertools.count(1)
+        self._pool_ids = itertools.count(1)
+        self.dead: NnrtError | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=f"nnrt-client-{label}",
+                                        daemon=True)
+        self._reader.start()
+
+    def next_pool_id(self) -> int:
+        return next(self._pool_ids)
+
+    # calls
+
+    def _start(self, build, blocking: bool) -> _Waiter:
+        """Register a waiter and send the message ``build(call_id)`` returns."""
+        if self.dead is not None:
+            raise self.dead
+        waiter = _Waiter(blocking)
+        with self._send_lock:
+            if self.dead is not None:
+                raise self.dead
+            call_id = next(self._call_ids)
+            message = build(call_id)
+            data, fds = self.proto.send(message)
+            with self._pending_lock:
+                self._pending[call_id] = (waiter, message.method)
+            try:
+                self._send(data, fds)
+            except OSError as e:
+                self._die(f"sending to the service failed: {e}")
+        return waiter
+
+    def _send(self, data: bytes, fds: list[int]) -> None:
+        view = memoryview(data)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while view:
+            sent = self.sock.sendmsg([view], anc, socket.MSG_NOSIGNAL)
+            anc = []  # the fds ride with the first bytes only
+            view = view[sent:]
+
+    async def call(self, build) -> p.Reply:
+        waiter = self._start(build, blocking=False)
+        try:
+            return await waiter.wait()
+        finally:
+            self._forget(waiter)
+
+    def call_blocking(self, build) -> p.Reply:
+        waiter = self._start(build, blocking=True)
+        try:
+            return waiter.wait_blocking()
+        finally:
+            self._forget(waiter)
+
+    def send_only(self, build) -> None:
+        """Send a call whose reply nobody waits for."""
+        if self.dead is not None:
+            return
+        with self._send_lock:
+            if self.dead is not None:
+                return
+            data, fds = self.proto.send(build(next(self._call_ids)))
+            try:
+                self._send(data, fds)
+            except OSError as e:
+                self._die(f"sending to the service failed: {e}")
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if waiter.reply is None:  # cancelled: drop the entry, ignore the reply
+            with self._pending_lock:
+                for k, (w, _m) in list(self._pending.items()):
+                    if w is waiter:
+                        del self._pending[k]
+
+    # the reader thread
+
+    def _read_loop(self) -> None:
+        reason = "the service closed the connection"
+        try:
+            while True:
+                try:
+                    data, ancdata, _flags, _ = self.sock.recvmsg(
+                        _RECV_SIZE, socket.CMSG_SPACE(p.MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+                except InterruptedError:
+                    continue
+                except OSError as e:
+                    reason = f"the connection to the service failed: {e}"
+                    return
+                for level, kind, fd_data in ancdata:  # a service sends no fds today
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        for fd in array.array("i", fd_data[:len(fd_data) - len(fd_data) % 4]):
+                            os.close(fd)
+                if not data:
+                    return
+                self.proto.receive_data(data)
+                while True:
+                    event = self.proto.next_event()
+                    if event is None:
+                        break
+                    if isinstance(event, p.Malformed):
+                        raise event.error
+                    with self._pending_lock:
+                        entry = self._pending.pop(event.call_id, None)
+                    if entry is not None:
+                        entry[0].deliver(event)
+        except p.ProtocolError as e:
+            reason = f"the service sent a message that does not decode: {e.message}"
+        finally:
+            self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        with self._pending_lock:
+            if self.dead is None:
+                self.dead = _dead(f"{self.label}: {reason}")
+                vlog("driver", "%s", self.dead.message)
+            pending, self._pending = self._pending, {}
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for call_id, (waiter, method) in pending.items():
+            waiter.deliver(_dead_reply(call_id, method, self.dead.message))
+
+    def close(self) -> None:
+        self._die("the connection was closed by this client")
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        self.sock.close()
+
+
+def _dead_reply(call_id: int, method: p.Method, message: str) -> p.Reply:
+    value = ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message) \
+        if method == p.Method.EXECUTE else None
+    return p.Reply(call_id, method, ErrorStatus.DEAD_OBJECT, message, value)
+
+
+def _value(reply: p.Reply, what: str):
+    if reply.status != ErrorStatus.NONE:
+        raise NnrtError(reply.status, reply.message or f"{what} failed")
+    return reply.value
+
+
+class ServiceDevice(Device):
+    """A driver service seen through the HAL. Make one with :meth:`connect`."""
+
+    def __init__(self, channel: _Channel, info: p.DeviceInfo, capabilities: Capabilities,
+                 extensions: list[str], cache_files: tuple[int, int], socket_path: str):
+        self._channel = channel
+        self.name = info.name
+        self.type = info.type
+        self.version_string = info.version_string
+        self.feature_level = info.feature_level
+        self.socket_path = socket_path
+        self._capabilities = capabilities
+        self._extensions = list(extensions)
+        self._cache_files = tuple(cache_files)
+
+    @classmethod
+    async def connect(cls, socket_path: str) -> "ServiceDevice":
+        """Connect to the service at ``socket_path`` and learn its answers to
+        the device queries. DEVICE_UNAVAILABLE when nobody serves there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(socket_path)
+        except OSError as e:
+            sock.close()
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"no driver service at {socket_path}: {e}") from None
+        channel = _Channel(sock, f"driver service at {socket_path}")
+        try:
+            info = _value(await channel.call(lambda cid: p.Hello(cid)), "HELLO")
+            answers = {}
+            for method in (p.Method.CAPABILITIES, p.Method.SUPPORTED_EXTENSIONS,
+                           p.Method.NUMBER_OF_CACHE_FILES):
+                answers[method] = _value(
+                    await channel.call(lambda cid, m=method: p.Query(cid, m)), method.name)
+        except BaseException:
+            channel.close()
+            raise
+        vlog("driver", "connected to %s (%s) at %s", info.name, info.version_string, socket_path)
+        return cls(channel, info, answers[p.Method.CAPABILITIES],
+                   answers[p.Method.SUPPORTED_EXTENSIONS],
+                   answers[p.Method.NUMBER_OF_CACHE_FILES], socket_path)
+
+    @property
+    def alive(self) -> bool:
+        """False once the service has died or the proxy was closed."""
+        return self._channel.dead is None
+
+    def close(self) -> None:
+        """Close the connection; the service releases everything it made for us."""
+        self._channel.close()
+
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def supported_extensions(self) -> list[str]:
+        return list(self._extensions)
+
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        return self._cache_files
+
+    def supported_operations(self, model: Model) -> list[bool]:
+        """Asks the service (a blocking round trip: the HAL method is
+        synchronous). Never call it on the loop that runs the service itself."""
+        wire, staged = _stage_model(model)
+        try:
+            reply = self._channel.call_blocking(lambda cid: p.SupportedOperations(cid, wire))
+        finally:
+            for m in staged:
+                m.close()
+        flags = _value(reply, "supported_operations")
+        if len(flags) != len(model.main.operations):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"{self.name} answered {len(flags)} flags for "
+                            f"{len(model.main.operations)} operations")
+        return flags
+
+    async def prepare_model(self, model: Model,
+                            preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
+                            priority: Priority = Priority.MEDIUM, deadline: float | None = None,
+                            cache=None) -> "ServicePreparedModel":
+        try:
+            preference = ExecutionPreference(preference)
+            priority = Priority(priority)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        wire, staged = _stage_model(model)
+        try:
+            reply = await self._channel.call(
+                lambda cid: p.PrepareModel(cid, wire, preference, priority, deadline))
+        finally:
+            for m in staged:
+                m.close()
+        return ServicePreparedModel(self, _value(reply, "prepare_model"))
+
+    def for_test_prepared_model(self, model_id: int) -> "ServicePreparedModel":
+        """A proxy naming prepared model ``model_id`` of the service, made by
+        any connection — for tests that check the service refuses it."""
+        return ServicePreparedModel(self, model_id)
+
+    def __repr__(self) -> str:
+        return f"<ServiceDevice {self.name} at {self.socket_path}{'' if self.alive else ' (dead)'}>"
+
+
+def _stage_model(model: Model) -> tuple[Model, list[Memory]]:
+    """The model with its constant pools as WirePools: a Memory by its fd,
+    anything else copied into a new memfd (closed by the caller after the call)."""
+    staged, wire = [], []
+    try:
+        for pool in model.pools:
+            if isinstance(pool, Memory):
+                wire.append(p.WirePool(0, pool.fileno(), False, pool.fd_offset, pool.size, 0,
+                                       pool.size))
+                continue
+            raw = memoryview(pool).cast("B")
+            if raw.nbytes == 0:
+                wire.append(p.WirePool(0, None, False, 0, 0, 0, 0))
+                continue
+            mem = Memory.create(raw.nbytes, "nnrt-model-pool")
+            staged.append(mem)
+            mem.view()[:] = raw
+            wire.append(p.WirePool(0, mem.fileno(), False, 0, raw.nbytes, 0, raw.nbytes))
+    except BaseException:
+        for m in staged:
+            m.close()
+        raise
+    return Model(model.main, model.referenced, model.operand_values, tuple(wire),
+                 model.relax_computation_float32_to_float16, model.extension_prefixes), staged
+
+
+class ServicePreparedModel(PreparedModel):
+    """A model prepared in a driver service. ``execute`` is awaitable and
+    many may be in flight; ``execute_synchronously`` blocks the calling
+    thread (not the service), so call it from a thread, not from a coroutine."""
+
+    def __init__(self, device: ServiceDevice, model_id: int):
+        self.device = device
+        self.model_id = model_id
+        self._channel = device._channel
+        # pool id -> weak reference to the Memory the service holds mapped
+        # for this prepared model, oldest first. Touched only under the
+        # channel's send lock, in the order the service sees the frames.
+        self._sent: collections.OrderedDict[int, weakref.ref] = collections.OrderedDict()
+        self._ids: weakref.WeakKeyDictionary[Memory, int] = weakref.WeakKeyDictionary()
+        self._free_arenas: list[Memory] = []
+        self._arena_lock = threading.Lock()
+        self._released = False
+
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        plan = self._plan(request)
+        if isinstance(plan, ExecutionResult):
+            return plan
+        try:
+            reply = await self._channel.call(
+                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout))
+        except NnrtError as e:
+            self._finish(plan, None)
+            return ExecutionResult(e.status, message=e.message)
+        return self._finish(plan, reply)
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None,
+                              loop_timeout: float | None = None) -> ExecutionResult:
+        plan = self._plan(request)
+        if isinstance(plan, ExecutionResult):
+            return plan
+        try:
+            reply = self._channel.call_blocking(
+                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout))
+        except NnrtError as e:
+            self._finish(plan, None)
+            return ExecutionResult(e.status, message=e.message)
+        return self._finish(plan, reply)
+
+    def release(self) -> None:
+        """Tell the service to drop this prepared model (and its pools)."""
+        if self._released:
+            return
+        self._released = True
+        self._channel.send_only(lambda cid: p.ReleaseModel(cid, self.model_id))
+        with self._arena_lock:
+            arenas, self._free_arenas = self._free_arenas, []
+        for a in arenas:
+            a.close()
+
+    # -- pools --------------------------------------------------------------
+
+    def _plan(self, request: Request):
+        """Which pools are Memory (by fd or id) and which are staged into an
+        arena at which offset; an ExecutionResult when the request cannot go."""
+        if self._released:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the prepared model was released")
+        if self._channel.dead is not None:
+            return ExecutionResult(ErrorStatus.DEAD_OBJECT, message=self._channel.dead.message)
+        output_pools = {a.location.pool_index for a in request.outputs
+                        if a.location is not None and not a.has_no_value}
+        input_pools = {a.location.pool_index for a in request.inputs
+                       if a.location is not None and not a.has_no_value}
+        staged, total = {}, 0
+        for k, pool in enumerate(request.pools):
+            if isinstance(pool, Memory):
+                if pool.closed:
+                    return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                           message=f"request pool {k} is a closed Memory")
+                continue
+            try:
+                raw = memoryview(pool).cast("B")
+            except (TypeError, ValueError) as e:
+                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                       message=f"request pool {k} is not a contiguous buffer: {e}")
+            if k in output_pools and raw.readonly:
+                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                       message=f"request pool {k} holds an output but is read-only")
+            staged[k] = (raw, total)
+            total += -(-raw.nbytes // _ALIGN) * _ALIGN
+        arena = self._take_arena(total) if total else None
+        if arena is not None:
+            view = arena.view()
+            for k, (raw, base) in staged.items():
+                if k in input_pools and raw.nbytes:
+                    view[base:base + raw.nbytes] = raw
+        return _Plan(staged, arena, output_pools)
+
+    def _message(self, call_id: int, request: Request, plan: "_Plan", measure, deadline,
+                 loop_timeout) -> p.Execute:
+        # Runs under the channel's send lock: cache decisions happen in
+        # the order the service will apply them.
+        in_use = {id(x) for x in request.pools if isinstance(x, Memory)}
+        if plan.arena is not None:
+            in_use.add(id(plan.arena))
+        release = []
+        for pool_id, ref in list(self._sent.items()):
+            mem = ref()
+            if mem is None or mem.closed:
+                del self._sent[pool_id]
+                release.append(pool_id)
+        while len(self._sent) >= _CLIENT_CACHE_LIMIT:
+            pool_id, ref = next((i, r) for i, r in self._sent.items() if id(r()) not in in_use)
+            del self._sent[pool_id]
+            mem = ref()
+            if mem is not None:
+                self._ids.pop(mem, None)
+            release.append(pool_id)
+        pools = []
+        for k, pool in enumerate(request.pools):
+            if isinstance(pool, Memory):
+                pools.append(self._wire(pool, 0, pool.size, plan))
+            else:
+                raw, base = plan.staged[k]
+                if raw.nbytes == 0:
+                    pools.append(p.WirePool(0, None, True, 0, 0, 0, 0))
+                else:
+                    pools.append(self._wire(plan.arena, base, raw.nbytes, plan))
+        return p.Execute(call_id, self.model_id, tuple(request.inputs), tuple(request.outputs),
+                         tuple(pools), tuple(release), bool(measure), deadline, loop_timeout)
+
+    def _wire(self, mem: Memory, offset: int, length: int, plan: "_Plan") -> p.WirePool:
+        pool_id = self._ids.get(mem)
+        if pool_id is None:
+            pool_id = self._channel.next_pool_id()
+            self._ids[mem] = pool_id
+        fd = None
+        if pool_id in self._sent:
+            self._sent.move_to_end(pool_id)
+        elif pool_id not in plan.new_ids:
+            self._sent[pool_id] = weakref.ref(mem)
+            plan.new_ids.add(pool_id)
+            fd = mem.fileno()
+        return p.WirePool(pool_id, fd, mem.writable, mem.fd_offset, mem.size, offset, length)
+
+    def _finish(self, plan: "_Plan", reply: p.Reply | None) -> ExecutionResult:
+        if reply is None:
+            result = None
+        elif reply.method == p.Method.EXECUTE:
+            result = reply.value
+        else:  # the service could not read the call at all
+            result = ExecutionResult(reply.status, message=reply.message)
+        if result is None or result.status not in (ErrorStatus.NONE,
+                                                   ErrorStatus.OUTPUT_INSUFFICIENT_SIZE):
+            # The service may not have mapped what we sent with this call:
+            # send those fds again next time rather than trust the cache.
+            with self._channel._send_lock:
+                for pool_id in plan.new_ids:
+                    self._sent.pop(pool_id, None)
+        if result is not None and result.status == ErrorStatus.NONE and plan.arena is not None:
+            view = plan.arena.view()
+            for k in plan.output_pools:
+                staged = plan.staged.get(k)
+                if staged is not None and staged[0].nbytes:
+                    raw, base = staged
+                    raw[:] = view[base:base + raw.nbytes]
+        if plan.arena is not None:
+            self._give_back_arena(plan.arena)
+        return result
+
+    def _take_arena(self, size: int) -> Memory:
+        with self._arena_lock:
+            for i, a in enumerate(self._free_arenas):
+                if a.size >= size:
+                    return self._free_arenas.pop(i)
+        return Memory.create(max(4096, 1 << (size - 1).bit_length()), "nnrt-request-arena")
+
+    def _give_back_arena(self, arena: Memory) -> None:
+        with self._arena_lock:
+            if not self._released and len(self._free_arenas) < _MAX_FREE_ARENAS:
+                self._free_arenas.append(arena)
+                return
+        arena.close()  # its id is released with the next execution
+
+
+class _Plan:
+    __slots__ = ("staged", "arena", "output_pools", "new_ids")
+
+    def __init__(self, staged, arena, output_pools):
+        self.staged = staged          # pool index -> (user buffer, offset in the arena)
+        self.arena = arena
+        self.output_pools = output_pools
+        self.new_ids: set[int] = set()  # ids whose fd went with this call

@@ -1,0 +1,72 @@
+"""Device discovery with real driver service processes: NNRT_DRIVERS, the
+config file, Runtime(spawn=...), and a model split between a service and the
+in-process reference device."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt.runtime import discovery
+
+from ..unit.test_partition import C, EXPECTED_T1, EXPECTED_Y, X, chain_model
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A `nnrt driver serve` process on a socket in tmp_path."""
+    path = str(tmp_path / "fast.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "fast",
+                             "--driver", "sample-float-fast", "--socket", path],
+                            stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        assert proc.poll() is None, "the service exited"
+        assert time.monotonic() < deadline, "the service did not start"
+        time.sleep(0.02)
+    yield path
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+async def test_nnrt_drivers_and_the_config_file_name_services(service, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("NNRT_DRIVERS", service)
+    async with nnrt.Runtime() as rt:
+        assert [d.name for d in rt.devices] == ["fast", "nnrt-reference"]
+        fast = rt.devices[0]
+        assert fast.version_string and fast.feature_level == 30
+        assert fast.capabilities().performance(nnrt.OperandType.TENSOR_FLOAT32).exec_time < 1
+    monkeypatch.delenv("NNRT_DRIVERS")
+    conf = tmp_path / "config" / "nnrt" / "drivers.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text(f"# services of this machine\n{service}\n{tmp_path / 'nobody.sock'}\n")
+    assert discovery.configured_sockets() == [service, str(tmp_path / "nobody.sock")]
+    async with nnrt.Runtime() as rt:  # the dead entry is left out, the rest works
+        assert [d.name for d in rt.devices] == ["fast", "nnrt-reference"]
+
+
+async def test_spawned_services_run_part_of_a_model_and_stop_on_close(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    rt = nnrt.Runtime(spawn=["sample-partial"])
+    async with rt:
+        assert [d.name for d in rt.devices] == ["sample-partial", "nnrt-reference"]
+        processes = [s.process for s in rt._services]
+        compiled = await rt.compile(chain_model())
+        assert {d.name for d in compiled.devices} == {"sample-partial", "nnrt-reference"}
+        r = await compiled.execute([X, C])
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert np.array_equal(r.outputs[1], EXPECTED_T1)
+    for p in processes:
+        assert p.poll() is not None, "a spawned service outlived its runtime"
+
+
+def test_nnrt_devices_lists_configured_services(service, tmp_path):
+    env = dict(os.environ, NNRT_DRIVERS=service, XDG_CONFIG_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "nnrt", "devices"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert out.splitlines()[0] == "fast" and "nnrt-reference" in out

@@ -1,0 +1,214 @@
+"""The driver-service protocol without sockets: every message round-trips,
+framing and the call-stream state machine refuse what they must."""
+import math
+import struct
+
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
+from nnrt.drivers.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+                              OutputShape, PerformanceInfo, RequestArgument, Timing)
+from nnrt.drivers.service import protocol as p
+from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
+from nnrt.model.types import OperandLifeTime as L
+
+
+def wire_model():
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    hal = m.finish().hal_model
+    # Exercise every optional field of an operand too.
+    extra = Operand(T.TENSOR_QUANT8_SYMM_PER_CHANNEL, (2, 1), 0.0, 0, L.CONSTANT_REFERENCE,
+                    DataLocation(0, 0, 2), ChannelQuant(0, (0.5, 0.25)), b"\x01\x02")
+    main = hal.main.__class__(hal.main.operands + (extra,), hal.main.operations,
+                              hal.main.input_indexes, hal.main.output_indexes)
+    pools = (p.WirePool(0, 7, False, 4096, 8192, 16, 64),)
+    return hal.__class__(main, (main,), hal.operand_values, pools, True,
+                         (ExtensionPrefix("com.example", 3),))
+
+
+def sample_messages():
+    model = wire_model()
+    arg = RequestArgument(False, DataLocation(0, 0, 16), (1, 4))
+    caps = Capabilities(PerformanceInfo(0.5, 1), PerformanceInfo(1, 2),
+                        {T.TENSOR_FLOAT32: PerformanceInfo(0.25, math.inf)},
+                        PerformanceInfo(3, 4), PerformanceInfo(5, 6))
+    result = ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
+                             (OutputShape((2, 3), False),), Timing(5, 9), "too small")
+    return [
+        p.Hello(1),
+        p.Query(2, p.Method.CAPABILITIES),
+        p.Query(3, p.Method.SUPPORTED_EXTENSIONS),
+        p.Query(4, p.Method.NUMBER_OF_CACHE_FILES),
+        p.SupportedOperations(5, model),
+        p.PrepareModel(6, model, ExecutionPreference.LOW_POWER, Priority.HIGH, 12.5),
+        p.PrepareModel(7, model, ExecutionPreference.SUSTAINED_SPEED, Priority.LOW, None),
+        p.Execute(8, 99, (arg, RequestArgument(True)), (arg,),
+                  (p.WirePool(3, 9, True, 0, 4096, 0, 32), p.WirePool(4, None, False, 0, 64, 8, 8)),
+                  (1, 2), True, 100.0, 2.0),
+        p.ReleaseModel(9, 99),
+        p.Reply(1, p.Method.HELLO, value=p.DeviceInfo("dev", DeviceType.GPU, "v1", 30)),
+        p.Reply(2, p.Method.CAPABILITIES, value=caps),
+        p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=["a", "b"]),
+        p.Reply(4, p.Method.NUMBER_OF_CACHE_FILES, value=(1, 2)),
+        p.Reply(5, p.Method.SUPPORTED_OPERATIONS, value=[True, False]),
+        p.Reply(6, p.Method.PREPARE_MODEL, value=42),
+        p.Reply(7, p.Method.PREPARE_MODEL, ErrorStatus.INVALID_ARGUMENT, "bad model"),
+        p.Reply(8, p.Method.EXECUTE, result.status, result.message, result),
+        p.Reply(9, p.Method.RELEASE_MODEL),
+        p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
+    ]
+
+
+def frame_body(frame: bytes) -> bytes:
+    return frame[p.FRAME_HEADER_SIZE:]
+
+
+@pytest.mark.parametrize("message", sample_messages(), ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message):
+    frame, fds = p.encode(message)
+    length, nfds = struct.unpack_from("<IB", frame)
+    assert length == len(frame) - p.FRAME_HEADER_SIZE and nfds == len(fds)
+    assert p.decode_body(frame_body(frame), fds) == message
+
+
+def test_fds_travel_beside_the_frame_in_pool_order():
+    execute = sample_messages()[7]
+    frame, fds = p.encode(execute)
+    assert fds == [9]
+    assert p.encode(sample_messages()[4])[1] == [7]
+
+
+def test_truncated_and_padded_bodies_raise_the_protocol_error():
+    for message in sample_messages():
+        frame, fds = p.encode(message)
+        body = frame_body(frame)
+        for cut in range(len(body)):
+            with pytest.raises(p.ProtocolError):
+                p.decode_body(body[:cut], fds)
+        with pytest.raises(p.ProtocolError, match="trailing"):
+            p.decode_body(body + b"\0", fds)
+
+
+def test_fd_count_must_match_what_the_message_uses():
+    frame, fds = p.encode(sample_messages()[7])
+    with pytest.raises(p.ProtocolError, match="more fds"):
+        p.decode_body(frame_body(frame), [])
+    with pytest.raises(p.ProtocolError, match="fds came"):
+        p.decode_body(frame_body(frame), fds + [11])
+
+
+@pytest.mark.parametrize("body, needle", [
+    (struct.pack("<BBQ", 3, 1, 0), "kind"),
+    (struct.pack("<BBQ", 1, 200, 0), "unknown method"),
+    (struct.pack("<BBQ", 1, 0, 0), "ERROR is a reply"),
+    (struct.pack("<BBQI", 2, 2, 0, 77), "not a ErrorStatus"),
+    (struct.pack("<BBQIIB", 2, 0, 0, 0, 0, 0), "ERROR reply with status NONE"),
+    (struct.pack("<BBQQIIIQI", 1, p.Method.EXECUTE, 0, 1, 0xFFFFFFFF, 0, 0, 0, 0), "count"),
+])
+def test_bad_bodies_name_what_is_wrong(body, needle):
+    with pytest.raises(p.ProtocolError, match=needle) as e:
+        p.decode_body(body)
+    assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert isinstance(e.value, NnrtError)
+
+
+def test_non_finite_deadline_is_refused():
+    frame, _ = p.encode(p.ReleaseModel(1, 1))
+    msg = p.Execute(1, 1, (), (), (), (), False, math.nan, None)
+    frame, fds = p.encode(msg)
+    with pytest.raises(p.ProtocolError, match="deadline"):
+        p.decode_body(frame_body(frame), fds)
+
+
+def test_connection_reassembles_frames_fed_byte_by_byte():
+    server = p.Connection("server")
+    calls = sample_messages()[:9]
+    stream, all_fds = b"", []
+    for m in calls:
+        frame, fds = p.encode(m)
+        stream += frame
+        all_fds += fds
+    got = []
+    server.receive_data(stream[:1], all_fds)  # fds arrive with the first byte
+    for i in range(1, len(stream)):
+        while (event := server.next_event()) is not None:
+            got.append(event)
+        server.receive_data(stream[i:i + 1])
+    while (event := server.next_event()) is not None:
+        got.append(event)
+    assert got == calls
+    assert server.state is p.State.READY
+
+
+def test_state_machine_is_a_table_and_refuses_calls_before_hello():
+    assert p.transition(p.State.IDLE, p.Event.HELLO) is p.State.READY
+    with pytest.raises(p.ProtocolError, match="CALL is not allowed in state IDLE"):
+        p.transition(p.State.IDLE, p.Event.CALL)
+    with pytest.raises(p.ProtocolError, match="HELLO is not allowed in state READY"):
+        p.transition(p.State.READY, p.Event.HELLO)
+    server = p.Connection("server")
+    server.receive_data(p.encode(p.ReleaseModel(5, 1))[0])
+    event = server.next_event()
+    assert isinstance(event, p.Malformed) and event.call_id == 5
+    assert "IDLE" in event.error.message
+    client = p.Connection("client")
+    with pytest.raises(p.ProtocolError):
+        client.send(p.ReleaseModel(1, 1))
+    client.send(p.Hello(1))
+    with pytest.raises(p.ProtocolError):
+        client.send(p.Hello(2))
+
+
+def test_a_service_refuses_replies_and_a_client_refuses_calls():
+    server = p.Connection("server")
+    server.receive_data(p.encode(p.Reply(3, p.Method.RELEASE_MODEL))[0])
+    assert isinstance(server.next_event(), p.Malformed)
+    client = p.Connection("client")
+    client.receive_data(p.encode(p.Hello(3))[0])
+    assert isinstance(client.next_event(), p.Malformed)
+
+
+def test_oversized_frame_breaks_the_connection():
+    server = p.Connection("server")
+    server.receive_data(struct.pack("<IB", p.MAX_FRAME + 1, 0) + b"x" * 10)
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        server.next_event()
+    assert server.state is p.State.CLOSED
+
+
+def test_frame_announcing_missing_fds_breaks_the_connection():
+    server = p.Connection("server")
+    body = struct.pack("<BBQI", 1, p.Method.HELLO, 1, 1)
+    server.receive_data(struct.pack("<IB", len(body), 2) + body, [5])
+    with pytest.raises(p.ProtocolError, match="announces 2 fds"):
+        server.next_event()
+    assert server.take_fds() == [5]
+
+
+def test_eof_closes_the_call_stream():
+    server = p.Connection("server")
+    server.receive_data(b"")
+    assert server.state is p.State.CLOSED
+
+
+def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
+    # Smallest operands (a scalar without location) and smallest arguments
+    # (no value) packed back to back must still decode.
+    from nnrt.model.graph import Model, Subgraph
+    operands = tuple(Operand(T.INT32) for _ in range(50))
+    model = Model(Subgraph(operands, (), (), ()))
+    message = p.SupportedOperations(1, model)
+    frame, fds = p.encode(message)
+    assert p.decode_body(frame_body(frame), fds) == message
+    args = tuple(RequestArgument(True) for _ in range(50))
+    message = p.Execute(2, 1, args, (), ())
+    frame, fds = p.encode(message)
+    assert p.decode_body(frame_body(frame), fds) == message
