@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 
 from .drivers.hal import DeviceType, ExecutionPreference  # noqa: E402
 from .errors import ErrorStatus, NnrtError, ResultCode  # noqa: E402
+from .fence import FenceState, SyncFence  # noqa: E402
+from .memory import Memory  # noqa: E402
 from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
@@ -17,5 +19,6 @@ from .qos.priority import Priority  # noqa: E402
 from .runtime import CompiledModel, ExecutionTiming, Result, Runtime, run  # noqa: E402
 
 __all__ = ["CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference", "ExecutionTiming",
-           "FusedActivation", "Model", "NnrtError", "OperandType", "OperationType",
-           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "run", "__version__"]
+           "FenceState", "FusedActivation", "Memory", "Model", "NnrtError", "OperandType", "OperationType",
+           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "SyncFence", "run",
+           "__version__"]

@@ -13,6 +13,8 @@ FORBIDDEN = {
     "ops": {"drivers", "runtime", "burst", "fence", "testing"},
     "drivers": {"runtime", "testing"},
     "qos": {"drivers", "runtime", "testing"},
+    "fence": {"runtime", "testing"},
+    "memory": {"model", "ops", "drivers", "runtime", "burst", "fence", "qos", "testing"},
 }
 
 
