@@ -1,0 +1,387 @@
+"""The fmq ring: frames, wrap-around, full/empty, limits, corruption, waits,
+async waits on asyncio and trio, and an fd handoff to a second process."""
+import fcntl
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+from nnrt.fmq import (HEADER_SIZE, NATIVE_AVAILABLE, FrameTooLarge, Ready, Ring, RingClosed,
+                      RingCorrupted, RingError, WouldBlock)
+from nnrt.fmq.ring import DATA_WAITER_OFFSET, READ_OFFSET, SPACE_WAITER_OFFSET, WRITE_OFFSET
+
+PROTOCOLS = [pytest.param(True, id="native",
+                          marks=pytest.mark.skipif(not NATIVE_AVAILABLE,
+                                                   reason="native helper not built")),
+             pytest.param(False, id="always-signal")]
+
+
+@pytest.fixture(params=PROTOCOLS)
+def native(request):
+    return request.param
+
+
+def make(native, capacity=256, **kw):
+    return Ring.create(capacity, native=native, **kw)
+
+
+def peek_u64(ring, offset):
+    with mmap.mmap(ring.fds()[0], HEADER_SIZE) as mm:
+        return int.from_bytes(mm[offset:offset + 8], "little")
+
+
+def poke_u64(ring, offset, value):
+    with mmap.mmap(ring.fds()[0], HEADER_SIZE) as mm:
+        mm[offset:offset + 8] = (value % 2**64).to_bytes(8, "little")
+
+
+def test_frames_round_trip_in_order(native):
+    with make(native) as ring:
+        frames = [b"", b"a", b"0123456789abcdef", bytes(range(120))]
+        for f in frames:
+            ring.write_nowait(f)
+        assert [ring.read_nowait() for _ in frames] == frames
+        # any contiguous buffer is a frame; the reader always gets bytes
+        ring.write_nowait(bytearray(b"xy"))
+        ring.write_nowait(memoryview(b"xyz"))
+        ring.write_nowait(np.arange(4, dtype=np.int32))
+        assert ring.read_nowait() == b"xy"
+        assert ring.read_nowait() == b"xyz"
+        assert ring.read_nowait() == np.arange(4, dtype=np.int32).tobytes()
+
+
+def test_empty_and_full(native):
+    with make(native, 64) as ring:       # max frame 24, 8-byte prefix, 8-byte padding
+        with pytest.raises(WouldBlock):
+            ring.read_nowait()
+        ring.write_nowait(b"x" * 24)     # 32 bytes
+        ring.write_nowait(b"y" * 24)     # 64: full
+        with pytest.raises(WouldBlock):
+            ring.write_nowait(b"")
+        assert ring.statistics().bytes_used == 64
+        assert ring.read_nowait() == b"x" * 24
+        ring.write_nowait(b"z")          # 16 bytes fit again
+        assert ring.read_nowait() == b"y" * 24
+        assert ring.read_nowait() == b"z"
+        with pytest.raises(WouldBlock):
+            ring.read_nowait()
+        stats = ring.statistics()
+        assert (stats.bytes_used, stats.frames_written, stats.frames_read) == (0, 3, 3)
+        assert stats.native is native
+
+
+def test_frames_larger_than_half_the_ring_are_refused(native):
+    with make(native, 1024) as ring:
+        assert ring.max_frame == 512 - 8
+        ring.write_nowait(b"m" * ring.max_frame)
+        with pytest.raises(FrameTooLarge, match=r"frame of 505 bytes exceeds .* maximum frame of "
+                                                r"504 bytes .*half of the 1024-byte ring"):
+            ring.write_nowait(b"m" * 505)
+        with pytest.raises(FrameTooLarge):
+            ring.write(b"m" * 4096, timeout=0)   # refused up front, not waited for
+        with pytest.raises(FrameTooLarge):
+            ring.wait_write_sync(505, timeout=0)
+        assert ring.read_nowait() == b"m" * 504
+    with pytest.raises(ValueError, match="max_frame"):
+        Ring.create(1024, max_frame=600)
+    with make(native, 1024, max_frame=100) as ring:
+        with pytest.raises(FrameTooLarge, match="maximum frame of 100"):
+            ring.write_nowait(bytes(101))
+
+
+@pytest.mark.parametrize("capacity", [0, 63, 100, 3 << 10, 2**31, True, "64"])
+def test_capacity_must_be_a_power_of_two(capacity):
+    with pytest.raises(ValueError, match="power of two"):
+        Ring.create(capacity)
+
+
+def test_wrap_around_splits_payloads_across_the_end(native):
+    rng = np.random.default_rng(1)
+    with make(native, 256) as ring:
+        for k in range(600):
+            frame = rng.integers(0, 256, int(rng.integers(0, ring.max_frame + 1)),
+                                 dtype=np.uint8).tobytes()
+            ring.write_nowait(frame)
+            assert ring.read_nowait() == frame, k
+        assert ring.statistics().frames_read == 600
+
+
+@pytest.mark.parametrize("start", [256 - 8, 256 * 1000 - 16, 2**32 - 8, 2**64 - 24, 2**64 - 8])
+def test_counters_near_the_wrap_of_the_index_mask(native, start):
+    with make(native, 256, for_test_initial_counter=start) as ring:
+        assert peek_u64(ring, WRITE_OFFSET) == start % 2**64
+        frames = [bytes([i]) * (i * 7 % 100) for i in range(40)]
+        pending = []
+        for f in frames:
+            while True:
+                try:
+                    ring.write_nowait(f)
+                    pending.append(f)
+                    break
+                except WouldBlock:
+                    assert ring.read_nowait() == pending.pop(0)
+        while pending:
+            assert ring.read_nowait() == pending.pop(0)
+        w, r = peek_u64(ring, WRITE_OFFSET), peek_u64(ring, READ_OFFSET)
+        assert w == r
+        total = sum(8 + (len(f) + 7) // 8 * 8 for f in frames)
+        assert w == (start + total) % 2**64   # counters only grow, modulo 2**64
+
+
+def test_an_impossible_peer_counter_is_reported_not_followed(native):
+    with make(native) as ring:
+        ring.write_nowait(b"abc")
+        poke_u64(ring, WRITE_OFFSET, peek_u64(ring, READ_OFFSET) + 4096)   # more than capacity
+        with pytest.raises(RingCorrupted):
+            ring.read_nowait()
+    with make(native) as ring:
+        ring.write_nowait(b"abc")
+        poke_u64(ring, READ_OFFSET, peek_u64(ring, WRITE_OFFSET) + 8)      # reader ahead
+        with pytest.raises(RingCorrupted):
+            ring.write_nowait(b"x")
+
+
+def test_a_bad_frame_prefix_is_reported(native):
+    with make(native) as ring:
+        ring.write_nowait(b"abcdefgh")
+        with mmap.mmap(ring.fds()[0], HEADER_SIZE + ring.capacity) as mm:
+            mm[HEADER_SIZE:HEADER_SIZE + 4] = (200).to_bytes(4, "little")   # check word mismatch
+        with pytest.raises(RingCorrupted):
+            ring.read_nowait()
+
+
+def test_timeouts(native):
+    with make(native, 64) as ring:
+        t = time.monotonic()
+        with pytest.raises(TimeoutError):
+            ring.read(timeout=0.05)
+        assert time.monotonic() - t >= 0.04
+        ring.write(b"x" * 24)
+        ring.write(b"x" * 24)
+        with pytest.raises(TimeoutError):
+            ring.write(b"y", timeout=0.05)
+        with pytest.raises(TimeoutError):
+            ring.wait_write_sync(1, timeout=0.01)
+        assert ring.read(timeout=0) == b"x" * 24
+        assert ring.wait_write_sync(24, timeout=0) is Ready.RING
+
+
+def test_blocking_reader_and_writer_wake_each_other(native):
+    """A writer blocked on a full ring wakes when the reader frees space, and
+    a reader blocked on an empty ring wakes when a frame arrives."""
+    n = 3000
+    with make(native, 128) as ring:
+        got = []
+
+        def consumer():
+            for _ in range(n):
+                got.append(ring.read())
+                if len(got) % 500 == 0:
+                    time.sleep(0.01)    # let the producer fill the ring and block
+
+        t = threading.Thread(target=consumer)
+        t.start()
+        for i in range(n):
+            ring.write(i.to_bytes(4, "little") * (i % 13))
+        t.join(10)
+        assert not t.is_alive()
+        assert got == [i.to_bytes(4, "little") * (i % 13) for i in range(n)]
+
+
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+@pytest.mark.parametrize("producer_native", [True, False])
+def test_native_and_pure_python_ends_interoperate(producer_native):
+    with Ring.create(128, native=producer_native) as producer:
+        consumer = Ring.attach(*(os.dup(fd) for fd in producer.fds()),
+                               native=not producer_native)
+        got = []
+        t = threading.Thread(target=lambda: got.extend(consumer.read() for _ in range(2000)))
+        t.start()
+        for i in range(2000):
+            producer.write(bytes([i % 256]) * (i % 50))
+        t.join(10)
+        assert got == [bytes([i % 256]) * (i % 50) for i in range(2000)]
+        consumer.close()
+
+
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+def test_native_ends_signal_only_announced_waiters():
+    """The fenced handshake: no eventfd write while the peer is not waiting;
+    a pure-Python waiter's flag stays 1, so it is always signalled."""
+    with Ring.create(256, native=True) as ring:
+        ring.write_nowait(b"a")
+        assert ring.read_nowait() == b"a"
+        assert peek_u64(ring, DATA_WAITER_OFFSET) == 0       # cleared on first use
+        assert peek_u64(ring, SPACE_WAITER_OFFSET) == 0
+        data_efd = ring.fds()[1]
+        assert os.eventfd_read(data_efd) == 1   # "a" went out while the flag was still 1
+        ring.write_nowait(b"b")
+        os.set_blocking(data_efd, False)
+        with pytest.raises(BlockingIOError):    # nobody waited: no wake-up was sent
+            os.eventfd_read(data_efd)
+        os.set_blocking(data_efd, True)
+    with Ring.create(256, native=False) as ring:
+        ring.write_nowait(b"a")
+        ring.read_nowait()
+        assert peek_u64(ring, DATA_WAITER_OFFSET) == 1
+        assert os.eventfd_read(ring.fds()[1]) == 1
+
+
+def test_wait_with_also_reports_which_fired(native):
+    with make(native) as ring:
+        also = os.eventfd(0, os.EFD_NONBLOCK)
+        try:
+            with pytest.raises(TimeoutError):
+                ring.wait_read_sync(timeout=0.01, also=also)
+            os.eventfd_write(also, 1)
+            assert ring.wait_read_sync(timeout=1, also=also) is Ready.ALSO
+            ring.write_nowait(b"f")
+            assert ring.wait_read_sync(timeout=1, also=also) is Ready.RING   # a frame wins
+            assert ring.read_nowait() == b"f"
+        finally:
+            os.close(also)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_waits(native, backend):
+    async def main():
+        with make(native, 128) as ring:
+            also = os.eventfd(0, os.EFD_NONBLOCK)
+            try:
+                # a frame from another thread wakes the awaiting task
+                threading.Timer(0.02, ring.write, (b"late",)).start()
+                with anyio.fail_after(5):
+                    assert await ring.read_async() == b"late"
+                # the other fd wakes it too, and says so
+                threading.Timer(0.02, os.eventfd_write, (also, 1)).start()
+                with anyio.fail_after(5):
+                    assert await ring.wait_read(also=also) is Ready.ALSO
+                ring.write_nowait(b"now")
+                assert await ring.wait_read(also=also) is Ready.RING
+                assert ring.read_nowait() == b"now"
+                # a full ring: write_async waits until a reader frees space
+                await ring.write_async(b"x" * 56)
+                await ring.write_async(b"x" * 56)
+                threading.Timer(0.02, ring.read).start()
+                with anyio.fail_after(5):
+                    await ring.write_async(b"y")
+                # a waiter can be cancelled
+                with anyio.move_on_after(0.02) as scope:
+                    await ring.wait_write(56)
+                assert scope.cancelled_caught
+            finally:
+                os.close(also)
+    anyio.run(main, backend=backend)
+
+
+def test_close_is_idempotent_and_final(native):
+    ring = make(native)
+    ring.write_nowait(b"x")
+    ring.close()
+    ring.close()
+    assert ring.closed
+    for call in (lambda: ring.read_nowait(), lambda: ring.write_nowait(b"y"),
+                 lambda: ring.read(timeout=0), lambda: ring.statistics(), lambda: ring.fds()):
+        with pytest.raises(RingClosed):
+            call()
+
+
+def test_attach_refuses_what_is_not_a_ring(tmp_path):
+    efds = [os.eventfd(0) for _ in range(2)]
+    fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, HEADER_SIZE + 64)
+    try:
+        with pytest.raises(RingError, match="not sealed"):
+            Ring.attach(fd, *efds)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        with pytest.raises(RingError, match="magic"):
+            Ring.attach(fd, *efds)
+        plain = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
+        with pytest.raises(RingError, match="memfd"):
+            Ring.attach(plain, *efds)
+        os.close(plain)
+    finally:
+        for x in (fd, *efds):
+            os.close(x)
+
+
+CHILD = textwrap.dedent("""
+    import os, socket, sys
+    from nnrt.fmq import Ring
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    _, fds, _, _ = socket.recv_fds(sock, 16, 6)
+    requests, replies = Ring.attach(*fds[:3]), Ring.attach(*fds[3:])
+    while True:
+        frame = requests.read()
+        if frame == b"quit":
+            break
+        replies.write(frame[::-1])
+""")
+
+
+def test_fd_handoff_to_a_second_process_and_peer_death():
+    """Ring fds travel over SCM_RIGHTS to another process, which echoes
+    frames; its exit is seen through a pidfd passed as ``also``."""
+    requests, replies = Ring.create(4096), Ring.create(4096)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(theirs.fileno())],
+                             pass_fds=[theirs.fileno()], env=env)
+    theirs.close()
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        socket.send_fds(ours, [b"rings"], [*requests.fds(), *replies.fds()])
+        for i in range(200):
+            frame = os.urandom(i % 300)
+            requests.write(frame)
+            assert replies.wait_read_sync(timeout=10, also=pidfd) is Ready.RING
+            assert replies.read_nowait() == frame[::-1]
+        requests.write(b"quit")
+        assert replies.wait_read_sync(timeout=10, also=pidfd) is Ready.ALSO   # it exited
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+        os.close(pidfd)
+        ours.close()
+        requests.close()
+        replies.close()
+
+
+def test_the_ring_works_without_the_native_helper():
+    """An install without a C compiler has no _native module: the ring then
+    runs the pure-Python always-signal protocol."""
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "nnrt.fmq._native":
+                    raise ImportError("no compiler here")
+        sys.meta_path.insert(0, Block())
+        from nnrt.fmq import NATIVE_AVAILABLE, Ring, RingError
+        assert not NATIVE_AVAILABLE
+        with Ring.create(256) as ring:
+            assert not ring.statistics().native
+            ring.write(b"hello")
+            assert ring.read(timeout=1) == b"hello"
+        try:
+            Ring.create(256, native=True)
+        except RingError as e:
+            assert "not built" in str(e)
+        else:
+            raise AssertionError("native=True without the helper was accepted")
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
