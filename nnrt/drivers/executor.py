@@ -6,11 +6,23 @@ kernels looked up, per-operation argument templates made) and is shared by
 every execution of that model; per-execution state lives in
 :class:`ExecutionContext`, which kernels see as ``call.executor`` (control-flow
 kernels run referenced subgraphs through it).
+
+Operation boundaries. Before each operation, and on entering every
+subgraph (so once per WHILE iteration, whatever the loop's subgraphs hold),
+the context calls the ``checkpoint`` it was given. That is where the QoS
+scheduler acts (``nnrt.qos.gate.ExecutionGate.checkpoint``): it returns to
+go on, blocks while the execution is preempted and returns when it is
+resumed, or raises NnrtError (deadline abort, cancellation) to unwind. The
+execution's state between operations (``position``: the next operation of
+each active subgraph, and the live operand values) belongs to the context
+and the calling thread's frames, so a parked execution resumes exactly where
+it stopped and computes what an uninterrupted run computes.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -69,21 +81,37 @@ class Executor:
                       for index in validated.dims}
 
     def run(self, inputs: list, *, loop_timeout: float | None = None,
-            deadline: float | None = None) -> list[np.ndarray]:
-        """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted)."""
-        context = ExecutionContext(self, loop_timeout, deadline)
+            deadline: float | None = None,
+            checkpoint: Callable[["ExecutionContext"], None] | None = None) -> list[np.ndarray]:
+        """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted).
+        ``checkpoint(context)`` is called at every operation boundary."""
+        context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
         return context.run_subgraph(None, inputs)
 
 
 class ExecutionContext:
     """One execution's state: what kernels reach through ``call.executor``."""
 
-    def __init__(self, executor: Executor, loop_timeout: float | None, deadline: float | None):
+    def __init__(self, executor: Executor, loop_timeout: float | None, deadline: float | None,
+                 checkpoint: Callable[["ExecutionContext"], None] | None = None):
         self.executor = executor
         if loop_timeout is None:
             loop_timeout = DEFAULT_LOOP_TIMEOUT
         self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
         self.deadline = deadline
+        self._checkpoint = checkpoint
+        # [subgraph index, next operation] per active subgraph, outermost first.
+        self._frames: list[list] = []
+
+    @property
+    def position(self) -> tuple[tuple[int | None, int], ...]:
+        """(subgraph, next operation index) of every active subgraph, outermost first."""
+        return tuple((index, k) for index, k in self._frames)
+
+    def checkpoint(self) -> None:
+        """An operation boundary (see the module docstring)."""
+        if self._checkpoint is not None:
+            self._checkpoint(self)
 
     def run_subgraph(self, index: int | None, inputs: list) -> list:
         plan = self.executor.plans[index]
@@ -96,7 +124,23 @@ class ExecutionContext:
             values[i] = v
         relaxed = self.executor.relaxed
         trace = vlog_on("cpuexe")
-        for step in plan.steps:
+        frame = [index, 0]
+        self._frames.append(frame)
+        try:
+            self._run_steps(plan, values, frame, relaxed, trace)
+        finally:
+            self._frames.pop()
+        return [values[i] for i in plan.output_indexes]
+
+    def _run_steps(self, plan: _SubgraphPlan, values: list, frame: list, relaxed: bool,
+                   trace: bool) -> None:
+        checkpoint = self._checkpoint
+        if checkpoint is not None and frame[0] is not None:
+            checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
+        for k, step in enumerate(plan.steps):
+            frame[1] = k
+            if checkpoint is not None:
+                checkpoint(self)
             args = [ops.Arg(t, values[i], s, z, c)
                     for i, (t, s, z, c) in zip(step.inputs, step.arg_templates)]
             call = ops.Call(step.type, args, list(step.out_operands), relaxed, self)
@@ -115,9 +159,9 @@ class ExecutionContext:
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                                 f"{step.type.name} kernel returned {len(results)} outputs, "
                                 f"expected {len(step.outputs)} (bug in the kernel)")
-            for k, (i, result) in enumerate(zip(step.outputs, results)):
-                values[i] = _checked_output(step, k, result)
-        return [values[i] for i in plan.output_indexes]
+            for j, (i, result) in enumerate(zip(step.outputs, results)):
+                values[i] = _checked_output(step, j, result)
+        frame[1] = len(plan.steps)
 
 
 def _checked_output(step: _Step, k: int, result):

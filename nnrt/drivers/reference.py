@@ -1,19 +1,39 @@
 """The reference CPU driver: every operation of the registry, run in-process
 with numpy. It is what the runtime falls back to and what every other driver
-is compared with."""
+is compared with.
+
+Every execution goes through the device's QoS scheduler
+(:mod:`nnrt.qos.scheduler`, behind an :class:`~nnrt.qos.gate.ExecutionGate`):
+``execute`` and ``execute_synchronously`` (and so bursts, which are built on
+them) submit a job for the prepared model's app and priority, wait for a
+slot, and run the executor with the gate's checkpoint at every operation
+boundary, where a higher-priority job of the same app preempts it, a hopeless
+deadline aborts it and a cancellation stops it. ``execute`` runs all of that
+on a worker thread; cancelling the awaiting task withdraws or stops the job
+and returns only once the thread has let go of the request's buffers.
+"""
 from __future__ import annotations
 
+import itertools
+import math
+import os
+import threading
 import time
+from typing import Callable, Hashable
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from .. import __version__, ops
 from ..errors import ErrorStatus, NnrtError
+from ..memory import as_buffer
 from ..model.graph import Model, decode_value
 from ..model.types import OperandType
 from ..model.validate import validate_model, validate_request
+from ..qos.gate import ExecutionGate
 from ..qos.priority import Priority, check_deadline, check_priority
+from ..qos.scheduler import DEFAULT_QUEUE_LIMIT, Job, Scheduler, SchedulerStatistics, check_key
 from ..vlog import vlog
 from .executor import Executor
 from .hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
@@ -25,8 +45,22 @@ class ReferenceDevice(Device):
     feature_level = 30  # HAL 1.3 / Android 11
     version_string = f"nnrt-reference-{__version__}"
 
-    def __init__(self, name: str = "nnrt-reference"):
+    def __init__(self, name: str = "nnrt-reference", *, app: Hashable = None, slots: int = 1,
+                 queue_limit: int = DEFAULT_QUEUE_LIMIT, memory_limit: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """``app`` keys the scheduler queue of models prepared without an
+        explicit ``app=`` (default: this process's pid); ``slots`` is how many
+        executions run at once; ``memory_limit`` (bytes) refuses bigger models
+        with RESOURCE_EXHAUSTED_PERSISTENT."""
         self.name = name
+        self.app = os.getpid() if app is None else check_key(app, "app key")
+        self.scheduler = Scheduler(slots=slots, queue_limit=queue_limit,
+                                   memory_limit=memory_limit, clock=clock, name=name)
+        self.gate = ExecutionGate(self.scheduler)
+
+    def statistics(self) -> SchedulerStatistics:
+        """The scheduler's counters per app and priority."""
+        return self.gate.statistics()
 
     def capabilities(self) -> Capabilities:
         one = PerformanceInfo(1.0, 1.0)
@@ -45,73 +79,194 @@ class ReferenceDevice(Device):
 
     async def prepare_model(self, model: Model, preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                            cache=None) -> "ReferencePreparedModel":
-        return self.prepare_model_synchronously(model, preference, priority, deadline)
+                            cache=None, *, app: Hashable = None) -> "ReferencePreparedModel":
+        return self.prepare_model_synchronously(model, preference, priority, deadline, app=app)
 
     def prepare_model_synchronously(self, model: Model,
                                     preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                                     priority: Priority = Priority.MEDIUM,
-                                    deadline: float | None = None) -> "ReferencePreparedModel":
+                                    deadline: float | None = None, *,
+                                    app: Hashable = None) -> "ReferencePreparedModel":
+        """Prepare ``model``; its executions run at ``priority`` in the queue
+        of ``app`` (default: the device's ``app``)."""
         try:
             ExecutionPreference(preference)
         except ValueError:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"execution preference {preference!r} is not valid") from None
-        check_priority(priority)
+        priority = check_priority(priority)
         deadline = check_deadline(deadline)
-        if deadline is not None and time.monotonic() > deadline:
+        app = self.app if app is None else check_key(app, "app key")
+        clock = self.scheduler.clock
+        if deadline is not None and clock() > deadline:
             raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
                             "the preparation deadline had passed before preparation began")
+        self.scheduler.check_memory(model_bytes(model), "the model")
         validated = validate_model(model)
-        vlog("driver", "%s: prepared a HAL %s model with %d operations", self.name,
-             validated.version.name, len(model.main.operations))
-        return ReferencePreparedModel(model, Executor(model, validated))
+        if deadline is not None and clock() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                            "the model was prepared after its preparation deadline")
+        vlog("driver", "%s: prepared a HAL %s model with %d operations (app %r, %s)", self.name,
+             validated.version.name, len(model.main.operations), app, priority.name)
+        return ReferencePreparedModel(model, Executor(model, validated), self.gate, priority, app)
+
+
+def model_bytes(model: Model) -> int:
+    """Memory a model needs to run: its constants plus every operand whose
+    size is known (an upper bound: the executor frees nothing mid-run)."""
+    total = len(model.operand_values)
+    total += sum(as_buffer(pool).nbytes for pool in model.pools)
+    for sub in (model.main, *model.referenced):
+        total += sum(o.byte_size for o in sub.operands if o.location is None)
+    return total
+
+
+# Worker threads of executions. Its own limiter, not anyio's default one
+# (40 threads, shared with the app): a job waiting for a slot sleeps on its
+# thread, and the job holding the slot must never wait for a thread that a
+# queued job holds. The scheduler's per-app queue limit bounds the threads.
+_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("nnrt_reference")
+
+
+def _thread_limiter() -> anyio.CapacityLimiter:
+    try:
+        return _THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(math.inf)
+        _THREADS.set(limiter)
+        return limiter
+
+
+_PREPARED_IDS = itertools.count(1)
+
+
+class _Handoff:
+    """Between an awaiting task and its worker thread, under ``lock``: did
+    the thread start, did the task stop waiting (cancelled). ``done``: the
+    thread has let go of the request for good."""
+
+    __slots__ = ("lock", "started", "abandoned", "done")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.started = self.abandoned = False
+        self.done = threading.Event()
 
 
 class ReferencePreparedModel(PreparedModel):
-    def __init__(self, model: Model, executor: Executor):
+    def __init__(self, model: Model, executor: Executor, gate: ExecutionGate,
+                 priority: Priority = Priority.MEDIUM, app: Hashable = None):
         self.model = model
         self.executor = executor
+        self.priority = Priority(priority)
+        self.app = app
+        self._gate = gate
+        # The scheduler's run-time estimate is kept per prepared model.
+        self.key = f"{type(self).__name__}-{next(_PREPARED_IDS)}"
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
-        return await anyio.to_thread.run_sync(self.execute_synchronously, request, measure,
-                                              deadline, loop_timeout)
+        started = time.perf_counter_ns()
+        try:
+            job = self._submit(request, deadline)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        handoff = _Handoff()
+        try:
+            return await anyio.to_thread.run_sync(self._run_on_worker, job, request, measure,
+                                                  loop_timeout, started, handoff,
+                                                  abandon_on_cancel=True,
+                                                  limiter=_thread_limiter())
+        except BaseException:
+            await self._abandon(job, handoff)
+            raise
+
+    async def _abandon(self, job: Job, handoff: "_Handoff") -> None:
+        """The awaiting task was cancelled: withdraw the job, or stop it at
+        its next boundary (which gives the slot back), and wait, shielded,
+        until the worker thread has let go of the request's pools, which the
+        caller may free as soon as this returns: at most one operation."""
+        with handoff.lock:
+            handoff.abandoned = True
+            started = handoff.started
+        self._gate.cancel(job)
+        if started:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(handoff.done.wait, limiter=_thread_limiter())
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
                               loop_timeout: float | None = None) -> ExecutionResult:
         started = time.perf_counter_ns()
         try:
-            deadline = check_deadline(deadline)
-            validate_request(self.model, request)
-            if deadline is not None and time.monotonic() > deadline:
-                return ExecutionResult(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
-                                       message="the deadline had passed before the execution began")
+            job = self._submit(request, deadline)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        try:
+            return self._run(job, request, measure, loop_timeout, started)
+        except BaseException:
+            self._gate.cancel(job)
+            raise
+
+    def _submit(self, request: Request, deadline) -> Job:
+        deadline = check_deadline(deadline)
+        validate_request(self.model, request)
+        return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key)
+
+    def _run_on_worker(self, job: Job, request: Request, measure: bool,
+                       loop_timeout: float | None, started: int,
+                       handoff: "_Handoff") -> ExecutionResult:
+        with handoff.lock:
+            if handoff.abandoned:    # cancelled before this thread picked it up
+                return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                       message="the execution was cancelled")
+            handoff.started = True
+        try:
+            return self._run(job, request, measure, loop_timeout, started)
+        finally:
+            handoff.done.set()
+
+    def _run(self, job: Job, request: Request, measure: bool, loop_timeout: float | None,
+             started: int) -> ExecutionResult:
+        """Wait for a slot, run with the gate's checkpoint at every boundary,
+        give the slot back; on the thread that owns ``job``."""
+        gate = self._gate
+        try:
+            gate.wait_started(job)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        shapes: tuple[OutputShape, ...] = ()
+        message = ""
+        try:
             inputs = self._read_inputs(request)
-            device_start = time.perf_counter_ns()
-            outputs = self.executor.run(inputs, loop_timeout=loop_timeout, deadline=deadline)
-            device_end = time.perf_counter_ns()
+            outputs = self.executor.run(inputs, loop_timeout=loop_timeout, deadline=job.deadline,
+                                        checkpoint=lambda _context: gate.checkpoint(job))
             shapes = tuple(OutputShape(tuple(np.shape(o)),
                                        np.asarray(o).nbytes <= arg.location.length)
                            for o, arg in zip(outputs, request.outputs))
-            if not all(s.is_sufficient for s in shapes):
-                return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
-                                       message="an output buffer is too small")
-            self._write_outputs(request, outputs)
+            if all(s.is_sufficient for s in shapes):
+                self._write_outputs(request, outputs)
+                status = ErrorStatus.NONE
+            else:
+                status, message = (ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
+                                   "an output buffer is too small")
         except NnrtError as e:
-            return ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
-        if deadline is not None and time.monotonic() > deadline:
+            status, message = e.status, e.message
+            shapes = tuple(e.output_shapes or ()) or shapes
+        except BaseException:
+            gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the executor raised unexpectedly")
+            raise
+        final = gate.finish(job, status, message)
+        if final != status:
             # Never report success for work that finished after its deadline.
-            return ExecutionResult(ErrorStatus.MISSED_DEADLINE_TRANSIENT, shapes,
-                                   message="the execution finished after its deadline")
+            return ExecutionResult(final, shapes, message=job.message)
         timing = NO_TIMING
-        if measure:
-            on_device = (device_end - device_start) // 1000
+        if measure and status == ErrorStatus.NONE:
+            on_device = int(job.ran * 1_000_000)
             in_driver = max((time.perf_counter_ns() - started) // 1000, on_device)
             timing = Timing(on_device, in_driver)
-        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
+        return ExecutionResult(status, shapes, timing, message)
 
     def _read_inputs(self, request: Request) -> list:
         sub = self.model.main
@@ -122,7 +277,7 @@ class ReferencePreparedModel(PreparedModel):
                 continue
             operand = sub.operands[index]
             loc = arg.location
-            raw = memoryview(request.pools[loc.pool_index]).cast("B")[loc.offset:loc.offset + loc.length]
+            raw = as_buffer(request.pools[loc.pool_index])[loc.offset:loc.offset + loc.length]
             if operand.type.is_tensor:
                 dims = tuple(arg.dimensions) or operand.dimensions
                 inputs.append(np.frombuffer(raw, dtype=operand.type.dtype).reshape(dims))
@@ -138,7 +293,7 @@ class ReferencePreparedModel(PreparedModel):
             if arr.nbytes == 0:
                 continue
             loc = arg.location
-            pool = memoryview(request.pools[loc.pool_index]).cast("B")
+            pool = as_buffer(request.pools[loc.pool_index])
             if pool.readonly:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                 f"output operand {index}: pool {loc.pool_index} is read-only")

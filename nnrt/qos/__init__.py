@@ -1,4 +1,11 @@
-"""Quality of service: priorities and deadlines (the scheduler joins them here)."""
-from .priority import Priority, check_deadline, check_priority
+"""Quality of service: priorities, deadlines and the per-app priority
+scheduler that fronts every driver (see ``docs/qos.md``)."""
+from .clock import ManualClock
+from .gate import ExecutionGate
+from .priority import Priority, check_deadline, check_priority, deadline_in
+from .scheduler import (ClassStatistics, Job, JobRecord, JobState, Scheduler,
+                        SchedulerStatistics, Verdict, check_key, check_memory_limit)
 
-__all__ = ["Priority", "check_deadline", "check_priority"]
+__all__ = ["ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock",
+           "Priority", "Scheduler", "SchedulerStatistics", "Verdict", "check_deadline",
+           "check_key", "check_memory_limit", "check_priority", "deadline_in"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 
 from ..errors import invalid
 
@@ -31,3 +32,14 @@ def check_deadline(deadline) -> float | None:
             or math.isnan(deadline):
         raise invalid(f"deadline {deadline!r} is not a monotonic-clock time in seconds")
     return float(deadline)
+
+
+def deadline_in(ms: float = 0.0, *, s: float = 0.0) -> float:
+    """The absolute deadline ``ms`` milliseconds (plus ``s`` seconds) from
+    now, on the monotonic clock that every ``deadline=`` takes:
+    ``compiled.execute(x, deadline=nnrt.deadline_in(ms=33))``."""
+    for name, value in (("ms", ms), ("s", s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise invalid(f"deadline_in({name}={value!r}): expected a finite number")
+    return time.monotonic() + ms / 1000.0 + s

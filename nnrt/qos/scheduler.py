@@ -1,0 +1,635 @@
+"""The per-app priority scheduler that sits in front of a driver.
+
+Theory of operation
+-------------------
+The scheduler is a pure state machine: no threads, no I/O, no sleeping. Time
+comes from the ``clock`` it is given (``time.monotonic`` in drivers, a
+:class:`~nnrt.qos.clock.ManualClock` in tests), and every decision is taken
+inside one of the calls below, so a test can replay any interleaving exactly.
+Callers that run jobs on threads wrap it in :class:`~nnrt.qos.gate.ExecutionGate`,
+which adds the one lock and the wake-ups.
+
+*Jobs.* ``submit`` turns one execution request into a :class:`Job` that moves
+through the states of ``_TRANSITIONS``: QUEUED -> RUNNING (holds one of the
+``slots``) -> DONE, with two detours: a RUNNING job can be PREEMPTED at an
+operation boundary and later RUNNING again, and a waiting job can be refused
+or cancelled. Whoever executes a RUNNING job calls ``checkpoint(job)`` at every
+operation boundary and ``finish(job, status)`` at the end.
+
+*Order inside an app.* Each app (an opaque hashable key chosen by the caller:
+the peer uid or pid of a driver service's client, the process id in-process)
+has one queue sorted by ``(priority, preempted first, deadline, arrival)``:
+HIGH before MEDIUM before LOW, then the earliest deadline (none last), then
+first come first served. A preempted job sorts before every not-yet-started
+job of its priority level, so it resumes before newer work of its level.
+
+*Fairness between apps.* When a slot is free, the app served next is the one
+with work waiting and the least *attained service*: device seconds charged to
+it so far. A job is charged its run-time estimate when it gets a slot and the
+difference to the measured time when it gives the slot back, so concurrent
+slots are accounted while in flight. An app that was idle starts level with
+the least-served active app (it cannot bank credit while idle). Ties, which
+are all there is when jobs take no time, go to the app served longest ago:
+plain round robin. This is deficit round robin with an infinitely small
+quantum, charged with measured time instead of a per-job guess; one app
+flooding the device gets one share, not the device.
+
+*Preemption* is only ever within one app, because priority is relative among
+one app's models (NNAPI). At each boundary ``checkpoint`` looks at the head
+of the job's app queue; when it has a higher priority, the running job gives
+its slot back (PREEMPTED, re-queued at the head of its level) and the slot is
+handed straight to that head job, not to the fairness pick: the app spends
+its own turn on its more important work. The executor keeps the preempted
+job's context (next operation, live operand values) and resumes it when the
+scheduler dispatches it again; nothing is restarted.
+
+*Deadlines.* Each model has a run-time estimate: an exponential moving
+average of the time its completed runs held a slot. A job with a deadline is
+*hopeless* at time ``now`` when ``now + remaining estimate > deadline``; it is
+refused at submission, skipped with a refusal at dequeue, or aborted at an
+operation boundary. The code says whose fault it is: PERSISTENT when the job
+could not have made it even alone on an idle device (its own run time plus
+the remaining estimate exceeds the time it had at submission), TRANSIENT when
+it was late because the device was busy, or when the deadline had already
+passed when the job was submitted. A job that finishes after its deadline is
+never reported as a success (``finish`` turns NONE into a miss).
+
+*Waking.* Every state change that the owner of a job must notice (a dispatch,
+a refusal, a cancellation of a waiting job) appends the job to an outbox the
+caller drains with ``take_wakeups``. A waiting job's ``wake_time`` says when
+it becomes hopeless, so a caller with a timer calls ``poll`` then and the job
+is refused at once instead of waiting for a slot.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from ..errors import ErrorStatus, NnrtError, invalid
+from ..vlog import on as vlog_on, vlog
+from .priority import Priority, check_deadline, check_priority
+
+DEFAULT_QUEUE_LIMIT = 32     # waiting jobs per app before RESOURCE_EXHAUSTED_TRANSIENT
+_ESTIMATE_WEIGHT = 0.25      # weight of the newest run in the moving average
+_MAX_ESTIMATES = 4096        # models remembered (least recently used are forgotten)
+_WAIT_SAMPLES = 1024         # queue waits kept per (app, priority) for percentiles
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"          # waiting for its first slot
+    RUNNING = "running"        # holds a slot
+    PREEMPTED = "preempted"    # gave its slot back at a boundary; waits to resume
+    DONE = "done"              # finished, refused, aborted or cancelled; ``status`` says which
+
+
+class _Event(enum.Enum):
+    DISPATCH = "dispatch"
+    PREEMPT = "preempt"
+    FINISH = "finish"
+    STOP = "stop"        # aborted or cancelled at an operation boundary
+    REFUSE = "refuse"    # a waiting job that cannot make its deadline
+    CANCEL = "cancel"    # a waiting job withdrawn by its owner
+
+
+_TRANSITIONS = {
+    (JobState.QUEUED, _Event.DISPATCH): JobState.RUNNING,
+    (JobState.QUEUED, _Event.REFUSE): JobState.DONE,
+    (JobState.QUEUED, _Event.CANCEL): JobState.DONE,
+    (JobState.RUNNING, _Event.PREEMPT): JobState.PREEMPTED,
+    (JobState.RUNNING, _Event.FINISH): JobState.DONE,
+    (JobState.RUNNING, _Event.STOP): JobState.DONE,
+    (JobState.PREEMPTED, _Event.DISPATCH): JobState.RUNNING,
+    (JobState.PREEMPTED, _Event.REFUSE): JobState.DONE,
+    (JobState.PREEMPTED, _Event.CANCEL): JobState.DONE,
+}
+
+
+class Verdict(enum.Enum):
+    """What ``checkpoint`` tells the executor to do at an operation boundary."""
+
+    CONTINUE = "continue"      # go on with the next operation
+    PREEMPTED = "preempted"    # park, keeping the context, until dispatched again
+    STOPPED = "stopped"        # unwind: ``job.status`` / ``job.message`` say why
+
+
+@dataclass(eq=False)
+class Job:
+    """One execution as the scheduler sees it. Callers read its fields; only
+    the scheduler changes them. Times are in the scheduler's clock."""
+
+    app: Hashable
+    priority: Priority
+    deadline: float | None
+    model: Hashable
+    seq: int
+    submitted_at: float
+    state: JobState = JobState.QUEUED
+    started_at: float | None = None     # first dispatch
+    finished_at: float | None = None
+    ran: float = 0.0                    # seconds spent holding a slot (excludes waits)
+    preemptions: int = 0
+    longest_step: float = 0.0           # longest time between two boundaries while running
+    status: ErrorStatus | None = None   # set when DONE
+    message: str = ""
+    cancel_requested: bool = False
+    _slot_since: float = 0.0
+    _last_boundary: float = 0.0
+    _charged: float = 0.0
+
+    def _order(self) -> tuple:
+        preempted = 0 if self.state is JobState.PREEMPTED else 1
+        deadline = self.deadline if self.deadline is not None else math.inf
+        return (-int(self.priority), preempted, deadline, self.seq)
+
+    def _move(self, event: _Event) -> None:
+        try:
+            self.state = _TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"job {self.seq}: no transition from {self.state.name} on "
+                            f"{event.name} (bug in the scheduler's caller)") from None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A finished job, kept in the scheduler's history (``finished_jobs``)."""
+
+    app: Hashable
+    priority: Priority
+    model: Hashable
+    seq: int
+    submitted_at: float
+    started_at: float | None
+    finished_at: float
+    ran: float
+    preemptions: int
+    longest_step: float
+    status: ErrorStatus
+    message: str
+
+    @property
+    def wait(self) -> float | None:
+        """Seconds from submission to the first slot; None if it never ran."""
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStatistics:
+    """Counters of one (app, priority) class. Waits and run time in seconds."""
+
+    app: Hashable
+    priority: Priority
+    queued: int = 0            # waiting now (including preempted jobs)
+    running: int = 0           # holding a slot now
+    completed: int = 0         # finished successfully in time
+    preempted: int = 0         # times a running job gave its slot back
+    deadline_misses: int = 0   # refused, aborted or finished late (MISSED_DEADLINE_*)
+    cancelled: int = 0
+    failed: int = 0            # any other error
+    wait_p50: float | None = None
+    wait_p99: float | None = None
+    run_time: float = 0.0      # device seconds used
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    slots: int
+    busy: int
+    classes: tuple[ClassStatistics, ...]
+
+    def of(self, app: Hashable, priority: Priority) -> ClassStatistics:
+        for c in self.classes:
+            if c.app == app and c.priority == priority:
+                return c
+        return ClassStatistics(app, Priority(priority))
+
+    def run_time_of(self, app: Hashable) -> float:
+        return sum(c.run_time for c in self.classes if c.app == app)
+
+
+@dataclass(eq=False)
+class _Class:
+    queued: int = 0
+    running: int = 0
+    completed: int = 0
+    preempted: int = 0
+    deadline_misses: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    run_time: float = 0.0
+    waits: deque = field(default_factory=lambda: deque(maxlen=_WAIT_SAMPLES))
+
+
+@dataclass(eq=False)
+class _App:
+    key: Hashable
+    queue: list = field(default_factory=list)   # Jobs, sorted by Job._order()
+    running: int = 0
+    service: float = 0.0                         # attained device seconds (fairness)
+    inflight: float = 0.0                        # part of ``service`` charged to running jobs
+    last_served: int = -1
+
+
+_MISSES = (ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT)
+
+
+def check_memory_limit(nbytes: int, limit: int | None, what: str = "the model") -> None:
+    """RESOURCE_EXHAUSTED_PERSISTENT when ``nbytes`` exceeds ``limit`` (None = no limit)."""
+    if limit is not None and nbytes > limit:
+        raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                        f"{what} needs {nbytes} bytes, more than the device's memory limit "
+                        f"of {limit} bytes")
+
+
+def check_key(value, what: str) -> Hashable:
+    """``value`` if it can key a dict (app and model keys are opaque hashables)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise invalid(f"{what} {value!r} is not hashable") from None
+    return value
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    rank = max(math.ceil(q * len(sorted_values)) - 1, 0)   # nearest rank
+    return sorted_values[rank]
+
+
+class Scheduler:
+    """Per-app queues, fair service across apps, ``slots`` concurrent jobs,
+    deadlines and preemption decisions. Not thread-safe: one caller at a time
+    (see :class:`~nnrt.qos.gate.ExecutionGate`)."""
+
+    def __init__(self, *, slots: int = 1, queue_limit: int = DEFAULT_QUEUE_LIMIT,
+                 memory_limit: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 history: int = 256, name: str = "scheduler"):
+        for what, value in (("slots", slots), ("queue_limit", queue_limit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise invalid(f"{what} must be a positive integer, got {value!r}")
+        if memory_limit is not None and (isinstance(memory_limit, bool)
+                                         or not isinstance(memory_limit, int) or memory_limit < 0):
+            raise invalid(f"memory_limit must be None or a byte count, got {memory_limit!r}")
+        self.slots = slots
+        self.queue_limit = queue_limit
+        self.memory_limit = memory_limit
+        self.clock = clock
+        self.name = name
+        self._busy = 0
+        self._apps: dict[Hashable, _App] = {}
+        self._classes: dict[tuple[Hashable, Priority], _Class] = {}
+        self._estimates: OrderedDict[Hashable, float] = OrderedDict()
+        self._seq = itertools.count()
+        self._served = itertools.count()
+        self._wakeups: list[Job] = []
+        self._history: deque[JobRecord] = deque(maxlen=history)
+
+    # --- the calls that drive it ------------------------------------------
+
+    def submit(self, app: Hashable, priority: Priority, *, deadline: float | None = None,
+               model: Hashable = None) -> Job:
+        """Queue one job (and start it if a slot is free: check ``job.state``).
+
+        INVALID_ARGUMENT for a bad priority, deadline or unhashable key;
+        RESOURCE_EXHAUSTED_TRANSIENT when the app already has ``queue_limit``
+        jobs waiting; MISSED_DEADLINE_* when the deadline cannot be met.
+        """
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        check_key(app, "app key")
+        check_key(model, "model key")
+        now = self.clock()
+        state = self._apps.get(app)
+        if state is not None and len(state.queue) >= self.queue_limit:
+            self._vlog("refused: app %r has %d jobs waiting (limit %d)", app, len(state.queue),
+                       self.queue_limit)
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                            f"app {app!r} already has {len(state.queue)} executions waiting "
+                            f"on {self.name} (the limit is {self.queue_limit})")
+        job = Job(app, priority, deadline, model, next(self._seq), now)
+        late = self._lateness(job, now)
+        if late is not None:
+            status, message = late
+            self._class(job).deadline_misses += 1
+            self._vlog("refused job %d (app %r, %s): %s", job.seq, app, priority.name, message)
+            raise NnrtError(status, message)
+        if state is None:
+            state = self._apps[app] = _App(app)
+        if not state.queue and not state.running:
+            # Idle -> active: no credit for the idle time. The floor is the
+            # least-served active app's *settled* service (without charges
+            # for work still in flight): levelling up to a charge made a
+            # moment ago would erase the small lag an app with one request
+            # outstanding always has when it resubmits, and it would lose
+            # turns to a flooding app.
+            active = [a.service - a.inflight for a in self._apps.values()
+                      if a is not state and (a.queue or a.running)]
+            if active:
+                state.service = max(state.service, min(active))
+        self._enqueue(state, job)
+        self._vlog("queued job %d (app %r, %s, deadline %s, model %r)", job.seq, app,
+                   priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
+                   model)
+        self._fill_slots(now)
+        return job
+
+    def checkpoint(self, job: Job) -> Verdict:
+        """An operation boundary of a RUNNING job: stop it (cancelled, or it
+        can no longer make its deadline), hand its slot to a higher-priority
+        job of the same app (PREEMPTED), or let it continue."""
+        if job.state is not JobState.RUNNING:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"job {job.seq} reached a boundary while {job.state.name} "
+                            f"(bug in the scheduler's caller)")
+        now = self.clock()
+        job.longest_step = max(job.longest_step, now - job._last_boundary)
+        job._last_boundary = now
+        if job.cancel_requested:
+            self._stop(job, now, ErrorStatus.GENERAL_FAILURE, "the execution was cancelled")
+            return Verdict.STOPPED
+        late = self._lateness(job, now)
+        if late is not None:
+            self._stop(job, now, *late)
+            return Verdict.STOPPED
+        app = self._apps[job.app]
+        head = self._viable_head(app, now)
+        if head is None or head.priority <= job.priority:
+            return Verdict.CONTINUE
+        self._release(job, now)
+        job._move(_Event.PREEMPT)
+        job.preemptions += 1
+        self._class(job).preempted += 1
+        self._enqueue(app, job)
+        self._vlog("preempted job %d (app %r, %s) for job %d (%s)", job.seq, job.app,
+                   job.priority.name, head.seq, head.priority.name)
+        self._dispatch(app, head, now)   # the app's own slot goes to its more important job
+        self._fill_slots(now)
+        return Verdict.PREEMPTED
+
+    def finish(self, job: Job, status: ErrorStatus = ErrorStatus.NONE,
+               message: str = "") -> ErrorStatus:
+        """The end of a RUNNING job's run; returns the status to report, which
+        is a missed deadline instead of NONE when it finished late. A job that
+        is already DONE (stopped at a boundary, cancelled) keeps its status."""
+        if job.state is JobState.DONE:
+            return job.status
+        if job.state is not JobState.RUNNING:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"job {job.seq} finished while {job.state.name} "
+                            f"(bug in the scheduler's caller)")
+        now = self.clock()
+        status = ErrorStatus(status)
+        self._release(job, now)
+        if status in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
+                and not job.cancel_requested:
+            self._learn(job.model, job.ran)
+        if status == ErrorStatus.NONE and job.deadline is not None and now > job.deadline:
+            status = self._miss_code(job, 0.0)
+            message = (f"the execution finished {now - job.deadline:.4f} s after its deadline")
+        job._move(_Event.FINISH)
+        self._done(job, now, status, message)
+        self._fill_slots(now)
+        return status
+
+    def cancel(self, job: Job) -> None:
+        """Withdraw a waiting job at once; a RUNNING one stops at its next
+        boundary (``checkpoint``) and gives its slot back then."""
+        if job.state is JobState.DONE:
+            return
+        job.cancel_requested = True
+        if job.state is JobState.RUNNING:
+            self._vlog("cancel requested for running job %d (app %r)", job.seq, job.app)
+            return
+        now = self.clock()
+        self._dequeue(self._apps[job.app], job)
+        job._move(_Event.CANCEL)
+        self._done(job, now, ErrorStatus.GENERAL_FAILURE, "the execution was cancelled")
+        self._wakeups.append(job)
+
+    def poll(self) -> None:
+        """Refuse every waiting job that can no longer make its deadline."""
+        now = self.clock()
+        for app in list(self._apps.values()):
+            for job in list(app.queue):
+                late = self._lateness(job, now)
+                if late is not None:
+                    self._refuse(app, job, now, *late)
+        self._fill_slots(now)
+
+    def wake_time(self, job: Job) -> float | None:
+        """When a waiting job becomes hopeless (``poll`` then refuses it);
+        None when it has no deadline."""
+        if job.deadline is None or job.state is JobState.DONE:
+            return None
+        return job.deadline - self._remaining(job, job.ran)
+
+    def take_wakeups(self) -> list[Job]:
+        """Jobs whose owners must look at them again (dispatched, refused or
+        cancelled while waiting), oldest first; empties the outbox."""
+        woken, self._wakeups = self._wakeups, []
+        return woken
+
+    # --- queries ----------------------------------------------------------
+
+    def estimate(self, model: Hashable) -> float | None:
+        """Moving average of ``model``'s run time in seconds; None before its first run."""
+        return self._estimates.get(model)
+
+    def check_memory(self, nbytes: int, what: str = "the model") -> None:
+        check_memory_limit(nbytes, self.memory_limit, what)
+
+    def statistics(self) -> SchedulerStatistics:
+        classes = []
+        for (app, priority), c in self._classes.items():
+            waits = sorted(c.waits)
+            classes.append(ClassStatistics(app, priority, c.queued, c.running, c.completed,
+                                           c.preempted, c.deadline_misses, c.cancelled,
+                                           c.failed, _percentile(waits, 0.50),
+                                           _percentile(waits, 0.99), c.run_time))
+        return SchedulerStatistics(self.slots, self._busy, tuple(classes))
+
+    def finished_jobs(self) -> tuple[JobRecord, ...]:
+        """The most recent finished jobs (``history`` of them), oldest first."""
+        return tuple(self._history)
+
+    def forget_app(self, app: Hashable) -> None:
+        """Drop an app's counters once it has nothing queued or running (a
+        driver service calls this when a client disconnects)."""
+        state = self._apps.get(app)
+        if state is not None and (state.queue or state.running):
+            raise invalid(f"app {app!r} still has executions queued or running")
+        self._apps.pop(app, None)
+        for key in [k for k in self._classes if k[0] == app]:
+            del self._classes[key]
+
+    def for_test_set_estimate(self, model: Hashable, seconds: float) -> None:
+        self._estimates[model] = float(seconds)
+
+    # --- internals --------------------------------------------------------
+
+    def _class(self, job: Job) -> _Class:
+        key = (job.app, job.priority)
+        c = self._classes.get(key)
+        if c is None:
+            c = self._classes[key] = _Class()
+        return c
+
+    def _enqueue(self, app: _App, job: Job) -> None:
+        keys = [j._order() for j in app.queue]
+        app.queue.insert(bisect.bisect(keys, job._order()), job)
+        self._class(job).queued += 1
+
+    def _dequeue(self, app: _App, job: Job) -> None:
+        app.queue.remove(job)
+        self._class(job).queued -= 1
+
+    def _remaining(self, job: Job, ran: float) -> float:
+        estimate = self._estimates.get(job.model)
+        return max(estimate - ran, 0.0) if estimate is not None else 0.0
+
+    def _ran(self, job: Job, now: float) -> float:
+        if job.state is JobState.RUNNING:
+            return job.ran + (now - job._slot_since)
+        return job.ran
+
+    def _miss_code(self, job: Job, remaining: float) -> ErrorStatus:
+        budget = job.deadline - job.submitted_at
+        if budget > 0 and job.ran + remaining > budget:
+            return ErrorStatus.MISSED_DEADLINE_PERSISTENT   # too slow even on an idle device
+        return ErrorStatus.MISSED_DEADLINE_TRANSIENT        # late because the device was busy
+
+    def _lateness(self, job: Job, now: float) -> tuple[ErrorStatus, str] | None:
+        """(status, message) when ``job`` cannot finish by its deadline."""
+        if job.deadline is None:
+            return None
+        ran = self._ran(job, now)
+        remaining = self._remaining(job, ran)
+        if now + remaining <= job.deadline:
+            return None
+        budget = job.deadline - job.submitted_at
+        if budget <= 0:
+            return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                    "the deadline had passed before the execution was submitted")
+        if ran + remaining > budget:
+            return (ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                    f"the model needs about {ran + remaining:.4f} s but the deadline left "
+                    f"{budget:.4f} s: it cannot make it even on an idle device")
+        return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                f"the device was busy: {max(job.deadline - now, 0):.4f} s left before the "
+                f"deadline, about {remaining:.4f} s of work to do")
+
+    def _learn(self, model: Hashable, seconds: float) -> None:
+        if model is None:
+            return
+        old = self._estimates.pop(model, None)
+        self._estimates[model] = seconds if old is None else \
+            old + _ESTIMATE_WEIGHT * (seconds - old)
+        while len(self._estimates) > _MAX_ESTIMATES:
+            self._estimates.popitem(last=False)
+
+    def _viable_head(self, app: _App, now: float) -> Job | None:
+        """The app's next job, refusing hopeless ones in front of it."""
+        while app.queue:
+            job = app.queue[0]
+            late = self._lateness(job, now)
+            if late is None:
+                return job
+            self._refuse(app, job, now, *late)
+        return None
+
+    def _pick_app(self) -> _App | None:
+        best = None
+        for app in self._apps.values():
+            if app.queue and (best is None or (app.service, app.last_served)
+                              < (best.service, best.last_served)):
+                best = app
+        return best
+
+    def _fill_slots(self, now: float) -> None:
+        while self._busy < self.slots:
+            app = self._pick_app()
+            if app is None:
+                return
+            job = self._viable_head(app, now)
+            if job is not None:
+                self._dispatch(app, job, now)
+
+    def _dispatch(self, app: _App, job: Job, now: float) -> None:
+        # test_slots_bound_concurrency
+        assert self._busy < self.slots, "dispatch without a free slot"
+        resumed = job.state is JobState.PREEMPTED
+        self._dequeue(app, job)
+        job._move(_Event.DISPATCH)
+        c = self._class(job)
+        c.running += 1
+        if job.started_at is None:
+            job.started_at = now
+            c.waits.append(now - job.submitted_at)
+        job._slot_since = job._last_boundary = now
+        job._charged = self._remaining(job, job.ran)
+        app.service += job._charged
+        app.inflight += job._charged
+        app.running += 1
+        app.last_served = next(self._served)
+        self._busy += 1
+        self._wakeups.append(job)
+        self._vlog("%s job %d (app %r, %s) after %.4f s waiting", "resumed" if resumed
+                   else "started", job.seq, job.app, job.priority.name, now - job.submitted_at)
+
+    def _release(self, job: Job, now: float) -> None:
+        interval = now - job._slot_since
+        job.ran += interval
+        job.longest_step = max(job.longest_step, now - job._last_boundary)
+        app = self._apps[job.app]
+        app.service += interval - job._charged
+        app.inflight -= job._charged
+        job._charged = 0.0
+        app.running -= 1
+        self._busy -= 1
+        # test_cancelling_a_running_job_stops_it_at_the_next_boundary_and_frees_the_slot
+        assert self._busy >= 0 and app.running >= 0, "a slot given back twice"
+        c = self._class(job)
+        c.running -= 1
+        c.run_time += interval
+
+    def _stop(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
+        self._release(job, now)
+        job._move(_Event.STOP)
+        self._done(job, now, status, message)
+        self._fill_slots(now)
+
+    def _refuse(self, app: _App, job: Job, now: float, status: ErrorStatus,
+                message: str) -> None:
+        self._dequeue(app, job)
+        job._move(_Event.REFUSE)
+        self._done(job, now, status, message)
+        self._wakeups.append(job)
+
+    def _done(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
+        job.status, job.message, job.finished_at = status, message, now
+        c = self._class(job)
+        if status == ErrorStatus.NONE:
+            c.completed += 1
+        elif job.cancel_requested:
+            c.cancelled += 1
+        elif status in _MISSES:
+            c.deadline_misses += 1
+        else:
+            c.failed += 1
+        self._history.append(JobRecord(job.app, job.priority, job.model, job.seq,
+                                       job.submitted_at, job.started_at, now, job.ran,
+                                       job.preemptions, job.longest_step, status, message))
+        self._vlog("job %d (app %r, %s) done after %.4f s running: %s%s", job.seq, job.app,
+                   job.priority.name, job.ran, status.name, f" ({message})" if message else "")
+
+    def _vlog(self, msg: str, *args) -> None:
+        if vlog_on("execution"):
+            vlog("execution", "%s: " + msg, self.name, *args)
+
