@@ -15,10 +15,10 @@ from .memory import Memory  # noqa: E402
 from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
-from .qos.priority import Priority  # noqa: E402
+from .qos.priority import Priority, deadline_in  # noqa: E402
 from .runtime import CompiledModel, ExecutionTiming, Result, Runtime, run  # noqa: E402
 
 __all__ = ["CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference", "ExecutionTiming",
            "FenceState", "FusedActivation", "Memory", "Model", "NnrtError", "OperandType", "OperationType",
-           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "SyncFence", "run",
+           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "SyncFence", "deadline_in", "run",
            "__version__"]

@@ -22,6 +22,7 @@ cannot, so code that needs a buffer calls ``view()``.
 from __future__ import annotations
 
 import fcntl
+from dataclasses import dataclass
 import mmap
 import os
 import stat
@@ -155,6 +156,19 @@ class Memory:
                           f"{self.size}-byte memory")
         return np.frombuffer(self._view, dtype, count, offset).reshape(shape)
 
+    def region(self, offset: int = 0, length: int | None = None,
+               dimensions: Sequence[int] | None = None) -> "Region":
+        """``[offset, offset + length)`` of this memory as an execution input or
+        output (NNAPI's setInputFromMemory); ``dimensions`` fills in an
+        operand's unknown dimensions."""
+        self._check_open()
+        length = self.size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise invalid(f"region [{offset}, {offset + length}) does not fit in a "
+                          f"{self.size}-byte memory")
+        return Region(self, int(offset), int(length),
+                      None if dimensions is None else tuple(int(d) for d in dimensions))
+
     # -- lifetime -----------------------------------------------------------
 
     def close(self) -> None:
@@ -195,6 +209,20 @@ class Memory:
     def _check_open(self) -> None:
         if self.closed:
             raise invalid("the memory is closed")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A byte range of a Memory given to an execution: drivers read and write
+    it in place (zero copy)."""
+
+    memory: Memory
+    offset: int
+    length: int
+    dimensions: tuple[int, ...] | None = None
+
+    def array(self, dtype, shape: Sequence[int]) -> np.ndarray:
+        return self.memory.array(dtype, shape, self.offset)
 
 
 def as_buffer(pool) -> memoryview:

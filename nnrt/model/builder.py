@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import bad_state, invalid
 from .graph import ChannelQuant, DataLocation, Model as HalModel, Operand, Operation, Subgraph
+from ..memory import Memory
 from .types import OperandLifeTime as L, OperandType, OperationType
 
 # Values up to this size are copied at set_operand_value; larger ones are kept
@@ -38,6 +39,7 @@ class Model:
         self._large_values: list[tuple[int, memoryview]] = []  # (operand, value) kept by reference
         self._relaxed = False
         self._models: dict[int, "Model"] = {}  # SUBGRAPH operand -> referenced model
+        self._memories: dict[int, tuple] = {}  # operand -> (Memory, offset, length)
         self._hal: HalModel | None = None
 
     # --- state ---------------------------------------------------------------
@@ -127,6 +129,7 @@ class Model:
             raise invalid(f"set_operand_value: operand {index} is a SUBGRAPH operand; "
                           f"reference a model instead")
         self._models.pop(index, None)
+        self._memories.pop(index, None)
         if value is None:
             self._operands[index] = replace(operand, lifetime=L.NO_VALUE, location=None)
             return
@@ -142,6 +145,34 @@ class Model:
             self._operands[index] = replace(operand, lifetime=L.CONSTANT_REFERENCE,
                                             location=DataLocation(0, 0, len(data)))
 
+    def set_operand_value_from_memory(self, index: int, memory: Memory, offset: int,
+                                      length: int) -> None:
+        """Give operand ``index`` the constant value at ``[offset, offset +
+        length)`` of ``memory`` (CONSTANT_REFERENCE). The memory is shared with
+        the drivers, not copied: keep it open and unchanged while the model or
+        its compilations are in use."""
+        self._check_mutable("set_operand_value_from_memory")
+        index = self._operand_index(index, "set_operand_value_from_memory")
+        operand = self._operands[index]
+        if not isinstance(memory, Memory):
+            raise invalid(f"set_operand_value_from_memory: expected an nnrt.Memory, got "
+                          f"{type(memory).__name__}")
+        if operand.type == OperandType.SUBGRAPH or not operand.is_fully_specified:
+            raise invalid(f"set_operand_value_from_memory: operand {index} "
+                          f"({operand.type.name} {list(operand.dimensions)}) cannot take a "
+                          f"value from memory")
+        if length != operand.byte_size:
+            raise invalid(f"set_operand_value_from_memory: operand {index} needs "
+                          f"{operand.byte_size} bytes, got length {length}")
+        if offset < 0 or offset + length > memory.size:
+            raise invalid(f"set_operand_value_from_memory: [{offset}, {offset + length}) lies "
+                          f"outside the memory of {memory.size} bytes")
+        self._models.pop(index, None)
+        self._large_values = [(i, v) for i, v in self._large_values if i != index]
+        self._memories[index] = (memory, int(offset), int(length))
+        self._operands[index] = replace(operand, lifetime=L.CONSTANT_REFERENCE,
+                                        location=DataLocation(0, int(offset), int(length)))
+
     def set_operand_value_from_model(self, index: int, model: "Model") -> None:
         """Make SUBGRAPH operand ``index`` refer to ``model`` (finished), the
         condition, branch or body of an IF or WHILE."""
@@ -156,6 +187,8 @@ class Model:
                           f"{type(model).__name__}")
         if not model.finished:
             raise invalid("set_operand_value_from_model: the referenced model must be finished")
+        self._memories.pop(index, None)
+        self._large_values = [(i, v) for i, v in self._large_values if i != index]
         self._models[index] = model
         self._operands[index] = replace(operand, lifetime=L.SUBGRAPH,
                                         location=DataLocation(-1, 0, 0))
@@ -258,7 +291,14 @@ class Model:
             pool += data
         operations = _run_order(self._operations, operands)
         values = bytearray(self._small_values)
-        pools = [bytes(pool)] if self._large_values else []
+        pools: list = [bytes(pool)] if self._large_values else []
+        pool_of_memory: dict[int, int] = {}
+        for index, (memory, offset, length) in self._memories.items():
+            if id(memory) not in pool_of_memory:
+                pool_of_memory[id(memory)] = len(pools)
+                pools.append(memory)
+            operands[index] = replace(operands[index], location=DataLocation(
+                pool_of_memory[id(memory)], offset, length))
         referenced: list[Subgraph] = []
         placed: dict[int, int] = {}
         for index, model in self._models.items():

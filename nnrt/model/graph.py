@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..memory import as_buffer
 from .types import OperandLifeTime, OperandType, OperationType
 
 
@@ -86,7 +87,7 @@ class Model:
     main: Subgraph
     referenced: tuple[Subgraph, ...] = ()
     operand_values: bytes = b""
-    pools: tuple[Sequence, ...] = ()  # buffer-protocol objects (bytes, mmap, Memory)
+    pools: tuple[Sequence, ...] = ()  # bytes-like objects or nnrt.memory.Memory
     relax_computation_float32_to_float16: bool = False
     extension_prefixes: tuple[ExtensionPrefix, ...] = ()
     _constants: dict = field(default_factory=dict, repr=False, compare=False)
@@ -101,7 +102,7 @@ class Model:
             raise ValueError("operand has no location")
         if loc.pool_index < 0:
             return memoryview(self.operand_values)[loc.offset:loc.offset + loc.length]
-        return memoryview(self.pools[loc.pool_index]).cast("B")[loc.offset:loc.offset + loc.length]
+        return as_buffer(self.pools[loc.pool_index])[loc.offset:loc.offset + loc.length]
 
     def constant_value(self, operand: Operand):
         """The value of a CONSTANT_COPY/CONSTANT_REFERENCE operand: a read-only

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import NnrtError, invalid
 from .. import ops
+from ..memory import as_buffer
 from .graph import Model, Operand, Subgraph
 from .types import HalVersion, OperandLifeTime as L, OperandType
 
@@ -181,7 +182,7 @@ def _validate_operand(model: Model, operand: Operand, what: str) -> None:
             if not 0 <= loc.pool_index < len(model.pools):
                 raise invalid(f"{what}: pool index {loc.pool_index} out of range "
                               f"({len(model.pools)} pools)")
-            size = memoryview(model.pools[loc.pool_index]).nbytes
+            size = as_buffer(model.pools[loc.pool_index]).nbytes
         if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > size:
             raise invalid(f"{what}: value [{loc.offset}, {loc.offset + loc.length}) lies "
                           f"outside its pool of {size} bytes")
@@ -204,7 +205,7 @@ def _validate_operand(model: Model, operand: Operand, what: str) -> None:
 def validate_request(model: Model, request) -> None:
     """Check a request's arguments against the main subgraph and its pools."""
     sub: Subgraph = model.main
-    pool_sizes = [memoryview(p).nbytes for p in request.pools]
+    pool_sizes = [as_buffer(p).nbytes for p in request.pools]
     for kind, args, indexes in (("input", request.inputs, sub.input_indexes),
                                 ("output", request.outputs, sub.output_indexes)):
         if len(args) != len(indexes):

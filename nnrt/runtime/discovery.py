@@ -84,17 +84,18 @@ class SpawnedService:
 
 
 async def spawn(specs, folder: str) -> tuple[list[SpawnedService], list[ServiceDevice]]:
-    """Start one service per spec (a driver kind, or a ``(name, driver kind)``
-    pair) and connect to each. On any failure, stop what was started."""
+    """Start one service per spec (a driver kind, or a ``(name, driver kind,
+    *extra serve arguments)`` tuple such as ``("npu", "reference", "--app-key",
+    "pid")``) and connect to each. On any failure, stop what was started."""
     services: list[SpawnedService] = []
     devices: list[ServiceDevice] = []
     try:
         for spec in specs:
-            name, driver = (spec, spec) if isinstance(spec, str) else tuple(spec)
+            name, driver, *extra = (spec, spec) if isinstance(spec, str) else tuple(spec)
             path = os.path.join(folder, f"{name}.sock")
             process = subprocess.Popen(
                 [sys.executable, "-m", "nnrt", "driver", "serve", name, "--driver", driver,
-                 "--socket", path],
+                 "--socket", path, *extra],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             services.append(SpawnedService(name, driver, path, process))
         for service in services:

@@ -18,6 +18,7 @@ from ..drivers.hal import (UINT64_MAX, Device, ExecutionPreference, PreparedMode
                            RequestArgument)
 from ..drivers.reference import ReferenceDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
+from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import DataLocation, Operand
 from ..model.validate import ValidatedModel, validate_model
@@ -232,33 +233,58 @@ class _Step:
         None); returns the HAL result and the output arrays."""
         in_args, pools = [], []
         for index, operand in zip(self.plan.inputs, self.inputs):
-            arr = values[index]
-            if arr is None:
+            value = values[index]
+            if value is None:
                 in_args.append(RequestArgument(has_no_value=True))
-                continue
-            pools.append(arr.reshape(-1).view(np.uint8))
-            dims = tuple(arr.shape) if operand.type.is_tensor else ()
-            in_args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0, arr.nbytes),
-                                           dims))
+            elif isinstance(value, Region):
+                dims = (value.dimensions or operand.dimensions) if operand.type.is_tensor else ()
+                in_args.append(RequestArgument(False, DataLocation(
+                    _pool_of(pools, value.memory), value.offset, value.length), tuple(dims)))
+            else:
+                pools.append(value.reshape(-1).view(np.uint8))
+                dims = tuple(value.shape) if operand.type.is_tensor else ()
+                in_args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0,
+                                                                   value.nbytes), dims))
         for _attempt in range(_MAX_RESIZE_RETRIES + 1):
-            out_arrays = (list(user_outputs) if user_outputs is not None
-                          else [_allocate(dims, o) for dims, o in zip(self.output_guess,
-                                                                      self.outputs)])
-            out_args = tuple(RequestArgument(False, DataLocation(len(pools) + k, 0, a.nbytes))
-                             for k, a in enumerate(out_arrays))
-            request = Request(tuple(in_args), out_args,
-                              tuple(pools) + tuple(_writable_bytes(a) for a in out_arrays))
+            outs = (list(user_outputs) if user_outputs is not None
+                    else [_allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)])
+            out_pools = list(pools)
+            out_args = []
+            for out in outs:
+                if isinstance(out, Region):
+                    location = DataLocation(_pool_of(out_pools, out.memory), out.offset,
+                                            out.length)
+                else:
+                    out_pools.append(_writable_bytes(out))
+                    location = DataLocation(len(out_pools) - 1, 0, out.nbytes)
+                out_args.append(RequestArgument(False, location))
+            request = Request(tuple(in_args), tuple(out_args), tuple(out_pools))
             result = await self.prepared.execute(request, measure, deadline, loop_timeout)
             if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
                     and result.output_shapes:
                 self.output_guess = [s.dimensions for s in result.output_shapes]
                 continue
             break
-        if result.status == ErrorStatus.NONE:
-            self.output_guess = [s.dimensions for s in result.output_shapes]
-            out_arrays = [_shaped(a, s.dimensions) for a, s in zip(out_arrays,
-                                                                   result.output_shapes)]
-        return result, out_arrays
+        if result.status != ErrorStatus.NONE:
+            return result, outs
+        self.output_guess = [s.dimensions for s in result.output_shapes]
+        arrays = []
+        for out, shape, operand in zip(outs, result.output_shapes, self.outputs):
+            if isinstance(out, Region):  # a view onto the app's memory: no copy
+                arrays.append(out.array(operand.type.dtype, shape.dimensions))
+            else:
+                arrays.append(_shaped(out, shape.dimensions))
+        return result, arrays
+
+
+def _pool_of(pools: list, memory: Memory) -> int:
+    """Index of ``memory`` among ``pools``, appending it the first time: one
+    pool per Memory however many regions of it a request uses."""
+    for k, pool in enumerate(pools):
+        if pool is memory:
+            return k
+    pools.append(memory)
+    return len(pools) - 1
 
 
 def _allocate(dims: tuple[int, ...], operand: Operand) -> np.ndarray:
@@ -375,18 +401,34 @@ class CompiledModel:
     def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
-        return [None if value is None else _as_operand_array(value, operand, f"input {k}")
-                for k, (value, operand) in enumerate(zip(inputs, self._inputs))]
+        staged = []
+        for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
+            if value is None:
+                staged.append(None)
+            elif isinstance(value, Region):
+                if operand.type.is_tensor and not value.dimensions \
+                        and not operand.is_fully_specified:
+                    raise invalid(f"input {k} has unknown dimensions "
+                                  f"{list(operand.dimensions)}: give them with the region "
+                                  f"(memory.region(offset, length, dimensions))")
+                staged.append(value)
+            else:
+                staged.append(_as_operand_array(value, operand, f"input {k}"))
+        return staged
 
-    def _check_outputs(self, outputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def _check_outputs(self, outputs: Sequence) -> list:
         if len(outputs) != len(self._outputs):
             raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
                           f"output arrays")
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if isinstance(arr, Region):
+                if not arr.memory.writable:
+                    raise invalid(f"output {k}: the memory is mapped read-only")
+                continue
             if not isinstance(arr, np.ndarray) or arr.dtype != operand.type.dtype \
                     or not arr.flags.c_contiguous or not arr.flags.writeable:
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
-                              f"{operand.type.dtype}")
+                              f"{operand.type.dtype}, or a Region of an nnrt.Memory")
         return list(outputs)
 
 
@@ -399,14 +441,16 @@ class _DriverFailure(Exception):
         self.error = error
 
 
-def _copy_into(user_outputs: list[np.ndarray], results: list[np.ndarray]) -> list[np.ndarray]:
-    too_small = [r.nbytes > u.nbytes for u, r in zip(user_outputs, results)]
+def _copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:
+    too_small = [r.nbytes > (u.length if isinstance(u, Region) else u.nbytes)
+                 for u, r in zip(user_outputs, results)]
     if any(too_small):
         raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
                         output_shapes=[tuple(r.shape) for r in results])
     views = []
     for u, r in zip(user_outputs, results):
-        view = u.reshape(-1)[:r.size].reshape(r.shape)
+        view = u.array(r.dtype, r.shape) if isinstance(u, Region) \
+            else u.reshape(-1)[:r.size].reshape(r.shape)
         view[...] = r
         views.append(view)
     return views

@@ -70,3 +70,41 @@ def test_nnrt_devices_lists_configured_services(service, tmp_path):
     out = subprocess.run([sys.executable, "-m", "nnrt", "devices"], env=env, check=True,
                          capture_output=True, text=True).stdout
     assert out.splitlines()[0] == "fast" and "nnrt-reference" in out
+
+
+async def test_constants_in_shared_memory_reach_a_service(monkeypatch, tmp_path):
+    from nnrt.memory import Memory
+
+    from ..unit.test_model_builder import memory_constant_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    with Memory.create(4096) as memory:
+        memory.array(np.float32, 64, offset=256)[:] = np.arange(64, dtype=np.float32)
+        async with nnrt.Runtime(spawn=[("fast", "sample-float-fast")]) as rt:
+            compiled = await rt.compile(memory_constant_model(memory), devices=["fast"])
+            r = await compiled.execute([np.full(64, 3.0, np.float32)])
+            assert r.outputs[0].tolist() == (np.arange(64) * 3.0).tolist()
+
+
+async def test_inputs_and_outputs_in_shared_memory_are_not_copied(monkeypatch, tmp_path):
+    """Regions of an nnrt.Memory as execution inputs and outputs, on a service
+    and on the in-process reference device: results land in the memory."""
+    from nnrt.memory import Memory
+
+    from ..unit.test_runtime import add_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("fast", "sample-float-fast")]) as rt:
+        for device in ("fast", "nnrt-reference"):
+            compiled = await rt.compile(add_model(), devices=[device])
+            with Memory.create(4096) as memory:
+                memory.array(np.float32, (1, 4), offset=0)[:] = [[1, 2, 3, 4]]
+                memory.array(np.float32, (1, 4), offset=64)[:] = [[10, 20, 30, 40]]
+                out = memory.region(1024, 16)
+                r = await compiled.execute([memory.region(0, 16), memory.region(64, 16)],
+                                           outputs=[out])
+                assert r.outputs[0].tolist() == [[11, 22, 33, 44]]
+                # The result is the memory itself, not a copy of it.
+                assert memory.array(np.float32, (1, 4), offset=1024).tolist() == [[11, 22, 33, 44]]
+                assert np.shares_memory(r.outputs[0], memory.array(np.float32, 4, offset=1024))
+                del r

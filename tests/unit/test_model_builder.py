@@ -188,3 +188,36 @@ def test_to_dot_draws_operands_and_operations():
     dot = nnrt.model.to_dot(add_model().finish())
     assert dot.startswith("digraph")
     assert 'label="0: ADD"' in dot and "mo0 -> mop0" in dot and "mop0 -> mo3" in dot
+
+
+def memory_constant_model(memory) -> nnrt.Model:
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [64])
+    w = m.add_operand(T.TENSOR_FLOAT32, [64])
+    m.set_operand_value_from_memory(w, memory, 256, 64 * 4)
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [64])
+    m.add_operation(Op.MUL, [x, w, act], [out])
+    m.identify_inputs_and_outputs([x], [out])
+    return m.finish()
+
+
+def test_constant_from_shared_memory_is_referenced_not_copied():
+    from nnrt.memory import Memory
+    with Memory.create(4096) as memory:
+        weights = memory.array(np.float32, 64, offset=256)
+        weights[:] = np.arange(64, dtype=np.float32)
+        m = memory_constant_model(memory)
+        from nnrt.model.types import OperandLifeTime as L
+        operand = m.hal_model.main.operands[1]
+        assert operand.lifetime == L.CONSTANT_REFERENCE
+        assert m.hal_model.pools[operand.location.pool_index] is memory
+        r = nnrt.run(m, [np.full(64, 2.0, np.float32)])
+        assert r.outputs[0].tolist() == (np.arange(64) * 2.0).tolist()
+        b = nnrt.Model()
+        k = b.add_operand(T.TENSOR_FLOAT32, [4])
+        with pytest.raises(NnrtError, match="outside the memory"):
+            b.set_operand_value_from_memory(k, memory, 4090, 16)
+        with pytest.raises(NnrtError, match="needs 16 bytes, got length 12"):
+            b.set_operand_value_from_memory(k, memory, 0, 12)

@@ -1,0 +1,502 @@
+"""Fenced execution of a compiled model: its steps chained by sync fences.
+
+Theory of operation
+-------------------
+``execute_fenced(compiled, inputs, wait_for=...)`` returns ``(fence,
+callback)`` at once. Each step of the compiled model (one per device run of
+the partition) becomes one HAL ``execute_fenced`` whose ``wait_for`` is the
+previous step's fence; the app's ``wait_for`` gates the first step. A step
+on a driver service therefore starts in the service the moment its input
+fence is signaled, without a round trip through the app: the app awaits
+only the returned fence.
+
+Buffers. Every operand crossing a step boundary lives in its own shared
+memory (:class:`nnrt.memory.Memory`), allocated *before* launching, because
+a step launched now reads its inputs and writes its outputs later, in
+whichever process runs it. Sizes come from each step's output guess (the
+shapes declared or inferred at compile time, refined by executions). A step
+whose outputs have unknown shapes cannot be sized in advance: it runs as an
+*awaited stage* (it waits for its input fence like the others, then runs
+with the runtime's grow-and-retry on OUTPUT_INSUFFICIENT_SIZE), and the
+launcher waits for it to settle before sizing and launching the later steps.
+The chain is still fenced; only its launch pauses there.
+
+The app's inputs are copied into runtime memory when the inputs are known to
+be ready: at the call when ``wait_for`` is empty, otherwise by a first stage
+that waits for the app's fences (a producer may still be writing them until
+then). So the app may reuse its input arrays as soon as the fence it gave in
+``wait_for`` is signaled... and its inputs must not change after that until
+the returned fence is signaled.
+
+Who runs it. The chain must outlive the ``execute_fenced`` call but the
+runtime has no task group of its own, so the launcher and every in-process
+step run in the *fence host*: one daemon thread per process running its own
+event loop (anyio, asyncio backend) with a task group. The app's loop is
+never blocked: it hands the chain over with a thread-safe call and then
+only ever waits on eventfds. Steps on driver services are launched from the
+host too (their execution lives in the service).
+
+The returned fence is the runtime's own: the host signals it after every
+step's callback has settled (so no driver still touches a buffer), after
+copying results into app-given output arrays, and after recording the
+outcome in the callback; whoever wakes on it finds ``get_execution_info``
+and ``get_result`` ready. Before that both raise BAD_STATE (rule of
+docs/fences.md).
+
+Not done here, unlike ``execute``: a step that fails because of its driver
+is not rerun on the CPU (the chain's fence may already be in other hands
+waiting for this very execution); the chain fails with the step's status.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import numpy as np
+
+from ..drivers.hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
+from ..drivers.service.client import ServicePreparedModel
+from ..errors import ErrorStatus, NnrtError, bad_state, invalid
+from ..fence.fenced import run_fenced
+from ..fence.sync_fence import SyncFence
+from ..memory import Memory
+from ..model.graph import DataLocation
+from ..qos.priority import check_deadline
+from ..vlog import vlog
+from .runtime import ExecutionTiming, Result
+
+# As in runtime.py: retries with larger outputs of an awaited stage.
+_MAX_RESIZE_RETRIES = 2
+
+
+# -- the fence host -------------------------------------------------------------
+
+class _Host:
+    """A daemon thread with an event loop and a task group that fenced
+    chains run in. One per process (a forked child starts its own)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._ready = threading.Event()
+        self.portal: anyio.from_thread.BlockingPortal | None = None
+        self.task_group = None
+        thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True,
+                                  name="nnrt-fence-host")
+        thread.start()
+        self._ready.wait()
+
+    async def _main(self) -> None:
+        async with anyio.from_thread.BlockingPortal() as portal:
+            async with anyio.create_task_group() as tg:
+                self.portal, self.task_group = portal, tg
+                self._ready.set()
+                await anyio.sleep_forever()
+
+    def start_soon(self, fn, *args) -> None:
+        """Run ``fn(*args)`` as a task of the host (from any other thread)."""
+        self.portal.start_task_soon(fn, *args)
+
+
+_host: _Host | None = None
+_host_lock = threading.Lock()
+
+
+def _the_host() -> _Host:
+    global _host
+    with _host_lock:
+        if _host is None or _host.pid != os.getpid():
+            _host = _Host()
+        return _host
+
+
+# -- public results -------------------------------------------------------------
+
+class FencedCallback:
+    """What a fenced execution of a compiled model reports. Nothing is
+    available before its fence is signaled: ``get_*`` raise BAD_STATE, so
+    outputs the runtime owns are never exposed early."""
+
+    def __init__(self, fence: SyncFence):
+        self._fence = fence  # our own handle, to await in result()
+        self._status: ErrorStatus | None = None
+        self._message = ""
+        self._timings: tuple[ExecutionTiming, ExecutionTiming] | None = None
+        self._result: Result | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._status is not None
+
+    def get_execution_info(self) -> tuple[ErrorStatus, ExecutionTiming, ExecutionTiming]:
+        """``(status, timing_launched, timing_fenced)``: launched runs from the
+        ``execute_fenced`` call to the fence being signaled, fenced from the
+        last ``wait_for`` fence being signaled (the call, without any) to the
+        fence. Microseconds, None when not measured (``measure_timing=False``
+        or a failed execution). BAD_STATE before the fence is signaled."""
+        if self._status is None:
+            raise bad_state("get_execution_info: the fenced execution's fence is not signaled yet")
+        return self._status, *self._timings
+
+    def get_result(self) -> Result:
+        """The :class:`nnrt.Result`; NnrtError with the status when the
+        execution failed; BAD_STATE before the fence is signaled."""
+        if self._status is None:
+            raise bad_state("get_result: the fenced execution's fence is not signaled yet")
+        if self._status is not ErrorStatus.NONE:
+            raise NnrtError(self._status, self._message or "the fenced execution failed")
+        return self._result
+
+    async def result(self) -> Result:
+        """Wait for the fence (without blocking the event loop), then
+        :meth:`get_result`."""
+        try:
+            await self._fence.wait_signaled()
+        except NnrtError:
+            pass  # get_result raises with the status and the step's message
+        return self.get_result()
+
+    def _settle(self, status: ErrorStatus, message: str, launched: ExecutionTiming,
+                fenced: ExecutionTiming, result: Result | None) -> None:
+        self._message = message
+        self._timings = (launched, fenced)
+        self._result = result
+        self._status = status  # last: `done` and the getters key on it
+
+
+_NOT_MEASURED = ExecutionTiming(None, None)
+
+
+# -- buffers --------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Buffer:
+    """One operand's value in shared memory."""
+
+    memory: Memory
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def allocate(cls, dtype, shape) -> "_Buffer":
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return cls(Memory.create(max(nbytes, 1), "nnrt-fenced"), dtype, tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def array(self, shape=None) -> np.ndarray:
+        return self.memory.array(self.dtype, self.shape if shape is None else shape)
+
+
+def _known(dims: tuple[int, ...], operand) -> bool:
+    return operand.type.is_scalar or (len(dims) > 0 and all(d > 0 for d in dims))
+
+
+def _out_shape(dims, operand) -> tuple[int, ...]:
+    return () if operand.type.is_scalar else tuple(dims)
+
+
+# -- the chain --------------------------------------------------------------------
+
+class _Chain:
+    def __init__(self, compiled, arrays: list, user_outputs, wait_for: list[SyncFence],
+                 measure: bool, deadline, loop_timeout, timeout_after_fence,
+                 fence: SyncFence, callback: FencedCallback, launched_at: float):
+        self.compiled = compiled
+        self.steps = list(compiled._steps)
+        self.arrays = arrays
+        self.user_outputs = user_outputs
+        self.wait_for = wait_for
+        self.measure = measure
+        self.deadline = deadline
+        self.loop_timeout = loop_timeout
+        self.timeout_after_fence = timeout_after_fence
+        self.fence = fence
+        self.callback = callback
+        self.launched_at = launched_at
+        self.fenced_at: float | None = None
+        hal = compiled.model.hal_model
+        self.input_indexes = hal.main.input_indexes
+        self.output_indexes = hal.main.output_indexes
+        self.values: dict[int, _Buffer | None] = {}
+        self.memories: list[Memory] = []
+        self.callbacks: list = []          # one per launched stage, in chain order
+        self.launch_error: NnrtError | None = None
+
+    # inputs
+
+    def stage_inputs(self) -> None:
+        """Copy the app's inputs into runtime memory (they are ready now)."""
+        for index, arr in zip(self.input_indexes, self.arrays):
+            if arr is None:
+                self.values[index] = None
+                continue
+            buf = self.values.get(index)
+            if buf is None:
+                buf = self._allocate(arr.dtype, arr.shape)
+                self.values[index] = buf
+            buf.array()[...] = arr
+
+    def _allocate(self, dtype, shape) -> _Buffer:
+        buf = _Buffer.allocate(dtype, shape)
+        self.memories.append(buf.memory)
+        return buf
+
+    # launching (in the host)
+
+    async def drive(self, tg) -> None:
+        try:
+            try:
+                await self._launch(tg)
+            except NnrtError as e:  # a step refused its request: the chain stops here
+                self.launch_error = e
+            except Exception as e:  # noqa: BLE001 - a driver bug must not leave the fence ACTIVE
+                self.launch_error = NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                              f"launching the fenced chain raised "
+                                              f"{type(e).__name__}: {e}")
+            await self._settle()
+        finally:
+            for f in self.wait_for:
+                f.close()
+
+    async def _launch(self, tg) -> None:
+        prev = list(self.wait_for)
+        if prev:
+            for index, arr in zip(self.input_indexes, self.arrays):  # sized now, filled later
+                self.values[index] = None if arr is None else self._allocate(arr.dtype, arr.shape)
+
+            async def copy_in(_deadline) -> ExecutionResult:
+                self.fenced_at = time.monotonic()
+                self.stage_inputs()
+                return ExecutionResult(ErrorStatus.NONE)
+
+            fence, cb = await run_fenced(tg, copy_in, prev, deadline=self.deadline)
+            prev = [fence]
+            self.callbacks.append(cb)
+        else:
+            self.fenced_at = self.launched_at
+        for k, step in enumerate(self.steps):
+            guesses = list(step.output_guess)
+            if all(_known(g, o) for g, o in zip(guesses, step.outputs)):
+                fence, cb = await self._launch_step(tg, step, prev, guesses)
+            else:
+                vlog("execution", "fenced step %d has outputs of unknown shape: awaiting it", k)
+                fence, cb = await self._launch_awaited(tg, step, prev)
+                await cb.wait_execution_info()
+            for f in prev:
+                if f not in self.wait_for:
+                    f.close()
+            prev = [fence]
+            self.callbacks.append(cb)
+        for f in prev:
+            if f not in self.wait_for:
+                f.close()
+
+    def _request(self, step, out_bufs: list[_Buffer]) -> Request:
+        service = isinstance(step.prepared, ServicePreparedModel)
+        pools, in_args, out_args = [], [], []
+
+        def pool(buf: _Buffer):
+            pools.append(buf.memory if service else buf.memory.view())
+            return DataLocation(len(pools) - 1, 0, buf.nbytes)
+
+        for index, operand in zip(step.plan.inputs, step.inputs):
+            buf = self.values[index]
+            if buf is None:
+                in_args.append(RequestArgument(has_no_value=True))
+            else:
+                in_args.append(RequestArgument(False, pool(buf),
+                                               buf.shape if operand.type.is_tensor else ()))
+        for buf in out_bufs:
+            out_args.append(RequestArgument(False, pool(buf)))
+        return Request(tuple(in_args), tuple(out_args), tuple(pools))
+
+    async def _launch_step(self, tg, step, prev, guesses):
+        out_bufs = [self._allocate(o.type.dtype, _out_shape(g, o))
+                    for g, o in zip(guesses, step.outputs)]
+        self.values.update(zip(step.plan.outputs, out_bufs))
+        return await step.prepared.execute_fenced(
+            tg, self._request(step, out_bufs), prev, self.measure, self.deadline,
+            self.loop_timeout, self.timeout_after_fence)
+
+    async def _launch_awaited(self, tg, step, prev):
+        async def run(run_deadline) -> ExecutionResult:
+            for _attempt in range(_MAX_RESIZE_RETRIES + 1):
+                out_bufs = [self._allocate(o.type.dtype,
+                                           _out_shape(g, o) if _known(g, o) else (0,))
+                            for g, o in zip(step.output_guess, step.outputs)]
+                request = self._request(step, out_bufs)
+                result = await step.prepared.execute(request, self.measure, run_deadline,
+                                                     self.loop_timeout)
+                if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and result.output_shapes:
+                    step.output_guess = [s.dimensions for s in result.output_shapes]
+                    continue
+                break
+            if result.status == ErrorStatus.NONE:
+                step.output_guess = [s.dimensions for s in result.output_shapes]
+                self.values.update(zip(step.plan.outputs, (
+                    _Buffer(b.memory, b.dtype, _out_shape(s.dimensions, o))
+                    for b, s, o in zip(out_bufs, result.output_shapes, step.outputs))))
+            return result
+
+        return await run_fenced(tg, run, prev, measure=self.measure, deadline=self.deadline,
+                                timeout_after_fence=self.timeout_after_fence)
+
+    # settling (in the host)
+
+    async def _settle(self) -> None:
+        """Wait for every launched stage, then publish the outcome and signal."""
+        status, message = ErrorStatus.NONE, ""
+        results = []
+        with anyio.CancelScope(shield=True):
+            for cb in self.callbacks:
+                try:
+                    await cb.wait_execution_info()
+                    results.append(cb.get_result())
+                except NnrtError as e:
+                    results.append(ExecutionResult(e.status, message=e.message))
+        for r in results:  # the first failure is the cause; later stages only saw its fence
+            if r.status is not ErrorStatus.NONE and status is ErrorStatus.NONE:
+                status, message = r.status, r.message
+        if self.launch_error is not None and status is ErrorStatus.NONE:
+            status, message = self.launch_error.status, self.launch_error.message
+        result = None
+        if status is ErrorStatus.NONE:
+            try:
+                result = self._result(results[-len(self.steps):])
+            except NnrtError as e:
+                status, message = e.status, e.message
+        launched = fenced = _NOT_MEASURED
+        signal_at = time.monotonic()
+        if self.measure and status is ErrorStatus.NONE:
+            on_device = result.timing.on_device if result.timing else None
+            launched_us = _us(signal_at - self.launched_at)
+            fenced_us = min(_us(signal_at - self.fenced_at), launched_us)
+            if on_device is not None:
+                launched_us, fenced_us = max(launched_us, on_device), max(fenced_us, on_device)
+            launched = ExecutionTiming(on_device, launched_us)
+            fenced = ExecutionTiming(on_device, fenced_us)
+        self.callback._settle(status, message, launched, fenced, result)
+        self._release()
+        if status is ErrorStatus.NONE:
+            self.fence.signal()
+        else:
+            self.fence.signal_error(status)
+        self.fence.close()
+
+    def _result(self, step_results: list[ExecutionResult]) -> Result:
+        # Views onto the shared memory (no copy): the mapping outlives the
+        # Memory's fd, which _release closes, for as long as a view exists.
+        outputs = [self.values[index].array() for index in self.output_indexes]
+        if self.user_outputs is not None:
+            outputs = _copy_into(self.user_outputs, outputs)
+        timing = None
+        if self.measure:
+            on_device = in_driver = 0
+            for r in step_results:
+                if r.timing.on_device == UINT64_MAX or r.timing.in_driver == UINT64_MAX:
+                    on_device = in_driver = None
+                    break
+                on_device += r.timing.on_device
+                in_driver += r.timing.in_driver
+            timing = ExecutionTiming(on_device, in_driver)
+        return Result(outputs, [tuple(o.shape) for o in outputs], timing)
+
+    def _release(self) -> None:
+        """Close every memory's fd; result arrays keep their mappings alive."""
+        for m in self.memories:
+            m.close()
+
+
+def _copy_into(user_outputs: list[np.ndarray], results: list[np.ndarray]) -> list[np.ndarray]:
+    if any(r.nbytes > u.nbytes for u, r in zip(user_outputs, results)):
+        raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
+                        output_shapes=[tuple(r.shape) for r in results])
+    views = []
+    for u, r in zip(user_outputs, results):
+        view = u.reshape(-1)[:r.size].reshape(r.shape)
+        view[...] = r
+        views.append(view)
+    return views
+
+
+def _us(seconds: float) -> int:
+    return max(0, round(seconds * 1_000_000))
+
+
+def _check_wait_for(wait_for) -> list[SyncFence]:
+    try:
+        fences = list(wait_for)
+    except TypeError:
+        raise invalid(f"wait_for must be a list of SyncFence, not {type(wait_for).__name__}") from None
+    for i, f in enumerate(fences):
+        if not isinstance(f, SyncFence):
+            raise invalid(f"wait_for[{i}] is a {type(f).__name__}, not a SyncFence")
+        if f.closed:
+            raise invalid(f"wait_for[{i}] is a closed SyncFence")
+    return fences
+
+
+def _check_timeout(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or math.isnan(value) or value < 0:
+        raise invalid(f"timeout_after_fence {value!r} is not None or a number of seconds >= 0")
+    return float(value)
+
+
+async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.ndarray] | None = None,
+                         wait_for: Sequence[SyncFence] = (), measure_timing: bool = False,
+                         deadline: float | None = None, loop_timeout: float | None = None,
+                         timeout_after_fence: float | None = None,
+                         ) -> tuple[SyncFence, FencedCallback]:
+    """Run ``compiled`` once, after every fence of ``wait_for`` is signaled,
+    without waiting for it: returns ``(fence, callback)`` at once. The fence
+    is signaled when the execution is done (with an error status if it
+    failed) and may be the ``wait_for`` of another execution; the callback
+    gives the outcome after that. Arguments as :meth:`CompiledModel.execute`;
+    ``timeout_after_fence`` (seconds) bounds each step from the moment its
+    input fence is signaled (the whole execution for a single-step model).
+
+    The app must not read ``outputs`` it passed, or change ``inputs``, before
+    the returned fence is signaled (and inputs not before ``wait_for`` is).
+    Bad arguments raise INVALID_ARGUMENT here; nothing is started.
+    """
+    launched_at = time.monotonic()
+    deadline = check_deadline(deadline)
+    timeout_after_fence = _check_timeout(timeout_after_fence)
+    fences = _check_wait_for(wait_for)
+    arrays = compiled._stage_inputs(inputs)
+    user_outputs = compiled._check_outputs(outputs) if outputs is not None else None
+    host = _the_host()
+    fence = SyncFence.create()
+    owned = []
+    try:
+        owned = [f.dup() for f in fences]
+        callback = FencedCallback(fence._dup(can_signal=False))
+        chain = _Chain(compiled, arrays, user_outputs, owned, bool(measure_timing), deadline,
+                       loop_timeout, timeout_after_fence, fence, callback, launched_at)
+        if not owned:
+            chain.stage_inputs()  # ready now; the app may reuse its arrays at once
+        caller_fence = fence._dup(can_signal=False)
+    except BaseException:
+        for f in owned:
+            f.close()
+        fence.close()
+        raise
+    host.start_soon(chain.drive, host.task_group)
+    await anyio.lowlevel.checkpoint()
+    return caller_fence, callback
+
+
+__all__ = ["FencedCallback", "execute_fenced"]
