@@ -194,11 +194,13 @@ class Runtime:
 
 
 # Failures that are about the request or the app, not the driver: retrying on
-# the CPU would fail the same way (or break the app's deadline), so they are
+# the CPU would fail the same way, break the app's deadline, or (a full queue:
+# RESOURCE_EXHAUSTED) just move the app's flood onto the CPU, so they are
 # reported as they are.
 _NOT_THE_DRIVERS_FAULT = frozenset({
     ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
     ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+    ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
 })
 
 
