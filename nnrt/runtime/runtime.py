@@ -8,6 +8,7 @@ on trio. The runtime talks to drivers only through the HAL
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -311,6 +312,10 @@ class CompiledModel:
         self._validated = validated
         self._steps = steps
         self._fallback_allowed = fallback_allowed
+        # Prepared models live in their drivers (maybe another process) until
+        # released: release them when this object goes away or is closed.
+        self._prepared_models = [s.prepared for s in steps]
+        self._finalizer = weakref.finalize(self, _release, self._prepared_models)
         hal = model.hal_model
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
@@ -348,12 +353,24 @@ class CompiledModel:
             return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
                                    loop_timeout)
 
+    def close(self) -> None:
+        """Release the prepared models in their drivers now (also done when
+        the compiled model is garbage collected)."""
+        self._finalizer()
+
+    async def __aenter__(self) -> "CompiledModel":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
     async def _cpu_steps(self) -> list[_Step]:
         """The whole model prepared on the CPU device (fallback after a driver failure)."""
         cpu = self._runtime.cpu
         hal = self.model.hal_model
         plan = partition.StepPlan(cpu, hal, hal.main.input_indexes, hal.main.output_indexes)
         prepared = await cpu.prepare_model(hal, self.preference, self.priority)
+        self._prepared_models.append(prepared)
         return [_Step(cpu, prepared, plan, self._validated)]
 
     async def _run(self, steps: list[_Step], arrays: list, user_outputs, measure: bool,
@@ -432,6 +449,17 @@ class CompiledModel:
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
                               f"{operand.type.dtype}, or a Region of an nnrt.Memory")
         return list(outputs)
+
+
+def _release(prepared_models: list) -> None:
+    for prepared in prepared_models:
+        release = getattr(prepared, "release", None)
+        if release is not None:
+            try:
+                release()
+            except NnrtError:  # the service is gone: nothing left to release
+                pass
+    prepared_models.clear()
 
 
 class _DriverFailure(Exception):

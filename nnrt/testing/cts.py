@@ -1,7 +1,10 @@
 """Run NNAPI CTS test vectors (the ``nnrt-cts-json/1`` format of
 ``../shared/cts``) through the public API and check them as the CTS harness does.
 
-    python -m nnrt.testing.cts PATH... [--device NAME] [--filter GLOB] [--json OUT]
+    python -m nnrt.testing.cts PATH... [--device NAME] [--spawn KIND] [--filter GLOB] [--json OUT]
+
+``--spawn sample-float-fast --device sample-float-fast`` runs the vectors on an
+out-of-process driver service the runner starts (one per worker process).
 
 Each case runs once per CTS suite this runner implements that the case belongs
 to: ``GeneratedTests`` (as specified), ``DynamicOutputShapeTest`` (every
@@ -225,11 +228,9 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
         return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
     except NnrtError as e:
         return Outcome(name, suite, "failed", f"model building refused: {e}")
-    flags = rt.supported_operations(model, None if device is None else [device])
-    if not all(flags):
-        ops = model.hal_model.main.operations
-        missing = sorted({ops[i].type.name for i, ok in enumerate(flags) if not ok})
-        return Outcome(name, suite, "skipped", f"device reports unsupported: {', '.join(missing)}")
+    unsupported = _unsupported(rt, model, device)
+    if unsupported:
+        return Outcome(name, suite, "skipped", unsupported)
     try:
         compiled = await rt.compile(model, devices=None if device is None else [device])
         result = await compiled.execute(_inputs(case))
@@ -250,6 +251,9 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
     for variant in (case, to_signed(case)):
         try:
             model = build_model(variant)
+            unsupported = _unsupported(rt, model, device)
+            if unsupported:
+                return Outcome(name, suite, "skipped", unsupported)
             compiled = await rt.compile(model, devices=None if device is None else [device])
             results.append(await compiled.execute(_inputs(variant)))
         except NnrtError as e:
@@ -274,6 +278,16 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
     return Outcome(name, suite, "passed")
 
 
+def _unsupported(rt: nnrt.Runtime, model: nnrt.Model, device: str | None) -> str | None:
+    """The skip reason when the device reports an operation unsupported."""
+    flags = rt.supported_operations(model, None if device is None else [device])
+    if all(flags):
+        return None
+    ops = model.hal_model.main.operations
+    missing = sorted({ops[i].type.name for i, ok in enumerate(flags) if not ok})
+    return f"device reports unsupported: {', '.join(missing)}"
+
+
 def _inputs(case: dict) -> list:
     main = case["main"]
     values = []
@@ -294,11 +308,11 @@ def suites_of(case: dict) -> list[str]:
 
 def _run_file_group(args) -> list[dict]:
     """Worker: run every case of some spec files; returns outcomes as dicts."""
-    paths, pattern, device = args
+    paths, pattern, device, spawn = args
 
     async def main():
         out = []
-        async with nnrt.Runtime() as rt:
+        async with nnrt.Runtime(spawn=spawn) as rt:
             for _stem, case in load_cases(paths, pattern):
                 for suite in suites_of(case):
                     try:
@@ -325,12 +339,17 @@ def _spec_files(paths: list[str]) -> list[str]:
 
 
 def run(paths: list[str], *, pattern: str | None = None, device: str | None = None,
-        jobs: int | None = None, progress=None) -> list[Outcome]:
+        jobs: int | None = None, progress=None, spawn: list[str] = ()) -> list[Outcome]:
     files = _spec_files(paths)
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
     jobs = max(1, jobs or os.cpu_count() or 1)
-    tasks = [([f], pattern, device) for f in files]
+    if jobs > 1 and spawn:
+        # Each worker starts its own services; group the files so that
+        # happens once per worker, not once per spec file.
+        tasks = [(files[k::jobs], pattern, device, list(spawn)) for k in range(jobs)]
+    else:
+        tasks = [([f], pattern, device, list(spawn)) for f in files]
     outcomes: list[Outcome] = []
     if jobs == 1:
         for t in tasks:
@@ -358,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     "with the CTS accuracy criteria.")
     parser.add_argument("paths", nargs="+", help="spec files or folders (e.g. ../shared/cts/V1_0)")
     parser.add_argument("--device", help="run on this device only (default: the runtime's choice)")
+    parser.add_argument("--spawn", action="append", default=[], metavar="KIND",
+                        help="start a driver service of this kind (e.g. sample-float-fast, "
+                             "named after it) for the run; repeatable")
     parser.add_argument("--filter", dest="pattern",
                         help="fnmatch glob on case names or spec file names, e.g. 'conv*'")
     parser.add_argument("--json", dest="json_out", help="write every outcome to this JSON file")
@@ -374,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         outcomes = run(args.paths, pattern=args.pattern, device=args.device, jobs=args.jobs,
-                       progress=progress)
+                       progress=progress, spawn=args.spawn)
     except FileNotFoundError as e:
         parser.error(str(e))
     if interactive:

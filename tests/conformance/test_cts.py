@@ -31,3 +31,22 @@ def test_cts_version_passes(version):
     assert not skipped, f"{len(skipped)} skipped:\n" + "\n".join(skipped[:50])
     suites = {o.suite for o in outcomes}
     assert "GeneratedTests" in suites and "DynamicOutputShapeTest" in suites
+
+
+@pytest.mark.parametrize("kind", ["reference", "sample-float-fast", "sample-quant"])
+def test_cts_v1_0_on_an_out_of_process_service(kind):
+    """V1_0 through a driver service process: every vector the device supports
+    passes; the reference service supports them all."""
+    folder = CTS / "V1_0"
+    if not folder.exists():
+        pytest.skip(f"{folder} is not beside the checkout")
+    outcomes = cts.run([str(folder)], device=kind, spawn=[kind])
+    failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "failed"]
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
+    passed = [o for o in outcomes if o.status == "passed"]
+    skipped = [o for o in outcomes if o.status == "skipped"]
+    assert passed
+    if kind == "reference":
+        assert not skipped
+    else:
+        assert all("device reports unsupported" in o.detail for o in skipped)
