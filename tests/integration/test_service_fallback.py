@@ -1,0 +1,82 @@
+"""A driver service killed with SIGKILL while executions are in flight: with
+devices named explicitly the pending executions fail with DEAD_OBJECT;
+otherwise they and later executions complete on the CPU; either way the
+dead device leaves rt.devices."""
+import signal
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import nnrt
+
+from ..unit.test_partition import chain_model as small_chain
+
+
+def slow_model() -> nnrt.Model:
+    from nnrt.demo import chain_model
+    return chain_model(30, seed=5)
+
+
+async def _kill_during(rt, compiled, x, n=8):
+    """Start n executions, SIGKILL the service once they are in flight;
+    returns [(result or error, seconds from the kill)]."""
+    outcomes = []
+    killed_at = []
+
+    async def one():
+        try:
+            r = await compiled.execute([x])
+        except nnrt.NnrtError as e:
+            r = e
+        # Executions that finished before the kill have no time after it.
+        outcomes.append((r, time.monotonic() - killed_at[0] if killed_at else None))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(n):
+            tg.start_soon(one)
+        await anyio.sleep(0.01)
+        rt._services[0].process.send_signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+    return outcomes
+
+
+async def test_pending_executions_fail_with_dead_object_when_devices_are_named(monkeypatch,
+                                                                               tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("npu", "reference")]) as rt:
+        compiled = await rt.compile(slow_model(), devices=["npu"])
+        x = np.random.default_rng(0).random((1, 40, 40, 32), dtype=np.float32)
+        await compiled.execute([x])
+        outcomes = await _kill_during(rt, compiled, x)
+        dead = [(r, t) for r, t in outcomes if isinstance(r, nnrt.NnrtError)]
+        assert dead, "no execution was in flight when the service died"
+        for error, after in dead:
+            assert error.status == nnrt.ErrorStatus.DEAD_OBJECT
+            assert after < 5.0  # a generous guard: the failure comes from EOF, not a timeout
+        assert [d.name for d in rt.devices] == ["nnrt-reference"]
+        with pytest.raises(nnrt.NnrtError) as e:
+            await compiled.execute([x])
+        assert e.value.status == nnrt.ErrorStatus.DEAD_OBJECT
+
+
+async def test_executions_fall_back_to_the_cpu_when_the_service_dies(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("npu", "reference")]) as rt:
+        compiled = await rt.compile(slow_model())
+        assert [d.name for d in compiled.devices] == ["npu"]
+        x = np.random.default_rng(0).random((1, 40, 40, 32), dtype=np.float32)
+        expected = (await compiled.execute([x])).outputs[0]
+        outcomes = await _kill_during(rt, compiled, x)
+        for r, _ in outcomes:
+            assert not isinstance(r, Exception), r
+            assert np.allclose(r.outputs[0], expected, atol=1e-5)
+        assert [d.name for d in compiled.devices] == ["nnrt-reference"]
+        r = await compiled.execute([x])
+        assert np.allclose(r.outputs[0], expected, atol=1e-5)
+        # New compilations no longer see the dead device.
+        assert [d.name for d in (await rt.compile(small_chain())).devices] == \
+            ["nnrt-reference"]
