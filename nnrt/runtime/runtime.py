@@ -231,9 +231,11 @@ class _Step:
         self.output_guess: list[tuple[int, ...]] = [dims[i] for i in plan.outputs]
 
     async def run(self, values: dict, user_outputs: Sequence[np.ndarray] | None, measure: bool,
-                  deadline: float | None, loop_timeout: float | None):
+                  deadline: float | None, loop_timeout: float | None, session=None):
         """Execute the step on ``values`` (original operand index -> array or
-        None); returns the HAL result and the output arrays."""
+        None), through burst ``session`` when given; returns the HAL result
+        and the output arrays."""
+        executor = session if session is not None else self.prepared
         in_args, pools = [], []
         for index, operand in zip(self.plan.inputs, self.inputs):
             value = values[index]
@@ -262,7 +264,7 @@ class _Step:
                     location = DataLocation(len(out_pools) - 1, 0, out.nbytes)
                 out_args.append(RequestArgument(False, location))
             request = Request(tuple(in_args), tuple(out_args), tuple(out_pools))
-            result = await self.prepared.execute(request, measure, deadline, loop_timeout)
+            result = await executor.execute(request, measure, deadline, loop_timeout)
             if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
                     and result.output_shapes:
                 self.output_guess = [s.dimensions for s in result.output_shapes]
@@ -340,12 +342,16 @@ class CompiledModel:
         """Run the model once. ``inputs`` are numpy arrays (or values numpy can
         convert), None for an omitted optional input. ``outputs`` may give
         the arrays to write results into; otherwise the runtime allocates them."""
+        return await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None)
+
+    async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
+                       sessions: dict | None) -> Result:
         deadline = check_deadline(deadline)
         arrays = self._stage_inputs(inputs)
         user_outputs = self._check_outputs(outputs) if outputs is not None else None
         try:
             return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
-                                   loop_timeout)
+                                   loop_timeout, sessions)
         except _DriverFailure as failure:
             vlog("execution", "%s failed (%s); running the whole model on %s",
                  failure.device.name, failure.error, self._runtime.cpu.name)
@@ -374,15 +380,17 @@ class CompiledModel:
         return [_Step(cpu, prepared, plan, self._validated)]
 
     async def _run(self, steps: list[_Step], arrays: list, user_outputs, measure: bool,
-                   deadline: float | None, loop_timeout: float | None) -> Result:
+                   deadline: float | None, loop_timeout: float | None,
+                   sessions: dict | None = None) -> Result:
         hal = self.model.hal_model
         values = dict(zip(hal.main.input_indexes, arrays))
         single = len(steps) == 1
         on_device = in_driver = 0
         measured = measure
         for step in steps:
+            session = sessions.get(id(step)) if sessions else None
             result, outs = await step.run(values, user_outputs if single else None, measure,
-                                          deadline, loop_timeout)
+                                          deadline, loop_timeout, session)
             if result.status != ErrorStatus.NONE:
                 error = NnrtError(result.status, result.message or "execution failed",
                                   output_shapes=[s.dimensions for s in result.output_shapes])
@@ -510,31 +518,46 @@ def _as_operand_array(value: Any, operand: Operand, what: str) -> np.ndarray:
 
 
 class Burst:
-    """A burst session: a sequence of executions of one compiled model.
+    """A burst session: a sequence of executions of one compiled model
+    (a camera-frame loop).
 
-    With an in-process device there is nothing to hand off, so a burst runs
-    its executions one after another through the same path as ``execute``;
-    driver services get the shared-memory ring of DESIGN.md ("Burst
-    executions and the FMQ").
+    Opening it configures a HAL burst on each step's prepared model: for a
+    driver service that is a pair of shared-memory rings, so each frame costs
+    one hand-off instead of a socket round trip; an in-process driver has
+    nothing to hand off and runs frames as plain executions. Frames run in
+    order, one at a time. After a driver failure the compiled model falls back
+    to the CPU as ``execute`` does and the burst carries on there.
     """
 
     def __init__(self, compiled: CompiledModel):
         self._compiled = compiled
         self._lock = anyio.Lock()
-        self._open = False
+        self._sessions: dict | None = None
 
     async def __aenter__(self) -> "Burst":
-        self._open = True
+        sessions = {}
+        try:
+            for step in self._compiled._steps:
+                sessions[id(step)] = await step.prepared.configure_burst()
+        except BaseException:
+            for session in sessions.values():
+                session.close()
+            raise
+        self._sessions = sessions
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._open = False
+        sessions, self._sessions = self._sessions, None
+        for session in (sessions or {}).values():
+            session.close()
 
-    async def execute(self, inputs: Sequence[Any], **kwargs) -> Result:
-        if not self._open:
+    async def execute(self, inputs: Sequence[Any], *, outputs=None, measure_timing: bool = False,
+                      deadline: float | None = None, loop_timeout: float | None = None) -> Result:
+        if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         async with self._lock:  # a burst runs its requests in order, one at a time
-            return await self._compiled.execute(inputs, **kwargs)
+            return await self._compiled._execute(inputs, outputs, measure_timing, deadline,
+                                                 loop_timeout, self._sessions)
 
 
 def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:

@@ -108,3 +108,29 @@ async def test_inputs_and_outputs_in_shared_memory_are_not_copied(monkeypatch, t
                 assert memory.array(np.float32, (1, 4), offset=1024).tolist() == [[11, 22, 33, 44]]
                 assert np.shares_memory(r.outputs[0], memory.array(np.float32, 4, offset=1024))
                 del r
+
+
+async def test_a_burst_through_the_runtime_uses_the_ring_of_the_service(monkeypatch, tmp_path):
+    from nnrt.burst.controller import BurstController
+    from nnrt.memory import Memory
+
+    from ..unit.test_runtime import add_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("npu", "reference")]) as rt:
+        compiled = await rt.compile(add_model(), devices=["npu"])
+        frames = np.random.default_rng(1).random((300, 1, 4), dtype=np.float32)
+        expected = [(await compiled.execute([f, f])).outputs[0] for f in frames[:5]]
+        with Memory.create(4096) as memory:
+            async with compiled.burst() as burst:
+                (session,) = burst._sessions.values()
+                assert isinstance(session, BurstController)
+                for k, f in enumerate(frames):
+                    r = await burst.execute([f, f])
+                    assert np.array_equal(r.outputs[0], f + f)
+                    if k < 5:
+                        assert np.array_equal(r.outputs[0], expected[k])
+                memory.array(np.float32, (1, 4))[:] = frames[0]
+                r = await burst.execute([memory.region(0, 16), memory.region(0, 16)])
+                assert np.array_equal(r.outputs[0], frames[0] + frames[0])
+                assert session.statistics().executions == 301
