@@ -384,7 +384,82 @@ def _decode_guarded(data, parse):
         raise BurstProtocolError(f"malformed at byte {rd.pos}: {e}") from None
 
 
+# ------------------------------------------------------------------ caches
+#
+# A burst sends the same request layout frame after frame: only the serial
+# and the deadline change. These caches keep encode/decode of the rest off
+# the per-frame path. They give what encode_request/decode_request give (the
+# same bytes, the same message); on a hit only the serial and the deadline
+# are checked again, the rest being equal to a layout already checked.
+
+_SERIAL_DEADLINE = struct.Struct("<Qd")   # at offset 8 of a request
+_VARYING = slice(8, 24)
+
+
+class RequestEncoder:
+    """``encode_request`` with a cache of the encoding of each layout."""
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._cache: dict[tuple, bytes] = {}
+
+    def encode(self, request: BurstRequest) -> bytes:
+        if not isinstance(request, BurstRequest):
+            raise BurstProtocolError(f"{type(request).__name__} is not a BurstRequest")
+        try:
+            key = (request.inputs, request.outputs, request.slots, bool(request.measure_timing),
+                   request.deadline is None, request.loop_timeout)
+            template = self._cache.get(key)
+        except TypeError:      # an unhashable field (a list): no caching
+            return encode_request(request)
+        if template is None:
+            data = encode_request(request)
+            if len(self._cache) >= self._size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = data
+            return data
+        buf = bytearray(template)
+        deadline = 0.0 if request.deadline is None else _check_seconds(request.deadline,
+                                                                       "deadline")
+        _SERIAL_DEADLINE.pack_into(buf, 8, _check_uint(request.serial, 64, "serial"), deadline)
+        return bytes(buf)
+
+
+class RequestDecoder:
+    """``decode_request`` with a cache keyed by everything but the serial and
+    the deadline: a hit re-checks those two fields only (the rest of the
+    bytes are those of a message that decoded)."""
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._cache: dict[bytes, BurstRequest] = {}
+
+    def decode(self, data) -> BurstRequest:
+        view = _view(data)
+        if len(view) < _REQ_HEAD.size:
+            return decode_request(view)
+        raw = bytes(view)
+        key = raw[:_VARYING.start] + raw[_VARYING.stop:]
+        hit = self._cache.get(key)
+        if hit is None:
+            request = decode_request(raw)
+            if len(self._cache) >= self._size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = request
+            return request
+        serial, deadline = _SERIAL_DEADLINE.unpack_from(raw, 8)
+        if hit.deadline is not None:
+            deadline = _check_seconds(deadline, "deadline")
+        elif deadline != 0.0 or math.copysign(1, deadline) < 0:
+            raise BurstProtocolError("no deadline, but the deadline field is not 0.0")
+        else:
+            deadline = None
+        return BurstRequest(serial, hit.inputs, hit.outputs, hit.slots, hit.measure_timing,
+                            deadline, hit.loop_timeout)
+
+
 __all__ = ["BurstArgument", "BurstOutputShape", "BurstProtocolError", "BurstRequest",
            "BurstResult", "MAX_ARGUMENTS", "MAX_MESSAGE", "MAX_RANK", "MAX_REQUEST_SIZE",
-           "MAX_RESULT_SIZE", "MAX_SLOTS", "UINT64_MAX", "decode", "decode_request",
+           "MAX_RESULT_SIZE", "MAX_SLOTS", "RequestDecoder", "RequestEncoder", "UINT64_MAX",
+           "decode", "decode_request",
            "decode_result", "encode_request", "encode_result"]

@@ -100,6 +100,50 @@ class ExecutionResult:
     message: str = ""
 
 
+class BurstSession(abc.ABC):
+    """A sequence of executions of one prepared model (HAL ``IBurstContext``):
+    opened once with :meth:`PreparedModel.configure_burst`, then every
+    ``execute`` reuses what the first set up (for a driver service: two
+    shared-memory rings and the memories already mapped, see nnrt.burst).
+    Executions of one session run one after the other."""
+
+    @abc.abstractmethod
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        """Run ``request`` as the next execution of the burst."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End the session and release what it holds. Idempotent."""
+
+    async def __aenter__(self) -> "BurstSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+class _InProcessBurst(BurstSession):
+    """The burst of an in-process driver: there is nothing to hand off, so
+    each execution is the prepared model's own ``execute``."""
+
+    def __init__(self, prepared: "PreparedModel"):
+        self._prepared = prepared
+        self._closed = False
+
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        if self._closed:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the burst session is closed")
+        return await self._prepared.execute(request, measure, deadline, loop_timeout)
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class PreparedModel(abc.ABC):
     @abc.abstractmethod
     def execute_synchronously(self, request: Request, measure: bool = False,
@@ -113,6 +157,37 @@ class PreparedModel(abc.ABC):
                       loop_timeout: float | None = None) -> ExecutionResult:
         """Run ``request`` without blocking the caller's event loop (HAL
         ``execute_1_3`` + ``IExecutionCallback``)."""
+
+    async def configure_burst(self) -> BurstSession:
+        """Open a burst session (HAL ``configureExecutionBurst``). This
+        default suits in-process drivers: each burst execution is
+        :meth:`execute`. A driver service's proxy overrides it with the
+        shared-memory ring of nnrt.burst."""
+        return _InProcessBurst(self)
+
+    async def execute_fenced(self, task_group, request: Request, wait_for=(),
+                             measure: bool = False, deadline: float | None = None,
+                             loop_timeout: float | None = None,
+                             timeout_after_fence: float | None = None):
+        """HAL ``executeFenced``: start ``request`` once every fence of
+        ``wait_for`` is signaled and return ``(SyncFence, callback)`` at once;
+        the fence is signaled when the execution is done, the callback
+        (``get_execution_info()``, ``get_result()``, ``await
+        wait_execution_info()``) holds the outcome from then on.
+
+        ``task_group`` owns the execution's lifetime (cancelling it settles the
+        fence with GENERAL_FAILURE). The request's pools are read and written
+        after this returns, until the fence is signaled. This default waits
+        for the fences on the event loop and then runs :meth:`execute`, so the
+        execution goes through the driver's scheduler like any other."""
+        # Imported here: nnrt.fence.fenced uses this module's types.
+        from ..fence.fenced import run_fenced
+
+        async def run(run_deadline: float | None) -> ExecutionResult:
+            return await self.execute(request, measure, run_deadline, loop_timeout)
+
+        return await run_fenced(task_group, run, wait_for, measure=measure, deadline=deadline,
+                                timeout_after_fence=timeout_after_fence)
 
 
 class Buffer(abc.ABC):
@@ -160,6 +235,6 @@ class Device(abc.ABC):
                         f"device {self.name} does not allocate driver-managed buffers")
 
 
-__all__ = ["Buffer", "Capabilities", "Device", "DeviceType", "ErrorStatus", "ExecutionPreference",
-           "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape", "PerformanceInfo",
+__all__ = ["Buffer", "BurstSession", "Capabilities", "Device", "DeviceType", "ErrorStatus",
+           "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape", "PerformanceInfo",
            "PreparedModel", "Priority", "Request", "RequestArgument", "Timing", "UINT64_MAX"]

@@ -21,20 +21,24 @@ with the runtime's grow-and-retry on OUTPUT_INSUFFICIENT_SIZE), and the
 launcher waits for it to settle before sizing and launching the later steps.
 The chain is still fenced; only its launch pauses there.
 
-The app's inputs are copied into runtime memory when the inputs are known to
-be ready: at the call when ``wait_for`` is empty, otherwise by a first stage
-that waits for the app's fences (a producer may still be writing them until
-then). So the app may reuse its input arrays as soon as the fence it gave in
-``wait_for`` is signaled... and its inputs must not change after that until
-the returned fence is signaled.
+The app's inputs are copied into runtime memory when they are known to be
+ready: at the call when ``wait_for`` is empty (the app may reuse its arrays
+at once), otherwise once every ``wait_for`` fence is signaled (a producer
+may be writing them until then), by the launcher, which then launches the
+first step. The app's fences are awaited there rather than handed to the
+first step because the copy out of the app's arrays has to happen in this
+process anyway, and launching a step on a driver service is a single send
+(the client makes the result fence), so nothing is lost by launching late.
 
 Who runs it. The chain must outlive the ``execute_fenced`` call but the
 runtime has no task group of its own, so the launcher and every in-process
 step run in the *fence host*: one daemon thread per process running its own
 event loop (anyio, asyncio backend) with a task group. The app's loop is
-never blocked: it hands the chain over with a thread-safe call and then
-only ever waits on eventfds. Steps on driver services are launched from the
-host too (their execution lives in the service).
+never blocked: it hands the chain over with ``call_soon_threadsafe`` and
+then only ever waits on eventfds, so asyncio, uvloop and trio apps all
+work. Steps on driver services are launched from the host too (their
+execution lives in the service). If the runtime gains a task group of its
+own, the chain can run there instead; nothing else depends on the thread.
 
 The returned fence is the runtime's own: the host signals it after every
 step's callback has settled (so no driver still touches a buffer), after
@@ -49,15 +53,16 @@ waiting for this very execution); the chain fails with the step's status.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 
@@ -66,7 +71,7 @@ from ..drivers.service.client import ServicePreparedModel
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..fence.fenced import run_fenced
 from ..fence.sync_fence import SyncFence
-from ..memory import Memory
+from ..memory import Memory, Region
 from ..model.graph import DataLocation
 from ..qos.priority import check_deadline
 from ..vlog import vlog
@@ -85,7 +90,7 @@ class _Host:
     def __init__(self):
         self.pid = os.getpid()
         self._ready = threading.Event()
-        self.portal: anyio.from_thread.BlockingPortal | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.task_group = None
         thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True,
                                   name="nnrt-fence-host")
@@ -93,15 +98,20 @@ class _Host:
         self._ready.wait()
 
     async def _main(self) -> None:
-        async with anyio.from_thread.BlockingPortal() as portal:
-            async with anyio.create_task_group() as tg:
-                self.portal, self.task_group = portal, tg
-                self._ready.set()
-                await anyio.sleep_forever()
+        inbox: asyncio.Queue = asyncio.Queue()
+        async with anyio.create_task_group() as tg:
+            self.loop, self.task_group, self._inbox = asyncio.get_running_loop(), tg, inbox
+            self._ready.set()
+            while True:  # anyio's start_soon needs a task's context: start from here
+                fn, args = await inbox.get()
+                tg.start_soon(fn, *args)
 
     def start_soon(self, fn, *args) -> None:
-        """Run ``fn(*args)`` as a task of the host (from any other thread)."""
-        self.portal.start_task_soon(fn, *args)
+        """Run ``fn(*args)`` as a task of the host, from any other thread,
+        without waiting. (Rejected: anyio's BlockingPortal.start_task_soon,
+        which blocks the caller until the host loop has taken the task: a
+        cross-thread round trip on every call.)"""
+        self.loop.call_soon_threadsafe(self._inbox.put_nowait, (fn, args))
 
 
 _host: _Host | None = None
@@ -182,19 +192,67 @@ class _Buffer:
     memory: Memory
     dtype: np.dtype
     shape: tuple[int, ...]
+    offset: int = 0
+    length: int | None = None  # bytes the request may use (an app Region's); default nbytes
 
     @classmethod
-    def allocate(cls, dtype, shape) -> "_Buffer":
+    def allocate(cls, pool: "_MemoryPool", dtype, shape) -> "_Buffer":
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return cls(Memory.create(max(nbytes, 1), "nnrt-fenced"), dtype, tuple(shape))
+        return cls(pool.take(nbytes), dtype, tuple(shape))
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def array(self, shape=None) -> np.ndarray:
-        return self.memory.array(self.dtype, self.shape if shape is None else shape)
+        return self.memory.array(self.dtype, self.shape if shape is None else shape, self.offset)
+
+    @property
+    def location_length(self) -> int:
+        return self.nbytes if self.length is None else self.length
+
+
+class _MemoryPool:
+    """The shared memories of one compiled model's fenced executions, reused
+    once an execution has settled: a driver service keeps a memory it has
+    seen mapped (by id), so steady-state executions pass no fds and map
+    nothing. Sizes are rounded up to powers of two; a few are kept per size.
+    Used from the app's thread and the host's, hence the lock."""
+
+    PER_SIZE = 8
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Memory]] = {}
+
+    def take(self, nbytes: int) -> Memory:
+        size = max(64, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        return Memory.create(size, "nnrt-fenced")
+
+    def give(self, memory: Memory) -> None:
+        with self._lock:
+            free = self._free.setdefault(memory.size, [])
+            if len(free) < self.PER_SIZE and not memory.closed:
+                free.append(memory)
+                return
+        memory.close()
+
+
+_pools: "weakref.WeakKeyDictionary[Any, _MemoryPool]" = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def _pool_of(compiled) -> _MemoryPool:
+    with _pools_lock:
+        pool = _pools.get(compiled)
+        if pool is None:
+            pool = _pools[compiled] = _MemoryPool()
+        return pool
 
 
 def _known(dims: tuple[int, ...], operand) -> bool:
@@ -226,8 +284,10 @@ class _Chain:
         self.fenced_at: float | None = None
         hal = compiled.model.hal_model
         self.input_indexes = hal.main.input_indexes
+        self.input_operands = [hal.main.operands[i] for i in self.input_indexes]
         self.output_indexes = hal.main.output_indexes
         self.values: dict[int, _Buffer | None] = {}
+        self.pool = _pool_of(compiled)
         self.memories: list[Memory] = []
         self.callbacks: list = []          # one per launched stage, in chain order
         self.launch_error: NnrtError | None = None
@@ -235,10 +295,16 @@ class _Chain:
     # inputs
 
     def stage_inputs(self) -> None:
-        """Copy the app's inputs into runtime memory (they are ready now)."""
-        for index, arr in zip(self.input_indexes, self.arrays):
+        """Copy the app's inputs into runtime memory (they are ready now); an
+        input given as a Region of an nnrt.Memory is used in place."""
+        for index, arr, operand in zip(self.input_indexes, self.arrays, self.input_operands):
             if arr is None:
                 self.values[index] = None
+                continue
+            if isinstance(arr, Region):
+                dims = (arr.dimensions or operand.dimensions) if operand.type.is_tensor else ()
+                self.values[index] = _Buffer(arr.memory, operand.type.dtype, tuple(dims),
+                                             arr.offset, arr.length)
                 continue
             buf = self.values.get(index)
             if buf is None:
@@ -247,7 +313,7 @@ class _Chain:
             buf.array()[...] = arr
 
     def _allocate(self, dtype, shape) -> _Buffer:
-        buf = _Buffer.allocate(dtype, shape)
+        buf = _Buffer.allocate(self.pool, dtype, shape)
         self.memories.append(buf.memory)
         return buf
 
@@ -269,21 +335,16 @@ class _Chain:
                 f.close()
 
     async def _launch(self, tg) -> None:
-        prev = list(self.wait_for)
-        if prev:
-            for index, arr in zip(self.input_indexes, self.arrays):  # sized now, filled later
-                self.values[index] = None if arr is None else self._allocate(arr.dtype, arr.shape)
-
-            async def copy_in(_deadline) -> ExecutionResult:
-                self.fenced_at = time.monotonic()
-                self.stage_inputs()
-                return ExecutionResult(ErrorStatus.NONE)
-
-            fence, cb = await run_fenced(tg, copy_in, prev, deadline=self.deadline)
-            prev = [fence]
-            self.callbacks.append(cb)
+        if self.wait_for:
+            # The inputs are the app's arrays, copied here, so the app's
+            # fences are awaited here too; launching the first step after
+            # them costs no round trip (a service call is a send).
+            await self._wait_for_app_fences()
+            self.fenced_at = time.monotonic()
+            self.stage_inputs()
         else:
             self.fenced_at = self.launched_at
+        prev: list[SyncFence] = []
         for k, step in enumerate(self.steps):
             guesses = list(step.output_guess)
             if all(_known(g, o) for g, o in zip(guesses, step.outputs)):
@@ -293,21 +354,44 @@ class _Chain:
                 fence, cb = await self._launch_awaited(tg, step, prev)
                 await cb.wait_execution_info()
             for f in prev:
-                if f not in self.wait_for:
-                    f.close()
+                f.close()
             prev = [fence]
             self.callbacks.append(cb)
         for f in prev:
-            if f not in self.wait_for:
-                f.close()
+            f.close()
+
+    async def _wait_for_app_fences(self) -> None:
+        """Return once every app fence is signaled; NnrtError with a fence's
+        status if one was signaled with an error (checked for all first, so
+        an error already there is seen at once), MISSED_DEADLINE_TRANSIENT
+        if the deadline passes first."""
+        for f in self.wait_for:
+            f.poll()
+            if f.status is not ErrorStatus.NONE:
+                f.wait_signaled_nowait()  # raises with its status
+        timeout = math.inf if self.deadline is None else self.deadline - time.monotonic()
+        with anyio.move_on_after(timeout):
+            for f in self.wait_for:
+                await f.wait_signaled()
+            return
+        raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                        "the deadline passed before the wait_for fences were signaled")
 
     def _request(self, step, out_bufs: list[_Buffer]) -> Request:
         service = isinstance(step.prepared, ServicePreparedModel)
         pools, in_args, out_args = [], [], []
 
         def pool(buf: _Buffer):
-            pools.append(buf.memory if service else buf.memory.view())
-            return DataLocation(len(pools) - 1, 0, buf.nbytes)
+            for k, p in enumerate(memories):  # one pool per Memory, however many regions
+                if p is buf.memory:
+                    break
+            else:
+                memories.append(buf.memory)
+                pools.append(buf.memory if service else buf.memory.view())
+                k = len(pools) - 1
+            return DataLocation(k, buf.offset, buf.location_length)
+
+        memories: list[Memory] = []
 
         for index, operand in zip(step.plan.inputs, step.inputs):
             buf = self.values[index]
@@ -386,7 +470,7 @@ class _Chain:
             launched = ExecutionTiming(on_device, launched_us)
             fenced = ExecutionTiming(on_device, fenced_us)
         self.callback._settle(status, message, launched, fenced, result)
-        self._release()
+        self._release(status)
         if status is ErrorStatus.NONE:
             self.fence.signal()
         else:
@@ -411,19 +495,32 @@ class _Chain:
             timing = ExecutionTiming(on_device, in_driver)
         return Result(outputs, [tuple(o.shape) for o in outputs], timing)
 
-    def _release(self) -> None:
-        """Close every memory's fd; result arrays keep their mappings alive."""
+    def _release(self, status: ErrorStatus) -> None:
+        """Give the memories back to the pool, except those the result's
+        arrays view (closed: the views keep the mapping alive) and all of
+        them after a failure (a driver that lost contact with us might still
+        write into one)."""
+        exposed = set()
+        if self.user_outputs is None:
+            exposed = {id(self.values[i].memory) for i in self.output_indexes
+                       if self.values.get(i) is not None}
         for m in self.memories:
-            m.close()
+            if status is ErrorStatus.NONE and id(m) not in exposed:
+                self.pool.give(m)
+            else:
+                m.close()
 
 
-def _copy_into(user_outputs: list[np.ndarray], results: list[np.ndarray]) -> list[np.ndarray]:
-    if any(r.nbytes > u.nbytes for u, r in zip(user_outputs, results)):
+def _copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:
+    """Results into the app's output arrays or Regions (before the fence)."""
+    if any(r.nbytes > (u.length if isinstance(u, Region) else u.nbytes)
+           for u, r in zip(user_outputs, results)):
         raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
                         output_shapes=[tuple(r.shape) for r in results])
     views = []
     for u, r in zip(user_outputs, results):
-        view = u.reshape(-1)[:r.size].reshape(r.shape)
+        view = u.array(r.dtype, r.shape) if isinstance(u, Region) \
+            else u.reshape(-1)[:r.size].reshape(r.shape)
         view[...] = r
         views.append(view)
     return views
@@ -468,8 +565,12 @@ async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.n
     ``timeout_after_fence`` (seconds) bounds each step from the moment its
     input fence is signaled (the whole execution for a single-step model).
 
-    The app must not read ``outputs`` it passed, or change ``inputs``, before
-    the returned fence is signaled (and inputs not before ``wait_for`` is).
+    ``outputs`` the app passes hold the results once the returned fence is
+    signaled (undefined before). ``inputs`` are read once every ``wait_for``
+    fence is signaled (at the call without any), so a producer may fill them
+    until it signals; from then until the returned fence the app must not
+    change them. An input that needs converting (another dtype, not
+    C-contiguous) is converted, hence read, at the call.
     Bad arguments raise INVALID_ARGUMENT here; nothing is started.
     """
     launched_at = time.monotonic()

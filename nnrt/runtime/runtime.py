@@ -425,6 +425,19 @@ class CompiledModel:
     def burst(self) -> "Burst":
         return Burst(self)
 
+    async def execute_fenced(self, inputs: Sequence[Any], *, outputs=None, wait_for=(),
+                             measure_timing: bool = False, deadline: float | None = None,
+                             loop_timeout: float | None = None,
+                             timeout_after_fence: float | None = None):
+        """Start an execution that waits for every fence in ``wait_for`` and
+        return ``(fence, callback)`` at once: the fence is signaled when the
+        execution ends; ``callback.get_result()`` / ``await callback.result()``
+        give the outputs after that (see docs/fences.md). Steps on several
+        devices are chained by fences, not by waiting in the app."""
+        from .fenced import execute_fenced  # fenced.py builds on this module
+        return await execute_fenced(self, inputs, outputs, wait_for, measure_timing, deadline,
+                                    loop_timeout, timeout_after_fence)
+
     def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")

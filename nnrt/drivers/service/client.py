@@ -29,6 +29,16 @@ keeps it mapped); ids whose Memory was closed or collected are released in
 the next execution. Any other pool (numpy arrays, bytes) is staged: copied
 into a shared-memory *arena* (reused across executions, itself cached on the
 service by id), and output regions are copied back after the reply.
+
+Fenced executions send their wait_for fences' fds with the call, and the
+result fence too: the client creates it and returns it without waiting for
+any reply, so the next stage can wait on it at once (no round trip per
+stage). The reply, when the execution has settled, is the callback's info.
+Staging is impossible there (the service uses the pools after the call), so
+every pool must be a Memory. If the reply is an error and the fence is
+still ACTIVE (the call was refused before the service could take the
+fence), or the service dies first, the reader thread writes the error into
+the result fence (anyone holding an eventfd may), so its waiters wake.
 """
 from __future__ import annotations
 
@@ -42,13 +52,15 @@ import threading
 import sys
 import weakref
 
-from ...errors import ErrorStatus, NnrtError, invalid
+from ...errors import ErrorStatus, NnrtError, bad_state, invalid
+from ...fence.outcome import FenceState
+from ...fence.sync_fence import SyncFence
 from ...memory import Memory
 from ...model.graph import Model
 from ...qos.priority import Priority
 from ...vlog import vlog
-from ..hal import (Capabilities, Device, ExecutionPreference, ExecutionResult, PreparedModel,
-                   Request)
+from ..hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
+                   PreparedModel, Request, Timing)
 from . import protocol as p
 
 _RECV_SIZE = 1 << 16
@@ -128,6 +140,9 @@ class _Channel:
         self._call_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
         self.dead: NnrtError | None = None
+        # Burst controllers by burst id: they answer the service's
+        # GET_MEMORIES calls and are told when the connection dies.
+        self.bursts: dict[int, object] = {}
         self._reader = threading.Thread(target=self._read_loop, name=f"nnrt-client-{label}",
                                         daemon=True)
         self._reader.start()
@@ -137,11 +152,12 @@ class _Channel:
 
     # calls
 
-    def _start(self, build, blocking: bool) -> _Waiter:
-        """Register a waiter and send the message ``build(call_id)`` returns."""
+    def _start(self, build, blocking: bool, waiter: _Waiter | None = None) -> _Waiter:
+        """Register a waiter (a new one unless given) and send the message
+        ``build(call_id)`` returns."""
         if self.dead is not None:
             raise self.dead
-        waiter = _Waiter(blocking)
+        waiter = _Waiter(blocking) if waiter is None else waiter
         with self._send_lock:
             if self.dead is not None:
                 raise self.dead
@@ -212,19 +228,26 @@ class _Channel:
                 except OSError as e:
                     reason = f"the connection to the service failed: {e}"
                     return
-                for level, kind, fd_data in ancdata:  # a service sends no fds today
+                fds = []  # a fenced execution's sync fence comes with its reply
+                for level, kind, fd_data in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        for fd in array.array("i", fd_data[:len(fd_data) - len(fd_data) % 4]):
-                            os.close(fd)
+                        fds.extend(array.array("i", fd_data[:len(fd_data) - len(fd_data) % 4]))
                 if not data:
+                    for fd in fds:
+                        os.close(fd)
                     return
-                self.proto.receive_data(data)
+                self.proto.receive_data(data, fds)
                 while True:
                     event = self.proto.next_event()
                     if event is None:
                         break
                     if isinstance(event, p.Malformed):
+                        for fd in event.fds:
+                            os.close(fd)
                         raise event.error
+                    if isinstance(event, (p.GetMemories, p.BurstEnded)):  # from the service
+                        self._answer_service_call(event)
+                        continue
                     with self._pending_lock:
                         entry = self._pending.pop(event.call_id, None)
                     if entry is not None:
@@ -232,6 +255,8 @@ class _Channel:
         except p.ProtocolError as e:
             reason = f"the service sent a message that does not decode: {e.message}"
         finally:
+            for fd in self.proto.take_fds():
+                os.close(fd)
             self._die(reason)
 
     def _die(self, reason: str) -> None:
@@ -246,6 +271,50 @@ class _Channel:
             pass
         for call_id, (waiter, method) in pending.items():
             waiter.deliver(_dead_reply(call_id, method, self.dead.message))
+        with self._pending_lock:
+            bursts, self.bursts = self.bursts, {}
+        for controller in bursts.values():
+            controller.on_channel_dead(self.dead.message)
+
+    # bursts (nnrt.burst.controller)
+
+    def register_burst(self, burst_id: int, controller) -> None:
+        """Route GET_MEMORIES for ``burst_id`` to ``controller``; a dead
+        channel tells it at once (now, if it is dead already)."""
+        with self._pending_lock:
+            if self.dead is None:
+                self.bursts[burst_id] = controller
+                return
+        controller.on_channel_dead(self.dead.message)
+
+    def unregister_burst(self, burst_id: int) -> None:
+        with self._pending_lock:
+            self.bursts.pop(burst_id, None)
+
+    def _answer_service_call(self, call) -> None:
+        """Answer from the reader thread: the app's loop may be busy, and the
+        burst server waits on GET_MEMORIES to run an execution the app awaits."""
+        controller = self.bursts.get(call.burst_id)
+        fds = []
+        if isinstance(call, p.BurstEnded):
+            if controller is not None:
+                self.unregister_burst(call.burst_id)
+                controller.on_burst_ended(call.reason)
+            reply = p.Reply(call.call_id, call.method)
+        elif controller is None:
+            reply = p.Reply(call.call_id, call.method, ErrorStatus.INVALID_ARGUMENT,
+                            f"burst {call.burst_id} is not open on this client")
+        else:
+            reply, fds = controller.answer_get_memories(call)
+        try:
+            with self._send_lock:
+                data, send_fds = self.proto.send(reply)
+                self._send(data, send_fds)
+        except OSError as e:
+            self._die(f"sending to the service failed: {e}")
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def close(self) -> None:
         self._die("the connection was closed by this client")
@@ -255,8 +324,12 @@ class _Channel:
 
 
 def _dead_reply(call_id: int, method: p.Method, message: str) -> p.Reply:
-    value = ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message) \
-        if method == p.Method.EXECUTE else None
+    value = None
+    if method == p.Method.EXECUTE:
+        value = ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message)
+    elif method == p.Method.EXECUTE_FENCED:
+        value = p.FencedInfo(ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message),
+                             NO_TIMING, NO_TIMING)
     return p.Reply(call_id, method, ErrorStatus.DEAD_OBJECT, message, value)
 
 
@@ -412,6 +485,9 @@ class ServicePreparedModel(PreparedModel):
         self._free_arenas: list[Memory] = []
         self._arena_lock = threading.Lock()
         self._released = False
+        # Pool ids sent with fenced calls that failed (appended by the reader
+        # thread, applied to _sent under the send lock by _message).
+        self._forget_later: list[set[int]] = []
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
@@ -441,11 +517,82 @@ class ServicePreparedModel(PreparedModel):
             return ExecutionResult(e.status, message=e.message)
         return self._finish(plan, reply)
 
+    async def execute_fenced(self, task_group, request: Request, wait_for=(),
+                             measure: bool = False, deadline: float | None = None,
+                             loop_timeout: float | None = None,
+                             timeout_after_fence: float | None = None):
+        """HAL ``executeFenced`` in the service: the ``wait_for`` fences and a
+        result fence made here travel as SCM_RIGHTS; the service waits for the
+        inputs, runs the request through its driver and signals the result
+        fence. Returns ``(fence, callback)`` as soon as the call is sent, with
+        no round trip: the fence may be the ``wait_for`` of the next call at
+        once, so a pipeline costs no wait per stage.
+
+        Every pool must be an :class:`nnrt.memory.Memory`: the service reads
+        and writes them after this returns, so nothing can be staged through
+        a copy. ``task_group`` is not used: the execution lives in the service
+        (in the task group of our connection there). A refused call, or the
+        service dying first, signals the fence with the error (from this
+        client), so nobody waits on it forever."""
+        fences = []
+        for i, f in enumerate(wait_for):
+            if not isinstance(f, SyncFence) or f.closed:
+                raise invalid(f"wait_for[{i}] is not an open SyncFence")
+            if not f.is_empty:  # an empty fence is already signaled: nothing to send
+                fences.append(f)
+        if timeout_after_fence is not None and not (
+                isinstance(timeout_after_fence, (int, float))
+                and not isinstance(timeout_after_fence, bool) and timeout_after_fence >= 0):
+            raise invalid(f"timeout_after_fence {timeout_after_fence!r} is not None or "
+                          f"a number of seconds >= 0")
+        for k, pool in enumerate(request.pools):
+            if not isinstance(pool, Memory):
+                raise invalid(f"request pool {k} is a {type(pool).__name__}: a fenced execution "
+                              f"on a driver service needs nnrt.memory.Memory pools")
+        plan = self._plan(request)
+        if isinstance(plan, ExecutionResult):
+            raise NnrtError(plan.status, plan.message)
+        fence = SyncFence.create()
+        try:
+            # Handles for the caller (who may pass the fence on but not signal
+            # it: the service does) and for the callback; the waiter's own
+            # (signalable) handle is closed by the reader thread on delivery.
+            caller_fence = fence._dup(can_signal=False)
+            callback = ServiceFencedCallback(_InfoWaiter(fence.dup(), self, plan),
+                                             fence._dup(can_signal=False))
+
+            def build(call_id: int) -> p.ExecuteFenced:
+                m = self._message(call_id, request, plan, measure, deadline, loop_timeout)
+                return p.ExecuteFenced(m.call_id, m.model_id, m.inputs, m.outputs, m.pools,
+                                       m.release, m.measure, m.deadline, m.loop_timeout,
+                                       tuple(f.fileno() for f in fences), timeout_after_fence,
+                                       fence.fileno())
+
+            self._channel._start(build, blocking=False, waiter=callback._waiter)
+        except BaseException:
+            self._finish(plan, None)
+            raise
+        finally:
+            fence.close()  # sent (or not): our copies above live on
+        return caller_fence, callback
+
+    async def configure_burst(self):
+        """A burst session over two shared-memory rings (nnrt.burst.controller):
+        after this one round trip, each execution is a ring hand-off."""
+        from ...burst.controller import BurstController  # here: nnrt.burst imports this package
+
+        if self._released:
+            raise invalid("the prepared model was released")
+        return await BurstController.open(self)
+
     def release(self) -> None:
         """Tell the service to drop this prepared model (and its pools)."""
         if self._released:
             return
         self._released = True
+        for burst in list(self._channel.bursts.values()):  # its bursts end with it
+            if burst.prepared is self:
+                burst.close()
         self._channel.send_only(lambda cid: p.ReleaseModel(cid, self.model_id))
         with self._arena_lock:
             arenas, self._free_arenas = self._free_arenas, []
@@ -495,6 +642,9 @@ class ServicePreparedModel(PreparedModel):
                  loop_timeout) -> p.Execute:
         # Runs under the channel's send lock: cache decisions happen in
         # the order the service will apply them.
+        while self._forget_later:
+            for pool_id in self._forget_later.pop():
+                self._sent.pop(pool_id, None)
         in_use = {id(x) for x in request.pools if isinstance(x, Memory)}
         if plan.arena is not None:
             in_use.add(id(plan.arena))
@@ -576,6 +726,91 @@ class ServicePreparedModel(PreparedModel):
                 self._free_arenas.append(arena)
                 return
         arena.close()  # its id is released with the next execution
+
+
+class _InfoWaiter(_Waiter):
+    """The EXECUTE_FENCED reply of one fenced execution. Also a thread event,
+    so the synchronous ``get_execution_info`` can wait the moment between
+    the fence being signaled and the reply arriving; and the owner of a
+    signalable handle on the fence, written with the reply's error (from
+    the reader thread: an eventfd write) when the service could not."""
+
+    __slots__ = ("arrived", "fence", "prepared", "plan")
+
+    def __init__(self, fence: SyncFence, prepared: "ServicePreparedModel", plan: "_Plan"):
+        super().__init__(blocking=False)
+        self.arrived = threading.Event()
+        self.fence = fence
+        self.prepared = prepared
+        self.plan = plan
+
+    def deliver(self, reply: p.Reply) -> None:
+        failed = reply.status not in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE)
+        if failed:
+            # The service may not have mapped what came with the call: send
+            # those fds again next time (applied under the send lock).
+            self.prepared._forget_later.append(self.plan.new_ids)
+        fence, self.fence = self.fence, None
+        if fence is not None:
+            try:
+                # The service signals before replying; an error reply to a fence
+                # still ACTIVE means it never took the fence (refused call,
+                # malformed frame, dead service).
+                if reply.status != ErrorStatus.NONE and fence.poll() is FenceState.ACTIVE:
+                    fence.signal_error(reply.status)
+            except NnrtError:
+                pass  # settled meanwhile: the service got there first
+            finally:
+                fence.close()
+        super().deliver(reply)
+        self.arrived.set()
+
+
+class ServiceFencedCallback:
+    """HAL ``IFencedExecutionCallback`` of an execution in a driver service.
+    Nothing is available before the fence is signaled (BAD_STATE)."""
+
+    # How long get_execution_info waits for the info reply once the fence is
+    # signaled: the service sends it right after signaling, so this only
+    # bounds a service that is alive but stuck.
+    _INFO_GRACE = 10.0
+
+    def __init__(self, waiter: _InfoWaiter, fence: SyncFence):
+        self._waiter = waiter
+        self._fence = fence  # our own handle: the waiter's is closed by the reader thread
+
+    @property
+    def done(self) -> bool:
+        return self._waiter.reply is not None
+
+    def _info(self) -> p.FencedInfo:
+        w = self._waiter
+        if w.reply is None:
+            if self._fence.poll() is FenceState.ACTIVE:
+                raise bad_state("the fenced execution's fence is not signaled yet")
+            if not w.arrived.wait(self._INFO_GRACE):
+                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                "the driver service signaled the fence but sent no execution info")
+        reply = w.reply
+        if not isinstance(reply.value, p.FencedInfo):  # an ERROR reply: the call did not decode
+            return p.FencedInfo(ExecutionResult(reply.status, message=reply.message),
+                                NO_TIMING, NO_TIMING)
+        return reply.value
+
+    def get_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
+        """``(status, timing_launched, timing_fenced)`` in HAL form (UINT64_MAX
+        = not measured); BAD_STATE before the fence is signaled."""
+        info = self._info()
+        return info.result.status, info.timing_launched, info.timing_fenced
+
+    def get_result(self) -> ExecutionResult:
+        """The execution's ``ExecutionResult`` (status, output shapes, its own
+        timing, message); BAD_STATE before the fence is signaled."""
+        return self._info().result
+
+    async def wait_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
+        await self._waiter.wait()
+        return self.get_execution_info()
 
 
 class _Plan:

@@ -26,7 +26,9 @@ by what is left of the frame and by fixed caps.
 The client calls, the service replies; a reply names the call id it answers,
 and many calls may be in flight at once (replies come in completion order).
 The first call is HELLO; the call stream's states and their transitions are
-the table :data:`TRANSITIONS`.
+the table :data:`TRANSITIONS`. The one exception to "the client calls" is
+:data:`SERVICE_CALLS` (a burst server asking for memories, or telling that a
+burst ended): the service numbers those calls itself and the client replies.
 
 Memory pools (the HAL model's constant pools and a request's pools) are
 :class:`WirePool` entries. The client numbers each shared memory it sends by
@@ -85,6 +87,24 @@ class Method(enum.IntEnum):
     PREPARE_MODEL = 6
     EXECUTE = 7
     RELEASE_MODEL = 8
+    EXECUTE_FENCED = 9        # fences in, result fence in; reply once settled: FencedInfo
+    # 10 is not used
+    CONFIGURE_BURST = 11      # the six fds of two fmq rings; reply: the burst id
+    RELEASE_BURST = 12
+    FREE_BURST_SLOTS = 13     # the app released these memories: unmap them
+    GET_MEMORIES = 14         # service -> client: the fds of unknown burst slots
+    BURST_ENDED = 15          # service -> client: a burst ended on the service's side
+
+
+# Calls the service makes to the client (the burst server asking the
+# controller for memories, HAL ``IBurstCallback.getMemories``): their call
+# ids are the service's own, and the client answers them with a REPLY.
+SERVICE_CALLS = frozenset({Method.GET_MEMORIES, Method.BURST_ENDED})
+
+
+# Methods whose reply carries a value whatever its status: an execution
+# reports shapes and timing even when it failed.
+_ALWAYS_VALUED = (Method.EXECUTE, Method.EXECUTE_FENCED)
 
 
 # -- messages -----------------------------------------------------------------
@@ -162,6 +182,102 @@ class Execute:
 
 
 @dataclass(frozen=True, slots=True)
+class ExecuteFenced:
+    """HAL ``executeFenced``: an :class:`Execute` that starts once every
+    fence of ``wait_for`` (eventfds, travelling as SCM_RIGHTS) is signaled;
+    the service then signals ``fence``, an eventfd the *client* created and
+    sent with the call, and replies with a :class:`FencedInfo`.
+
+    Why the client makes the result fence (the HAL's driver returns one):
+    the caller can chain the next stage on it at once, without waiting for
+    a reply, so a pipeline of fenced calls costs no round trip per stage.
+    The client does not wait for the reply before returning; it is the
+    callback's info. The pools are used until the fence is signaled, so each
+    must be a shared memory (fd or cached id), never staged by the client."""
+
+    call_id: int
+    model_id: int
+    inputs: tuple[RequestArgument, ...]
+    outputs: tuple[RequestArgument, ...]
+    pools: tuple[WirePool, ...]
+    release: tuple[int, ...] = ()
+    measure: bool = False
+    deadline: float | None = None
+    loop_timeout: float | None = None
+    wait_for: tuple[int, ...] = ()          # fence fds, received with the call
+    timeout_after_fence: float | None = None
+    fence: int | None = None                # the result fence's fd (required on the wire)
+    method = Method.EXECUTE_FENCED
+
+
+@dataclass(frozen=True, slots=True)
+class FencedInfo:
+    """The value of an EXECUTE_FENCED reply, sent once the execution has
+    settled and its fence is signaled (HAL ``IFencedExecutionCallback``)."""
+
+    result: ExecutionResult        # status, output shapes, the run's own timing, message
+    timing_launched: Timing
+    timing_fenced: Timing
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigureBurst:
+    """Open a burst on a prepared model. ``ring_fds`` are the request
+    ring's (memfd, data eventfd, space eventfd) and then the result ring's,
+    created by the client and received with the call (see nnrt.burst)."""
+
+    call_id: int
+    model_id: int
+    ring_fds: tuple[int, ...]     # 6 fds
+    method = Method.CONFIGURE_BURST
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseBurst:
+    call_id: int
+    burst_id: int
+    method = Method.RELEASE_BURST
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBurstSlots:
+    """The client forgot these slots of a burst; the service unmaps them."""
+
+    call_id: int
+    burst_id: int
+    slots: tuple[int, ...]
+    method = Method.FREE_BURST_SLOTS
+
+
+@dataclass(frozen=True, slots=True)
+class GetMemories:
+    """Service -> client: the memories behind ``slots`` of a burst. The
+    reply's value is one :class:`WirePool` per slot (``pool_id`` = the
+    slot, its fd travelling with the reply)."""
+
+    call_id: int
+    burst_id: int
+    slots: tuple[int, ...]
+    method = Method.GET_MEMORIES
+
+
+BURST_RING_FDS = 6
+MAX_BURST_SLOTS = 1024   # slots named in one FREE_BURST_SLOTS or GET_MEMORIES
+
+
+@dataclass(frozen=True, slots=True)
+class BurstEnded:
+    """Service -> client: the burst ended without RELEASE_BURST (its ring
+    went out of sync, or its prepared model was released); ``reason`` says
+    which. The client fails the burst's pending and later executions."""
+
+    call_id: int
+    burst_id: int
+    reason: str
+    method = Method.BURST_ENDED
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseModel:
     call_id: int
     model_id: int
@@ -171,7 +287,8 @@ class ReleaseModel:
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to call ``call_id``. ``value`` is present when ``status`` is
-    NONE — and always for EXECUTE, whose value is the ExecutionResult."""
+    NONE — and always for EXECUTE (an ExecutionResult) and EXECUTE_FENCED
+    (a FencedInfo)."""
 
     call_id: int
     method: Method
@@ -190,7 +307,8 @@ class Malformed:
     fds: tuple[int, ...] = field(default=())  # received with it; the caller closes them
 
 
-Call = Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
+Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
+        | ExecuteFenced)
 
 _QUERIES = (Method.CAPABILITIES, Method.SUPPORTED_EXTENSIONS, Method.NUMBER_OF_CACHE_FILES)
 
@@ -276,6 +394,8 @@ class Connection:
             call_id, method = _peek_ids(body)
             return Malformed(call_id, method, e, tuple(fds))
         if self.role == "server":
+            if isinstance(message, Reply) and message.method in SERVICE_CALLS:
+                return message    # the client answering a call of ours
             if isinstance(message, Reply):
                 return Malformed(message.call_id, message.method,
                                  ProtocolError("a service does not take replies"), tuple(fds))
@@ -284,7 +404,7 @@ class Connection:
                 self.state = transition(self.state, event)
             except ProtocolError as e:
                 return Malformed(message.call_id, message.method, e, tuple(fds))
-        elif not isinstance(message, Reply):
+        elif not isinstance(message, Reply) and message.method not in SERVICE_CALLS:
             return Malformed(message.call_id, message.method,
                              ProtocolError("a client does not take calls"), tuple(fds))
         return message
@@ -300,11 +420,13 @@ class Connection:
         """The frame for ``message`` and the fds to send beside it."""
         if self.role == "client":
             if isinstance(message, Reply):
-                raise ProtocolError("a client does not send replies")
-            event = Event.HELLO if isinstance(message, Hello) else Event.CALL
-            self.state = transition(self.state, event)
-        elif not isinstance(message, Reply):
-            raise ProtocolError("a service sends only replies")
+                if message.method not in SERVICE_CALLS:
+                    raise ProtocolError("a client sends replies only to the service's calls")
+            else:
+                event = Event.HELLO if isinstance(message, Hello) else Event.CALL
+                self.state = transition(self.state, event)
+        elif not isinstance(message, Reply) and message.method not in SERVICE_CALLS:
+            raise ProtocolError("a service sends only replies and service calls")
         return encode(message)
 
     def close(self) -> None:
@@ -376,7 +498,7 @@ def _encode_call(w: _Writer, m) -> None:
         w.u32(m.preference)
         w.u32(m.priority)
         w.opt_f64(m.deadline)
-    elif isinstance(m, Execute):
+    elif isinstance(m, (Execute, ExecuteFenced)):
         w.u64(m.model_id)
         for args in (m.inputs, m.outputs):
             w.u32(len(args))
@@ -389,8 +511,29 @@ def _encode_call(w: _Writer, m) -> None:
         w.u8(bool(m.measure))
         w.opt_f64(m.deadline)
         w.opt_f64(m.loop_timeout)
+        if isinstance(m, ExecuteFenced):
+            w.u32(len(m.wait_for))
+            w.fds.extend(m.wait_for)
+            w.opt_f64(m.timeout_after_fence)
+            if m.fence is None:
+                raise TypeError("EXECUTE_FENCED needs the result fence's fd")
+            w.fds.append(m.fence)
     elif isinstance(m, ReleaseModel):
         w.u64(m.model_id)
+    elif isinstance(m, ConfigureBurst):
+        if len(m.ring_fds) != BURST_RING_FDS:
+            raise ProtocolError(f"CONFIGURE_BURST takes {BURST_RING_FDS} ring fds, "
+                                f"not {len(m.ring_fds)}")
+        w.u64(m.model_id)
+        w.fds.extend(m.ring_fds)
+    elif isinstance(m, ReleaseBurst):
+        w.u64(m.burst_id)
+    elif isinstance(m, BurstEnded):
+        w.u64(m.burst_id)
+        w.str_(m.reason)
+    elif isinstance(m, (FreeBurstSlots, GetMemories)):
+        w.u64(m.burst_id)
+        w.u32s(m.slots)
     else:
         raise TypeError(f"not a protocol message: {m!r}")
 
@@ -398,7 +541,7 @@ def _encode_call(w: _Writer, m) -> None:
 def _encode_reply(w: _Writer, m: Reply) -> None:
     w.u32(m.status)
     w.str_(m.message)
-    has_value = m.status == ErrorStatus.NONE or m.method == Method.EXECUTE
+    has_value = m.status == ErrorStatus.NONE or m.method in _ALWAYS_VALUED
     w.u8(has_value)
     if not has_value:
         return
@@ -429,8 +572,21 @@ def _encode_reply(w: _Writer, m: Reply) -> None:
             w.u8(s.is_sufficient)
         w.u64(v.timing.on_device)
         w.u64(v.timing.in_driver)
+    elif m.method == Method.EXECUTE_FENCED:
+        r = v.result
+        w.u32(len(r.output_shapes))
+        for s in r.output_shapes:
+            w.u32s(s.dimensions)
+            w.u8(s.is_sufficient)
+        for t in (r.timing, v.timing_launched, v.timing_fenced):
+            w.u64(t.on_device)
+            w.u64(t.in_driver)
     elif m.method == Method.RELEASE_MODEL:
         pass
+    elif m.method == Method.CONFIGURE_BURST:
+        w.u64(v)
+    elif m.method == Method.GET_MEMORIES:
+        _encode_pools(w, v)
 
 
 def _encode_perf(w: _Writer, p: PerformanceInfo) -> None:
@@ -643,7 +799,7 @@ def _decode_call(r: _Reader, method: Method, call_id: int):
         model = _decode_model(r)
         return PrepareModel(call_id, model, r.enum(ExecutionPreference, "preference"),
                             r.enum(Priority, "priority"), _finite(r.opt_f64("deadline"), "deadline"))
-    if method == Method.EXECUTE:
+    if method in (Method.EXECUTE, Method.EXECUTE_FENCED):
         model_id = r.u64("prepared model id")
         args = []
         for kind in ("input", "output"):
@@ -652,11 +808,37 @@ def _decode_call(r: _Reader, method: Method, call_id: int):
         pools = _decode_pools(r, "request")
         n = r.count("release count", 8)
         release = tuple(r.u64("released pool id") for _ in range(n))
-        return Execute(call_id, model_id, args[0], args[1], pools, release, r.flag("measure"),
-                       _finite(r.opt_f64("deadline"), "deadline"),
-                       _finite(r.opt_f64("loop timeout"), "loop timeout"))
+        fields = (call_id, model_id, args[0], args[1], pools, release, r.flag("measure"),
+                  _finite(r.opt_f64("deadline"), "deadline"),
+                  _finite(r.opt_f64("loop timeout"), "loop timeout"))
+        if method == Method.EXECUTE:
+            return Execute(*fields)
+        n = r.u32("wait_for fence count")
+        if n > MAX_FDS:
+            raise ProtocolError(f"wait_for fence count {n} exceeds {MAX_FDS}")
+        wait_for = tuple(r.fd(f"wait_for fence {k}") for k in range(n))
+        timeout = _finite(r.opt_f64("timeout after fence"), "timeout after fence")
+        if timeout is not None and timeout < 0:
+            raise ProtocolError(f"timeout after fence {timeout} is negative")
+        return ExecuteFenced(*fields, wait_for, timeout, r.fd("result fence"))
     if method == Method.RELEASE_MODEL:
         return ReleaseModel(call_id, r.u64("prepared model id"))
+    if method == Method.CONFIGURE_BURST:
+        model_id = r.u64("prepared model id")
+        return ConfigureBurst(call_id, model_id,
+                              tuple(r.fd(f"burst ring fd {k}") for k in range(BURST_RING_FDS)))
+    if method == Method.RELEASE_BURST:
+        return ReleaseBurst(call_id, r.u64("burst id"))
+    if method == Method.BURST_ENDED:
+        burst_id = r.u64("burst id")
+        return BurstEnded(call_id, burst_id, r.str_("reason"))
+    if method in (Method.FREE_BURST_SLOTS, Method.GET_MEMORIES):
+        burst_id = r.u64("burst id")
+        slots = r.u32s("burst slots")
+        if len(slots) > MAX_BURST_SLOTS:
+            raise ProtocolError(f"{len(slots)} burst slots exceed {MAX_BURST_SLOTS}")
+        cls = FreeBurstSlots if method == Method.FREE_BURST_SLOTS else GetMemories
+        return cls(call_id, burst_id, slots)
     raise ProtocolError(f"method {method.name} has no call form")  # pragma: no cover
 
 
@@ -672,7 +854,7 @@ def _decode_reply(r: _Reader, method: Method, call_id: int) -> Reply:
     has_value = r.flag("value flag")
     if method == Method.ERROR and status == ErrorStatus.NONE:
         raise ProtocolError("an ERROR reply with status NONE")
-    if has_value != (status == ErrorStatus.NONE or method == Method.EXECUTE):
+    if has_value != (status == ErrorStatus.NONE or method in _ALWAYS_VALUED):
         raise ProtocolError(f"{method.name} reply with status {status.name} "
                             f"{'has' if has_value else 'lacks'} a value")
     if not has_value:
@@ -702,6 +884,18 @@ def _decode_reply(r: _Reader, method: Method, call_id: int) -> Reply:
                        for _ in range(n))
         timing = Timing(r.u64("on-device time"), r.u64("in-driver time"))
         value = ExecutionResult(status, shapes, timing, message)
+    elif method == Method.EXECUTE_FENCED:
+        n = r.count("output shape count", 5)
+        shapes = tuple(OutputShape(r.u32s("output dimensions"), r.flag("is sufficient"))
+                       for _ in range(n))
+        timing, launched, fenced = (Timing(r.u64(f"{w} on-device time"),
+                                           r.u64(f"{w} in-driver time"))
+                                    for w in ("run", "launched", "fenced"))
+        value = FencedInfo(ExecutionResult(status, shapes, timing, message), launched, fenced)
+    elif method == Method.CONFIGURE_BURST:
+        value = r.u64("burst id")
+    elif method == Method.GET_MEMORIES:
+        value = _decode_pools(r, "burst memory")
     return Reply(call_id, method, status, message, value)
 
 

@@ -23,6 +23,23 @@ it. A request pool sent with a non-zero ``pool_id`` is mapped once and
 cached for that prepared model until the client releases the id (the client
 drives the cache, see ``protocol``), so steady-state executions pass no fds.
 
+Fenced executions (EXECUTE_FENCED): the wait_for fences and the result
+fence (made by the client) arrive as fds; the pools must be shared memory.
+The handler hands the request to the driver's ``execute_fenced`` with the
+connection's task group, which waits for the fences through their fds'
+readability (never blocking the loop) and then runs the driver's
+``execute`` (its scheduler, like any execution). When it settles the
+handler signals the result fence, then replies with the info. A refused
+call, or a connection closing meanwhile, signals the result fence with the
+error: other processes may be waiting on it.
+
+Bursts (CONFIGURE_BURST): the client sends the fds of two fmq rings; the
+connection attaches them and runs a :class:`~nnrt.burst.server.BurstServer`
+as a task of its task group (so a closing connection ends it). Unknown
+slots are asked of the client with a call of ours, GET_MEMORIES, whose
+reply the read loop hands to the waiting task; a burst that ends on our
+side (ring out of sync, model released) is reported with BURST_ENDED.
+
 Runs on anyio (the asyncio backend and uvloop when the CLI starts it); the
 socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
 ``loop.add_reader`` on asyncio.
@@ -40,12 +57,15 @@ from dataclasses import dataclass
 
 import anyio
 
+from ...burst.server import BurstCounters, BurstServer
 from ...errors import ErrorStatus, NnrtError, invalid
+from ...fence.sync_fence import SyncFence
+from ...fmq import Ring, RingError
 from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import Model
 from ...vlog import vlog
-from ..hal import Device, ExecutionResult, PreparedModel, Request
+from ..hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
 from . import protocol as p
 
 _RECV_SIZE = 1 << 16
@@ -81,6 +101,18 @@ class ServiceStatistics:
     prepared_models: int
 
 
+@dataclass(frozen=True, slots=True)
+class BurstStatistics:
+    """Burst sessions of a service (``DriverService.burst_statistics()``)."""
+
+    bursts_open: int
+    bursts_total: int
+    executions: int
+    get_memories_calls: int   # round trips to a controller for unknown slots
+    slots_fetched: int        # slots mapped after such a call
+    slots_mapped: int         # slots mapped now, over all open bursts
+
+
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return PeerCredentials(*struct.unpack("3i", raw))
@@ -110,6 +142,7 @@ class DriverService:
         self._connections_total = 0
         self._calls = 0
         self._malformed = 0
+        self.burst_counters = BurstCounters()
 
     def app_of(self, peer: "PeerCredentials"):
         """The key of the peer's queue: its uid (default) or its pid."""
@@ -122,6 +155,13 @@ class DriverService:
         return ServiceStatistics(len(self.connections), self._connections_total, self._calls,
                                  self._malformed,
                                  sum(len(c.models) for c in self.connections))
+
+    def burst_statistics(self) -> "BurstStatistics":
+        c = self.burst_counters
+        return BurstStatistics(sum(len(conn.bursts) for conn in self.connections), c.opened,
+                               c.executions, c.get_memories_calls, c.slots_fetched,
+                               sum(b.statistics().slots_mapped for conn in self.connections
+                                   for b in conn.bursts.values()))
 
     async def handle_connection(self, sock: socket.socket) -> None:
         conn = ServiceConnection(self, sock)
@@ -159,6 +199,12 @@ class ServiceConnection:
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
+        self._tg = None  # the connection's task group, home of fenced executions
+        # Burst sessions of this connection (each a task in its task group),
+        # and the calls we made to the client (GET_MEMORIES) awaiting a reply.
+        self.bursts: dict[int, BurstServer] = {}
+        self._service_calls: dict[int, list] = {}
+        self._service_call_ids = itertools.count(1)
 
     async def run(self) -> None:
         vlog("driver", "%s: connection from pid %d uid %d", self.service.info.name,
@@ -178,11 +224,15 @@ class ServiceConnection:
             for entry in self.models.values():
                 entry.close()
             self.models.clear()
+            for burst in self.bursts.values():  # their tasks were cancelled with the group
+                burst.close()
+            self.bursts.clear()
             self.sock.close()
             vlog("driver", "%s: connection from pid %d closed", self.service.info.name,
                  self.peer.pid)
 
     async def _read_loop(self, tg) -> None:
+        self._tg = tg
         while True:
             await anyio.wait_readable(self.sock)
             try:
@@ -222,6 +272,9 @@ class ServiceConnection:
                     await self._reply(p.Reply(event.call_id, p.Method.ERROR, event.error.status,
                                               event.error.message))
                     continue
+                if isinstance(event, p.Reply):  # the client answering a call of ours
+                    self._deliver_service_reply(event)
+                    continue
                 self.service._calls += 1
                 if self._in_flight >= MAX_CALLS_IN_FLIGHT:
                     for fd in _fds_in(event):
@@ -237,15 +290,18 @@ class ServiceConnection:
         if not self._alive:
             return
         try:
-            data, _fds = self.proto.send(reply)
+            data, fds = self.proto.send(reply)
         except p.ProtocolError as e:  # a reply too big for a frame
-            data, _fds = self.proto.send(p.Reply(reply.call_id, p.Method.ERROR,
-                                                 ErrorStatus.GENERAL_FAILURE, e.message))
+            data, fds = self.proto.send(p.Reply(reply.call_id, p.Method.ERROR,
+                                                ErrorStatus.GENERAL_FAILURE, e.message))
         view = memoryview(data)
+        # The fds (a fenced execution's sync fence) ride with the first bytes.
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         async with self._send_lock:
             while view:
                 try:
-                    sent = self.sock.send(view, socket.MSG_NOSIGNAL)
+                    sent = self.sock.sendmsg([view], anc, socket.MSG_NOSIGNAL)
+                    anc = []
                 except (BlockingIOError, InterruptedError):
                     await anyio.wait_writable(self.sock)
                     continue
@@ -261,6 +317,10 @@ class ServiceConnection:
             if isinstance(call, p.Execute):
                 result = await self._execute(call)
                 reply = p.Reply(call.call_id, method, result.status, result.message, result)
+            elif isinstance(call, p.ExecuteFenced):
+                info = await self._execute_fenced(call)
+                reply = p.Reply(call.call_id, method, info.result.status, info.result.message,
+                                info)
             else:
                 reply = p.Reply(call.call_id, method, value=await self._call(call))
         except NnrtError as e:
@@ -321,8 +381,121 @@ class ServiceConnection:
         if isinstance(call, p.ReleaseModel):
             self._own(call.model_id).close()
             del self.models[call.model_id]
+            for burst_id, burst in list(self.bursts.items()):
+                if burst.model_id == call.model_id:
+                    burst.stop("its prepared model was released")
+            return None
+        if isinstance(call, p.ConfigureBurst):
+            return self._configure_burst(call)
+        if isinstance(call, p.ReleaseBurst):
+            burst = self.bursts.pop(call.burst_id, None)
+            if burst is None:
+                raise invalid(f"burst {call.burst_id} does not belong to this connection")
+            burst.stop()
+            return None
+        if isinstance(call, p.FreeBurstSlots):
+            burst = self.bursts.get(call.burst_id)
+            if burst is not None:  # a burst that has ended has nothing left to free
+                burst.free(call.slots)
             return None
         raise invalid(f"method {call.method.name} is not served")  # pragma: no cover
+
+    # -- bursts (see nnrt.burst.server) ---------------------------------------
+
+    def _configure_burst(self, call: p.ConfigureBurst) -> int:
+        entry = self._own(call.model_id)
+        if len(self.bursts) >= MAX_MODELS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_MODELS_PER_CONNECTION} bursts on one connection; "
+                            f"release some")
+        rings = []
+        try:
+            for k in (0, 3):
+                # attach takes ownership of the fds it is given; the received
+                # ones are closed by the handler (_fds_in).
+                fds = [os.dup(fd) for fd in call.ring_fds[k:k + 3]]
+                try:
+                    rings.append(Ring.attach(*fds))
+                except BaseException:
+                    for fd in fds:
+                        os.close(fd)
+                    raise
+        except (RingError, OSError) as e:
+            for ring in rings:
+                ring.close()
+            raise invalid(f"CONFIGURE_BURST: the ring fds are not usable fmq rings: {e}") from None
+        burst_id = self.service.next_id()
+        burst = BurstServer(burst_id, entry.prepared, rings[0], rings[1],
+                            lambda slots: self._burst_memories(burst_id, slots),
+                            self.service.burst_counters,
+                            f"{self.service.info.name} burst {burst_id}", call.model_id)
+        self.bursts[burst_id] = burst
+        self._tg.start_soon(self._run_burst, burst)
+        return burst_id
+
+    async def _run_burst(self, burst: BurstServer) -> None:
+        try:
+            await burst.run()
+        finally:
+            if self.bursts.get(burst.burst_id) is burst:
+                del self.bursts[burst.burst_id]
+            if burst.end_reason is not None and self._alive:
+                # Ended on our side: the controller must not wait for results.
+                # (Its reply is dropped by _deliver_service_reply.)
+                with anyio.CancelScope(shield=True):
+                    await self._reply(p.BurstEnded(next(self._service_call_ids),
+                                                   burst.burst_id, burst.end_reason))
+
+    async def _burst_memories(self, burst_id: int, slots: tuple[int, ...]) -> dict[int, Memory]:
+        """Ask the client for the memories behind ``slots`` (GET_MEMORIES)."""
+        reply = await self._call_client(lambda cid: p.GetMemories(cid, burst_id, slots))
+        pools = reply.value if reply.status == ErrorStatus.NONE and reply.value else ()
+        mapped: dict[int, Memory] = {}
+        try:
+            if reply.status != ErrorStatus.NONE:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"the client could not give burst slots {list(slots)}: "
+                                f"{reply.message}")
+            for wp in pools:
+                if wp.fd is None or wp.pool_id not in slots or wp.pool_id in mapped:
+                    raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
+                                  f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
+                mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
+                                                    PROT_RW if wp.writable else PROT_READ)
+        except BaseException:
+            for m in mapped.values():
+                m.close()
+            raise
+        finally:
+            for wp in pools:
+                if wp.fd is not None:
+                    os.close(wp.fd)
+        return mapped
+
+    async def _call_client(self, build) -> p.Reply:
+        """Send the client a call of ours and await its reply."""
+        call_id = next(self._service_call_ids)
+        box = [anyio.Event(), None]
+        self._service_calls[call_id] = box
+        try:
+            await self._reply(build(call_id))  # sends any message, not only replies
+            if not self._alive:
+                raise NnrtError(ErrorStatus.DEAD_OBJECT, "the client has gone")
+            await box[0].wait()
+        finally:
+            self._service_calls.pop(call_id, None)
+        return box[1]
+
+    def _deliver_service_reply(self, reply: p.Reply) -> None:
+        box = self._service_calls.get(reply.call_id)
+        if box is None or box[1] is not None:  # nobody waits (cancelled): drop its fds
+            if reply.method == p.Method.GET_MEMORIES and reply.value:
+                for wp in reply.value:
+                    if wp.fd is not None:
+                        os.close(wp.fd)
+            return
+        box[1] = reply
+        box[0].set()
 
     def _own(self, model_id: int) -> _Prepared:
         entry = self.models.get(model_id)
@@ -345,6 +518,60 @@ class ServiceConnection:
             return await entry.prepared.execute(request, call.measure, call.deadline,
                                                 call.loop_timeout)
         finally:
+            for m in transient:
+                m.close()
+
+    async def _execute_fenced(self, call: p.ExecuteFenced) -> p.FencedInfo:
+        """Run a fenced execution and signal the client's result fence: with
+        the execution's status when it settles, with the error when the call
+        is refused or the connection goes away (so nobody, in any process,
+        waits on it forever). The FencedInfo is the reply, sent after."""
+        result_fence = _adopt_fence(call.fence, "the result fence")
+        status = ErrorStatus.GENERAL_FAILURE
+        try:
+            info = await self._run_fenced(call)
+            status = info.result.status
+            return info
+        except NnrtError as e:
+            status = e.status
+            raise
+        finally:
+            try:
+                if status is ErrorStatus.NONE:
+                    result_fence.signal()
+                else:
+                    result_fence.signal_error(status)
+            except NnrtError:
+                pass  # the client signaled it itself: it is not waiting for us
+            result_fence.close()
+
+    async def _run_fenced(self, call: p.ExecuteFenced) -> p.FencedInfo:
+        """The driver's ``execute_fenced`` (in the connection's task group)
+        waits for the input fences through their fds, never blocking the
+        loop, then runs the request through the driver's ``execute``, i.e.
+        its scheduler; this waits for its outcome."""
+        entry = self._own(call.model_id)
+        for pool_id in call.release:
+            m = entry.request_pools.pop(pool_id, None)
+            if m is not None:
+                m.close()
+        transient: list[Memory] = []
+        fences: list[SyncFence] = []
+        try:
+            pools = [self._request_pool(entry, wp, k, transient)
+                     for k, wp in enumerate(call.pools)]
+            for k, fd in enumerate(call.wait_for):
+                fences.append(_adopt_fence(fd, f"wait_for fence {k}"))
+            request = Request(call.inputs, call.outputs, tuple(pools))
+            fence, callback = await entry.prepared.execute_fenced(
+                self._tg, request, fences, call.measure, call.deadline, call.loop_timeout,
+                call.timeout_after_fence)
+            fence.close()  # the client's fence is the one it waits on
+            _status, launched, fenced = await callback.wait_execution_info()
+            return p.FencedInfo(callback.get_result(), launched, fenced)
+        finally:
+            for f in fences:  # the engine waits on its own duplicates
+                f.close()
             for m in transient:
                 m.close()
 
@@ -398,10 +625,28 @@ def _map_model(model: Model) -> tuple[Model, list[Memory]]:
                  model.relax_computation_float32_to_float16, model.extension_prefixes), memories
 
 
+def _adopt_fence(fd: int, what: str) -> SyncFence:
+    """A handle of our own on a received fence fd (the handler closes the
+    received fd). INVALID_ARGUMENT unless it is an open eventfd."""
+    own = os.dup(fd)
+    try:
+        return SyncFence.from_fd(own)
+    except NnrtError as e:
+        os.close(own)  # from_fd leaves a refused fd to its caller
+        raise invalid(f"{what}: {e.message}") from None
+    except BaseException:
+        os.close(own)
+        raise
+
+
 def _error_reply(call, status: ErrorStatus, message: str) -> p.Reply:
     if isinstance(call, p.Execute):
         return p.Reply(call.call_id, call.method, status, message,
                        ExecutionResult(status, message=message))
+    if isinstance(call, p.ExecuteFenced):
+        return p.Reply(call.call_id, call.method, status, message,
+                       p.FencedInfo(ExecutionResult(status, message=message), NO_TIMING,
+                                    NO_TIMING))
     return p.Reply(call.call_id, call.method, status, message)
 
 
@@ -409,9 +654,14 @@ def _fds_in(call) -> list[int]:
     pools = ()
     if isinstance(call, (p.SupportedOperations, p.PrepareModel)):
         pools = call.model.pools
-    elif isinstance(call, p.Execute):
+    elif isinstance(call, (p.Execute, p.ExecuteFenced)):
         pools = call.pools
-    return [wp.fd for wp in pools if wp.fd is not None]
+    fds = [wp.fd for wp in pools if wp.fd is not None]
+    if isinstance(call, p.ExecuteFenced):
+        fds += [*call.wait_for, call.fence]
+    if isinstance(call, p.ConfigureBurst):
+        fds += call.ring_fds
+    return fds
 
 
 def _fds_of(ancdata) -> list[int]:

@@ -1,0 +1,322 @@
+"""The burst server: the driver-service side of a burst session.
+
+Theory of operation
+-------------------
+One :class:`BurstServer` per burst. Its task (started by the connection
+that configured the burst, in that connection's task group) runs a
+dedicated serving thread and stops it when cancelled. The thread's loop is::
+
+    wait for a request frame (poll on the ring's eventfd and a stop eventfd)
+    decode it                        -> INVALID_ARGUMENT result if it does not
+    map the slots it names           -> unknown slots: one get_memories call,
+                                        made on the event loop (from_thread)
+    prepared.execute_synchronously() -> the driver's validation and scheduler
+    write the result frame to the result ring
+
+Why a thread and ``execute_synchronously`` rather than a task awaiting the
+driver's ``execute``: a driver's async ``execute`` hands the work to a
+worker thread and back, two more wake-ups per frame on top of the two ring
+hand-offs; on a small model those wake-ups are the whole cost, and the point
+of a burst is to pay only the ring. ``execute_synchronously`` goes through
+the same request validation and the same scheduler (the job waits for its
+turn in this thread), so a burst execution is ordered, preempted and
+refused exactly like any other. HAL burst servers have their own thread too.
+
+Requests are served one at a time, in ring order, so executions of one burst
+never overlap and results come back in request order.
+
+Slots. The controller names each memory pool by a slot id it never reuses
+within the burst. The server keeps ``slot -> Memory`` (mapped once); a slot
+it does not know is asked of the controller over the control connection
+(``fetch``, the service's ``GET_MEMORIES`` call, HAL
+``IBurstCallback.getMemories``) and cached from then on. A slot freed by the
+controller (the app released the Memory) is unmapped after the execution in
+progress, if any, so a mapping is never pulled from under the driver. The
+slot table is shared by the thread and the event loop (``free``): a lock
+guards it.
+
+Failures. A frame that does not decode fails that execution with
+INVALID_ARGUMENT (serial taken from the header when it is readable) and the
+burst goes on. :class:`~nnrt.fmq.RingCorrupted` (impossible counters: the
+stream is out of sync) ends the burst. The burst also ends on ``stop()``
+(RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled (the control
+connection closed: the app died): the stop eventfd wakes the thread, a
+pending ``fetch`` is cancelled, and once the thread has returned every
+mapping and both rings are closed.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import anyio
+
+from ..drivers.hal import PreparedModel, Request, RequestArgument
+from ..errors import ErrorStatus, NnrtError
+from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
+from ..memory import Memory
+from ..model.graph import DataLocation
+from ..vlog import vlog
+from .wire import (MAX_MESSAGE, REQUEST_MAGIC, BurstOutputShape, BurstProtocolError,
+                   BurstResult, RequestDecoder, encode_result)
+
+# Fetch the memories behind some slots: slot -> Memory for every slot it
+# could get (NnrtError when the controller refuses). Runs on the event loop.
+Fetch = Callable[[tuple[int, ...]], Awaitable[dict[int, Memory]]]
+
+_SERIAL = struct.Struct("<4sHHQ")
+
+
+@dataclass(frozen=True, slots=True)
+class BurstServerStatistics:
+    executions: int            # requests answered (malformed ones included)
+    malformed: int             # requests that did not decode
+    get_memories_calls: int    # round trips to the controller for unknown slots
+    slots_fetched: int         # slots mapped after such a call
+    slots_mapped: int          # slots mapped now
+    slots_freed: int
+
+
+class BurstCounters:
+    """Totals over all bursts of a service (for its ``burst_statistics``)."""
+
+    def __init__(self):
+        self.ids = itertools.count(1)
+        self.opened = 0
+        self.executions = 0
+        self.get_memories_calls = 0
+        self.slots_fetched = 0
+
+
+class _Stopped(Exception):
+    """The burst was stopped while the thread was waiting."""
+
+
+class BurstServer:
+    """Serves one burst: see the module docstring."""
+
+    def __init__(self, burst_id: int, prepared: PreparedModel, requests: Ring, results: Ring,
+                 fetch: Fetch, counters: BurstCounters | None = None, label: str = "burst",
+                 model_id: int = 0):
+        self.burst_id = burst_id
+        self.model_id = model_id   # the service's id of ``prepared``
+        self.prepared = prepared
+        self._requests = requests
+        self._results = results
+        self._fetch = fetch
+        self._decoder = RequestDecoder()
+        self._counters = counters or BurstCounters()
+        self._label = label
+        self._lock = threading.Lock()       # guards _memories, _to_free, _executing
+        self._memories: dict[int, Memory] = {}
+        self._to_free: set[int] = set()
+        self._executing = False
+        self._stop_efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._stopped = False
+        self._fetch_scope: anyio.CancelScope | None = None
+        self.closed = False
+        # Why the burst ended on our side, to tell the controller (None:
+        # released by it, or its connection is gone).
+        self.end_reason: str | None = None
+        self._executions = self._malformed = 0
+        self._get_memories_calls = self._slots_fetched = self._slots_freed = 0
+
+    def statistics(self) -> BurstServerStatistics:
+        return BurstServerStatistics(self._executions, self._malformed, self._get_memories_calls,
+                                     self._slots_fetched, len(self._memories), self._slots_freed)
+
+    # -- lifetime (event loop) ------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve requests (in a thread) until stopped, cancelled or out of
+        sync; then unmap and close everything."""
+        self._counters.opened += 1
+        try:
+            if not self._stopped:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._stop_when_cancelled)
+                    # Not abandoned on cancel: the task waits for the thread,
+                    # which _stop_when_cancelled wakes, so nothing is closed
+                    # under it.
+                    await anyio.to_thread.run_sync(self._serve_forever,
+                                                   limiter=anyio.CapacityLimiter(1))
+                    tg.cancel_scope.cancel()
+        finally:
+            self.close()
+
+    async def _stop_when_cancelled(self) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.stop()
+
+    def stop(self, reason: str | None = None) -> None:
+        """End the burst: the thread returns, then run() unmaps everything.
+        ``reason`` (for :attr:`end_reason`) when the controller did not ask
+        for it. Call it on the event loop."""
+        if reason is not None and self.end_reason is None:
+            self.end_reason = reason
+        if self._stopped or self.closed:
+            self._stopped = True
+            return
+        self._stopped = True
+        os.eventfd_write(self._stop_efd, 1)
+        if self._fetch_scope is not None:
+            self._fetch_scope.cancel()
+
+    def close(self) -> None:
+        """Unmap every slot and close both rings. Idempotent. Only once the
+        thread has returned (run() does it), or if it never started."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            memories, self._memories = self._memories, {}
+        for mem in memories.values():
+            mem.close()
+        self._requests.close()
+        self._results.close()
+        os.close(self._stop_efd)
+
+    def free(self, slots) -> None:
+        """The controller forgot ``slots``: unmap them (after the execution
+        in progress, which may still be using them)."""
+        with self._lock:
+            self._to_free.update(slots)
+            if self._executing:
+                return
+            freed = self._take_frees()
+        for mem in freed:
+            mem.close()
+
+    def _take_frees(self) -> list[Memory]:
+        freed = [m for m in (self._memories.pop(s, None) for s in self._to_free) if m is not None]
+        self._slots_freed += len(freed)
+        self._to_free.clear()
+        return freed
+
+    # -- the serving thread ---------------------------------------------------
+
+    def _serve_forever(self) -> None:
+        try:
+            while not self._stopped:
+                if self._requests.wait_read_sync(also=self._stop_efd) is Ready.ALSO:
+                    return
+                frame = self._requests.read_nowait()
+                result = self._serve(frame)
+                try:
+                    encoded = encode_result(result)
+                except BurstProtocolError as e:  # e.g. a driver's shape beyond u32
+                    encoded = encode_result(BurstResult(
+                        result.serial, ErrorStatus.GENERAL_FAILURE,
+                        message=_clip(f"the driver's result cannot be sent: {e.message}")))
+                while True:
+                    try:
+                        self._results.write_nowait(encoded)
+                        break
+                    except WouldBlock:  # the controller is behind: wait for room
+                        if self._results.wait_write_sync(len(encoded), also=self._stop_efd) \
+                                is Ready.ALSO:
+                            return
+        except RingCorrupted as e:
+            vlog("driver", "%s: the burst's ring is out of sync, tearing it down: %s",
+                 self._label, e)
+            self.end_reason = f"its ring is out of sync: {e}"
+        except (RingClosed, _Stopped):
+            pass
+
+    def _serve(self, frame: bytes) -> BurstResult:
+        self._executions += 1
+        self._counters.executions += 1
+        try:
+            request = self._decoder.decode(frame)
+        except BurstProtocolError as e:
+            self._malformed += 1
+            return BurstResult(_peek_serial(frame), ErrorStatus.INVALID_ARGUMENT,
+                               message=_clip(e.message))
+        with self._lock:
+            self._executing = True
+        try:
+            return self._execute(request)
+        except NnrtError as e:
+            return BurstResult(request.serial, e.status, message=_clip(e.message))
+        except _Stopped:
+            raise
+        except Exception as e:  # a driver bug must not end the burst or the service
+            return BurstResult(request.serial, ErrorStatus.GENERAL_FAILURE,
+                               message=_clip(f"{type(e).__name__} in the driver: {e}"))
+        finally:
+            with self._lock:
+                self._executing = False
+                freed = self._take_frees() if self._to_free else []
+            for mem in freed:
+                mem.close()
+
+    def _execute(self, req) -> BurstResult:
+        with self._lock:
+            unknown = tuple(dict.fromkeys(s for s in req.slots if s not in self._memories))
+        if unknown:
+            self._get_memories_calls += 1
+            self._counters.get_memories_calls += 1
+            fetched = anyio.from_thread.run(self._fetch_on_loop, unknown)
+            if fetched is None:
+                raise _Stopped
+            missing = [s for s in unknown if s not in fetched]
+            if missing:
+                for mem in fetched.values():
+                    mem.close()
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"the controller did not give burst slots {missing}")
+            with self._lock:
+                self._memories.update(fetched)
+            self._slots_fetched += len(unknown)
+            self._counters.slots_fetched += len(unknown)
+        with self._lock:
+            pools = tuple(self._memories[s].view() for s in req.slots)
+        request = Request(tuple(_argument(a) for a in req.inputs),
+                          tuple(_argument(a) for a in req.outputs), pools)
+        result = self.prepared.execute_synchronously(request, req.measure_timing, req.deadline,
+                                                     req.loop_timeout)
+        return BurstResult(req.serial, result.status,
+                           tuple(BurstOutputShape(tuple(s.dimensions), bool(s.is_sufficient))
+                                 for s in result.output_shapes),
+                           result.timing.on_device, result.timing.in_driver,
+                           _clip(result.message))
+
+    async def _fetch_on_loop(self, slots) -> dict[int, Memory] | None:
+        """``fetch`` on the event loop; None when the burst was stopped meanwhile."""
+        if self._stopped:
+            return None
+        with anyio.CancelScope() as self._fetch_scope:
+            return await self._fetch(slots)
+        return None
+
+
+def _argument(a) -> RequestArgument:
+    if a.has_no_value:
+        return RequestArgument(has_no_value=True)
+    return RequestArgument(False, DataLocation(a.pool_index, a.offset, a.length),
+                           tuple(a.dimensions))
+
+
+def _peek_serial(frame: bytes) -> int:
+    """The serial of a request that did not decode, 0 when unreadable."""
+    if len(frame) >= _SERIAL.size:
+        magic, _version, _flags, serial = _SERIAL.unpack_from(frame)
+        if magic == REQUEST_MAGIC:
+            return serial
+    return 0
+
+
+def _clip(message: str) -> str:
+    raw = message.encode("utf-8", "replace")
+    if len(raw) <= MAX_MESSAGE:
+        return message
+    return raw[:MAX_MESSAGE].decode("utf-8", "ignore")
+
+
+__all__ = ["BurstCounters", "BurstServer", "BurstServerStatistics"]

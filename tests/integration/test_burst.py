@@ -1,0 +1,319 @@
+"""Burst sessions on a real driver service process: two fmq rings in memfds,
+eventfd wake-ups, slots fetched over the control socket with SCM_RIGHTS,
+SIGKILL of either side."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import numpy as np
+import pytest
+
+from nnrt import ErrorStatus
+from nnrt.burst import wire
+from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.drivers.service.client import ServiceDevice
+from nnrt.drivers.service.server import serve
+from nnrt.memory import Memory
+from nnrt.model.graph import DataLocation
+
+from .test_service import GUARD, add_model, chain_model, numpy_request, start_service, stop
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    path = tmp_path_factory.mktemp("burst") / "reference.sock"
+    proc = start_service(path, "reference", "burst-reference")
+    yield path, proc
+    stop(proc)
+
+
+def memory_request(mem: Memory, n: int = 4):
+    """ADD of [0, 4n) and [4n, 8n) of ``mem`` into [8n, 12n): all in place."""
+    size = 4 * n
+    return Request((RequestArgument(False, DataLocation(0, 0, size), (1, n)),
+                    RequestArgument(False, DataLocation(0, size, size), (1, n))),
+                   (RequestArgument(False, DataLocation(0, 2 * size, size)),), (mem,))
+
+
+def maps_of(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def wait_until(predicate, what: str):
+    """Poll ``predicate`` (a guard against hangs, not a timing assertion)."""
+    with anyio.fail_after(GUARD, shield=True):
+        while not predicate():
+            await anyio.sleep(0.01)
+
+
+async def test_300_frames_through_a_burst_match_execute(service):
+    path, _proc = service
+    dev = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await dev.prepare_model(add_model())
+        rng = np.random.default_rng(8)
+        session = await prepared.configure_burst()
+        mem = Memory.create(64, "nnrt-burst-frames")
+        try:
+            with anyio.fail_after(GUARD * 6):
+                for frame in range(300):
+                    x = rng.standard_normal((1, 4)).astype(np.float32)
+                    y = rng.standard_normal((1, 4)).astype(np.float32)
+                    expected = np.zeros((1, 4), np.float32)
+                    ref = await prepared.execute(numpy_request([x, y], [expected]))
+                    assert ref.status == ErrorStatus.NONE, ref.message
+                    if frame % 2:  # numpy pools: staged through the arena
+                        out = np.zeros((1, 4), np.float32)
+                        result = await session.execute(numpy_request([x, y], [out]),
+                                                       measure=frame % 3 == 0)
+                    else:          # Memory pools: in place, no copy
+                        mem.array(np.float32, 4, 0)[:] = x.reshape(-1)
+                        mem.array(np.float32, 4, 16)[:] = y.reshape(-1)
+                        result = await session.execute(memory_request(mem))
+                        out = mem.array(np.float32, (1, 4), 32)
+                    assert result.status == ErrorStatus.NONE, result.message
+                    assert result.output_shapes[0].dimensions == (1, 4)
+                    np.testing.assert_array_equal(out, expected)
+                    if frame % 3 == 0 and frame % 2:
+                        assert result.timing.in_driver >= result.timing.on_device
+            stats = session.statistics()
+            assert stats.executions == 300
+            assert stats.slots == 2  # the Memory and the arena, each once
+            # Only the numpy frames were copied: 3 x 16 bytes each, 150 of them.
+            assert stats.bytes_staged == 150 * 48
+        finally:
+            session.close()
+            mem.close()
+    finally:
+        dev.close()
+
+
+async def test_sigkill_of_the_service_fails_a_pending_burst_execution(tmp_path):
+    path = tmp_path / "victim.sock"
+    proc = start_service(path)
+    try:
+        dev = await ServiceDevice.connect(str(path))
+        n = 1 << 20
+        prepared = await dev.prepare_model(chain_model(n, 400))  # long enough to be caught
+        session = await prepared.configure_burst()
+        mem = Memory.create(3 * 4 * n)
+        mem.array(np.float32, 2 * n)[:] = 1
+        request = Request((RequestArgument(False, DataLocation(0, 0, 4 * n), (n,)),
+                           RequestArgument(False, DataLocation(0, 4 * n, 4 * n), (n,))),
+                          (RequestArgument(False, DataLocation(0, 8 * n, 4 * n)),), (mem,))
+        results = []
+
+        async def run():
+            results.append(await session.execute(request))
+
+        with anyio.fail_after(GUARD * 2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.sleep(0.1)  # the execution is in the service now
+                assert not results
+                os.kill(proc.pid, signal.SIGKILL)
+        assert results[0].status == ErrorStatus.DEAD_OBJECT, results[0]
+        # The session stays dead, without touching the rings' peer.
+        again = await session.execute(request)
+        assert again.status == ErrorStatus.DEAD_OBJECT
+        session.close()
+        dev.close()
+        mem.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_closing_the_session_ends_the_server_task_and_unmaps(service):
+    path, proc = service
+    dev = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await dev.prepare_model(add_model())
+        baseline_fds = fd_count(proc.pid)
+        session = await prepared.configure_burst()
+        probe = f"nnrt-burst-probe-{os.getpid()}"
+        mem = Memory.create(64, probe)
+        mem.array(np.float32, 8)[:] = 1
+        result = await session.execute(memory_request(mem))
+        assert result.status == ErrorStatus.NONE, result.message
+        maps = maps_of(proc.pid)
+        assert probe in maps and "nnrt-burst-requests" in maps and "nnrt-burst-results" in maps
+        assert fd_count(proc.pid) > baseline_fds
+
+        session.close()
+        await wait_until(lambda: not any(name in maps_of(proc.pid) for name in
+                                         (probe, "nnrt-burst-requests", "nnrt-burst-results")),
+                         "the service unmaps the burst")
+        await wait_until(lambda: fd_count(proc.pid) == baseline_fds, "the service closes fds")
+        closed = await session.execute(memory_request(mem))
+        assert closed.status == ErrorStatus.INVALID_ARGUMENT
+        # The connection and the prepared model live on.
+        out = np.zeros((1, 4), np.float32)
+        ok = await prepared.execute(numpy_request([np.ones((1, 4), np.float32)] * 2, [out]))
+        assert ok.status == ErrorStatus.NONE and out.tolist() == [[2.0] * 4]
+        mem.close()
+    finally:
+        dev.close()
+
+
+APP = textwrap.dedent("""
+    import sys, anyio, numpy as np
+    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.memory import Memory
+    from tests.integration.test_burst import memory_request
+    from tests.integration.test_service import add_model
+
+    async def main():
+        dev = await ServiceDevice.connect(sys.argv[1])
+        session = await (await dev.prepare_model(add_model())).configure_burst()
+        mem = Memory.create(64, sys.argv[2])
+        result = await session.execute(memory_request(mem))
+        print(result.status.name, flush=True)
+        await anyio.sleep(60)
+
+    anyio.run(main)
+""")
+
+
+async def test_app_death_ends_the_server_task_and_unmaps(service):
+    path, proc = service
+    probe = f"nnrt-burst-app-{os.getpid()}"
+    app = subprocess.Popen([sys.executable, "-c", APP, str(path), probe],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        with anyio.fail_after(GUARD * 6):
+            line = await anyio.to_thread.run_sync(app.stdout.readline)
+        assert line.strip() == b"NONE", app.stderr.read() if not line else line
+        assert probe in maps_of(proc.pid)
+        app.kill()
+        app.wait()
+        await wait_until(lambda: probe not in maps_of(proc.pid), "the service unmaps")
+    finally:
+        app.kill()
+        app.wait()
+
+
+async def test_unknown_slots_are_fetched_once_then_cached_and_freed(tmp_path):
+    """In-process service, to read its burst statistics."""
+    path = str(tmp_path / "stats.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        dev = await ServiceDevice.connect(path)
+        try:
+            prepared = await dev.prepare_model(add_model())
+            async with await prepared.configure_burst() as session:
+                first = Memory.create(64)
+                first.array(np.float32, 8)[:] = 2
+                for _ in range(5):
+                    assert (await session.execute(memory_request(first))).status == \
+                        ErrorStatus.NONE
+                stats = svc.burst_statistics()
+                assert (stats.get_memories_calls, stats.slots_fetched, stats.slots_mapped) == \
+                    (1, 1, 1)
+                assert first.array(np.float32, 4, 32).tolist() == [4.0] * 4
+
+                second = Memory.create(64)
+                for _ in range(3):
+                    await session.execute(memory_request(second))
+                stats = svc.burst_statistics()
+                assert (stats.get_memories_calls, stats.slots_fetched, stats.slots_mapped) == \
+                    (2, 2, 2)
+
+                # The app releases a Memory (closed, or collected): the slot is
+                # freed with the next execution and unmapped by the server.
+                first.close()
+                del second
+                third = Memory.create(64)
+                await session.execute(memory_request(third))
+                await wait_until(lambda: svc.burst_statistics().slots_mapped == 1,
+                                 "freed slots are unmapped")
+                assert session.statistics().slots_freed == 2
+                assert svc.burst_statistics().bursts_open == 1
+            await wait_until(lambda: svc.burst_statistics().bursts_open == 0, "the burst ends")
+            assert svc.burst_statistics().slots_mapped == 0
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
+
+
+async def test_malformed_requests_fail_alone_and_the_burst_goes_on(service):
+    path, _proc = service
+    dev = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await dev.prepare_model(add_model())
+        session = await prepared.configure_burst()
+        mem = Memory.create(64)
+        mem.array(np.float32, 8)[:] = 3
+        try:
+            # Garbage after a readable header: INVALID_ARGUMENT for that one.
+            good = wire.encode_request(wire.BurstRequest(7, (), (), ()))
+            for frame in (good[:24] + b"\xff" * 40, b"not a request", good + b"\0"):
+                result = await session.for_test_execute_raw(frame)
+                assert result.status == ErrorStatus.INVALID_ARGUMENT, result
+            # A well-formed request naming a slot nobody gave out.
+            arg = wire.BurstArgument(False, 0, 0, 16, (1, 4))
+            forged = wire.encode_request(wire.BurstRequest(10_000, (arg, arg), (arg,), (999,)))
+            result = await session.for_test_execute_raw(forged)
+            assert result.status == ErrorStatus.INVALID_ARGUMENT and "999" in result.message
+            # The driver's own validation applies: an output region past the pool.
+            bad = Request(memory_request(mem).inputs,
+                          (RequestArgument(False, DataLocation(0, 56, 16)),), (mem,))
+            assert (await session.execute(bad)).status == ErrorStatus.INVALID_ARGUMENT
+            result = await session.execute(memory_request(mem))
+            assert result.status == ErrorStatus.NONE, result.message
+            assert mem.array(np.float32, 4, 32).tolist() == [6.0] * 4
+        finally:
+            session.close()
+            mem.close()
+    finally:
+        dev.close()
+
+
+async def test_an_out_of_sync_ring_tears_the_burst_down_on_both_sides(service):
+    path, proc = service
+    dev = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await dev.prepare_model(add_model())
+        session = await prepared.configure_burst()
+        probe = f"nnrt-burst-sync-{os.getpid()}"
+        mem = Memory.create(64, probe)
+        assert (await session.execute(memory_request(mem))).status == ErrorStatus.NONE
+        session.for_test_corrupt_request_ring()
+        await wait_until(lambda: probe not in maps_of(proc.pid), "the service unmaps")
+        with anyio.fail_after(GUARD):
+            result = await session.execute(memory_request(mem))
+        assert result.status == ErrorStatus.GENERAL_FAILURE and "out of sync" in result.message
+        session.close()
+        # The connection is fine: a new burst works.
+        async with await prepared.configure_burst() as again:
+            assert (await again.execute(memory_request(mem))).status == ErrorStatus.NONE
+        mem.close()
+    finally:
+        dev.close()
+
+
+async def test_releasing_the_prepared_model_closes_its_bursts(service):
+    path, _proc = service
+    dev = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await dev.prepare_model(add_model())
+        session = await prepared.configure_burst()
+        mem = Memory.create(64)
+        assert (await session.execute(memory_request(mem))).status == ErrorStatus.NONE
+        prepared.release()
+        with anyio.fail_after(GUARD):
+            result = await session.execute(memory_request(mem))
+        assert result.status == ErrorStatus.INVALID_ARGUMENT and "closed" in result.message
+        mem.close()
+    finally:
+        dev.close()
