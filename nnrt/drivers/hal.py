@@ -228,6 +228,15 @@ class Device(abc.ABC):
                             priority: Priority, deadline: float | None = None,
                             cache=None) -> PreparedModel: ...
 
+    def statistics(self):
+        """The counters of the scheduler in front of this driver
+        (``nnrt.qos.scheduler.SchedulerStatistics``), None without one."""
+        return None
+
+    def finished_jobs(self) -> tuple:
+        """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
+        return ()
+
     def allocate(self, desc, roles) -> tuple[Buffer, int]:
         """Allocate a driver-managed buffer; a driver without memory domains
         fails, and the runtime then uses shared memory instead (as the HAL allows)."""

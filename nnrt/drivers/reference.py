@@ -62,6 +62,9 @@ class ReferenceDevice(Device):
         """The scheduler's counters per app and priority."""
         return self.gate.statistics()
 
+    def finished_jobs(self) -> tuple:
+        return self.gate.finished_jobs()
+
     def capabilities(self) -> Capabilities:
         one = PerformanceInfo(1.0, 1.0)
         return Capabilities(one, one, {t: one for t in OperandType}, one, one)

@@ -130,6 +130,17 @@ class Runtime:
             flags = [a or b for a, b in zip(flags, d.supported_operations(hal))]
         return flags
 
+    async def statistics(self, device: str | Device):
+        """The counters of the scheduler in front of ``device`` (per app and
+        priority: queued, running, completed, preempted, deadline misses,
+        queue-wait p50/p99, device time), None when it has none."""
+        return await anyio.to_thread.run_sync(self._resolve(device).statistics)
+
+    async def finished_jobs(self, device: str | Device) -> tuple:
+        """The recent executions the scheduler of ``device`` finished, with
+        its own timestamps (submitted, started, finished, longest step)."""
+        return await anyio.to_thread.run_sync(self._resolve(device).finished_jobs)
+
     def _resolve(self, device: str | Device) -> Device:
         return self.device(device) if isinstance(device, str) else device
 

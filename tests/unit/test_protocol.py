@@ -212,3 +212,25 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
     message = p.Execute(2, 1, args, (), ())
     frame, fds = p.encode(message)
     assert p.decode_body(frame_body(frame), fds) == message
+
+
+def test_statistics_reply_round_trips():
+    from nnrt.drivers.reference import ReferenceDevice
+    from nnrt.drivers.service import protocol as proto
+    from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
+    from nnrt.qos.priority import Priority
+    from nnrt.errors import ErrorStatus
+    stats = SchedulerStatistics(2, 1, (ClassStatistics(("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1,
+                                                       0, 0, 0.001, None, 0.25),))
+    job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
+                    ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
+    for value in (proto.StatisticsValue(stats, (job,)), proto.StatisticsValue(None, ())):
+        data, fds = proto.encode(proto.Reply(9, proto.Method.STATISTICS, ErrorStatus.NONE, "",
+                                             value))
+        assert proto.decode_body(data[proto.FRAME_HEADER_SIZE:], fds).value == value
+        for cut in range(proto.FRAME_HEADER_SIZE, len(data) - 1):
+            try:
+                proto.decode_body(data[proto.FRAME_HEADER_SIZE:cut], [])
+            except proto.ProtocolError:
+                pass
+    assert ReferenceDevice().finished_jobs() == ()

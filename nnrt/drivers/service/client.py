@@ -399,6 +399,18 @@ class ServiceDevice(Device):
     def number_of_cache_files_needed(self) -> tuple[int, int]:
         return self._cache_files
 
+    def statistics(self):
+        return self._statistics().statistics
+
+    def finished_jobs(self) -> tuple:
+        return self._statistics().jobs
+
+    def _statistics(self) -> p.StatisticsValue:
+        # A blocking round trip like supported_operations (the HAL query is
+        # synchronous); the runtime calls it from a worker thread.
+        return _value(self._channel.call_blocking(lambda cid: p.Query(cid, p.Method.STATISTICS)),
+                      "statistics")
+
     def supported_operations(self, model: Model) -> list[bool]:
         """Asks the service (a blocking round trip: the HAL method is
         synchronous). Never call it on the loop that runs the service itself."""

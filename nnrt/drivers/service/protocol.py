@@ -50,6 +50,7 @@ from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, Model, 
                             Operation, Subgraph)
 from ...model.types import OperandLifeTime, OperandType, OperationType
 from ...qos.priority import Priority
+from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ..hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
                    PerformanceInfo, RequestArgument, Timing)
 
@@ -94,6 +95,7 @@ class Method(enum.IntEnum):
     FREE_BURST_SLOTS = 13     # the app released these memories: unmap them
     GET_MEMORIES = 14         # service -> client: the fds of unknown burst slots
     BURST_ENDED = 15          # service -> client: a burst ended on the service's side
+    STATISTICS = 16           # the scheduler's counters and its recent finished jobs
 
 
 # Calls the service makes to the client (the burst server asking the
@@ -310,7 +312,19 @@ class Malformed:
 Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
         | ExecuteFenced)
 
-_QUERIES = (Method.CAPABILITIES, Method.SUPPORTED_EXTENSIONS, Method.NUMBER_OF_CACHE_FILES)
+_QUERIES = (Method.CAPABILITIES, Method.SUPPORTED_EXTENSIONS, Method.NUMBER_OF_CACHE_FILES,
+            Method.STATISTICS)
+
+
+@dataclass(frozen=True, slots=True)
+class StatisticsValue:
+    """The reply to STATISTICS: None when the driver has no scheduler."""
+
+    statistics: SchedulerStatistics | None
+    jobs: tuple[JobRecord, ...] = ()
+
+
+MAX_JOB_RECORDS = 4096
 
 
 # -- the call stream's state machine -----------------------------------------
@@ -561,6 +575,8 @@ def _encode_reply(w: _Writer, m: Reply) -> None:
     elif m.method == Method.NUMBER_OF_CACHE_FILES:
         w.u32(v[0])
         w.u32(v[1])
+    elif m.method == Method.STATISTICS:
+        _encode_statistics(w, v)
     elif m.method == Method.SUPPORTED_OPERATIONS:
         w.bytes_(bytes(bool(x) for x in v))
     elif m.method == Method.PREPARE_MODEL:
@@ -587,6 +603,54 @@ def _encode_reply(w: _Writer, m: Reply) -> None:
         w.u64(v)
     elif m.method == Method.GET_MEMORIES:
         _encode_pools(w, v)
+
+
+def _encode_app(w: _Writer, app) -> None:
+    # Service app keys are ("uid", n) or ("pid", n); anything else travels as text.
+    if isinstance(app, tuple) and len(app) == 2 and isinstance(app[0], str) \
+            and isinstance(app[1], int) and app[1] >= 0:
+        w.u8(1)
+        w.str_(app[0])
+        w.u64(app[1])
+    else:
+        w.u8(0)
+        w.str_(str(app))
+
+
+def _opt_f64(w: _Writer, v: float | None) -> None:
+    w.f64(math.nan if v is None else v)
+
+
+def _encode_statistics(w: _Writer, v: StatisticsValue) -> None:
+    st = v.statistics
+    w.u8(st is not None)
+    if st is not None:
+        w.u32(st.slots)
+        w.u32(st.busy)
+        w.u32(len(st.classes))
+        for c in st.classes:
+            _encode_app(w, c.app)
+            w.u32(c.priority)
+            for n in (c.queued, c.running, c.completed, c.preempted, c.deadline_misses,
+                      c.cancelled, c.failed):
+                w.u32(n)
+            _opt_f64(w, c.wait_p50)
+            _opt_f64(w, c.wait_p99)
+            w.f64(c.run_time)
+    jobs = v.jobs[-MAX_JOB_RECORDS:]
+    w.u32(len(jobs))
+    for j in jobs:
+        _encode_app(w, j.app)
+        w.u32(j.priority)
+        w.u64(j.seq)
+        w.f64(j.submitted_at)
+        _opt_f64(w, j.started_at)
+        w.f64(j.finished_at)
+        w.f64(j.ran)
+        w.u32(j.preemptions)
+        w.f64(j.longest_step)
+        w.u32(j.status)
+        w.str_(j.message)
 
 
 def _encode_perf(w: _Writer, p: PerformanceInfo) -> None:
@@ -871,6 +935,8 @@ def _decode_reply(r: _Reader, method: Method, call_id: int) -> Reply:
         value = [r.str_("extension name") for _ in range(n)]
     elif method == Method.NUMBER_OF_CACHE_FILES:
         value = (r.u32("model cache files"), r.u32("data cache files"))
+    elif method == Method.STATISTICS:
+        value = _decode_statistics(r)
     elif method == Method.SUPPORTED_OPERATIONS:
         raw = r.bytes_("supported flags")
         if any(b > 1 for b in raw):
@@ -905,6 +971,46 @@ def _decode_perf(r: _Reader, what: str) -> PerformanceInfo:
         raise ProtocolError(f"{what}: performance ({exec_time}, {power}) is not a "
                             f"non-negative number")
     return PerformanceInfo(exec_time, power)
+
+
+def _decode_app(r: "_Reader"):
+    if r.flag("app key form"):
+        return (r.str_("app key kind"), r.u64("app key id"))
+    return r.str_("app key")
+
+
+def _decode_opt_f64(r: "_Reader", what: str) -> float | None:
+    v = r.f64(what)
+    return None if math.isnan(v) else v
+
+
+def _decode_statistics(r: "_Reader") -> StatisticsValue:
+    st = None
+    if r.flag("statistics flag"):
+        slots, busy = r.u32("slots"), r.u32("busy slots")
+        n = r.count("class count", 30)
+        classes = []
+        for _ in range(n):
+            app = _decode_app(r)
+            priority = r.enum(Priority, "priority")
+            counts = [r.u32("counter") for _ in range(7)]
+            classes.append(ClassStatistics(app, priority, *counts,
+                                           _decode_opt_f64(r, "wait p50"),
+                                           _decode_opt_f64(r, "wait p99"),
+                                           r.f64("run time")))
+        st = SchedulerStatistics(slots, busy, tuple(classes))
+    n = r.count("job count", 50)
+    if n > MAX_JOB_RECORDS:
+        raise ProtocolError(f"job count {n} exceeds {MAX_JOB_RECORDS}")
+    jobs = []
+    for _ in range(n):
+        app = _decode_app(r)
+        priority = r.enum(Priority, "priority")
+        jobs.append(JobRecord(app, priority, None, r.u64("job seq"), r.f64("submitted at"),
+                              _decode_opt_f64(r, "started at"), r.f64("finished at"),
+                              r.f64("run time"), r.u32("preemptions"), r.f64("longest step"),
+                              r.enum(ErrorStatus, "job status"), r.str_("job message")))
+    return StatisticsValue(st, tuple(jobs))
 
 
 def _decode_capabilities(r: _Reader) -> Capabilities:

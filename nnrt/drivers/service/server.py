@@ -344,6 +344,9 @@ class ServiceConnection:
                               f"{p.PROTOCOL_VERSION}")
             return service.info
         if isinstance(call, p.Query):
+            if call.method == p.Method.STATISTICS:  # live counters, not a fixed answer
+                return p.StatisticsValue(service.device.statistics(),
+                                         tuple(service.device.finished_jobs()))
             return service.answers[call.method]
         if isinstance(call, p.SupportedOperations):
             model, memories = _map_model(call.model)

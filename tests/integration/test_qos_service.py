@@ -1,0 +1,108 @@
+"""The scheduler inside a driver service, with real processes: two client
+processes flooding one service share it, and a HIGH execution submitted
+while LOW executions of the same app keep the service busy starts within one
+LOW operation's time, by the service scheduler's own timestamps (read back
+through the STATISTICS call)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import numpy as np
+
+import nnrt
+from nnrt import ErrorStatus, Priority
+
+from .test_qos_inprocess import DIMS, chain_model, wait_until
+
+FLOODER = textwrap.dedent("""
+    import json, os, sys, time, anyio, numpy as np, nnrt
+    sys.path.insert(0, {root!r})
+    from tests.integration.test_qos_inprocess import DIMS, chain_model
+    async def main():
+        async with nnrt.Runtime(discover=True) as rt:
+            compiled = await rt.compile(chain_model(10), priority=nnrt.Priority.LOW,
+                                        devices=["npu"])
+            x = np.zeros(DIMS, np.float32)
+            runs = 0
+            end = time.monotonic() + {seconds}
+            async def flood():
+                nonlocal runs
+                while time.monotonic() < end:
+                    await compiled.execute([x])
+                    runs += 1
+            async with anyio.create_task_group() as tg:
+                for _ in range({inflight}):
+                    tg.start_soon(flood)
+        print(json.dumps({{"pid": os.getpid(), "runs": runs}}))
+    anyio.run(main)
+""")
+
+
+def _env(socket_path, tmp_path):
+    return dict(os.environ, NNRT_DRIVERS=socket_path, XDG_CONFIG_HOME=str(tmp_path))
+
+
+async def test_two_client_processes_flooding_one_service_share_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")]) as rt:
+        npu = rt.device("npu")
+        env = _env(npu.socket_path, tmp_path)
+        # The first app keeps three executions in flight, the second one: a
+        # fair scheduler still splits the device evenly between the apps.
+        procs = [subprocess.Popen([sys.executable, "-c", FLOODER.format(
+                     root=root, seconds=3.0, inflight=n)], env=env, stdout=subprocess.PIPE,
+                     text=True) for n in (3, 1)]
+        reports = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1])
+                   for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        stats = await rt.statistics("npu")
+    times = [stats.run_time_of(("pid", r["pid"])) for r in reports]
+    shares = [t / sum(times) for t in times]
+    assert all(0.4 <= s <= 0.6 for s in shares), (shares, reports)
+
+
+async def test_high_starts_within_one_low_operation_in_a_service(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    x = np.zeros(DIMS, np.float32)
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")]) as rt:
+        low = await rt.compile(chain_model(30), priority=Priority.LOW, devices=["npu"])
+        high = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
+        me = ("pid", os.getpid())
+        stop = anyio.Event()
+        low_results = []
+
+        async def flood():
+            while not stop.is_set():
+                low_results.append((await low.execute([x])).outputs[0])
+
+        async def low_running():
+            return (await rt.statistics("npu")).of(me, Priority.LOW).running == 1
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(flood)
+            for k in range(5):
+                for _ in range(2000):
+                    if await low_running():
+                        break
+                await anyio.sleep(0.002 * (k + 1))
+                r = await high.execute([np.full(16, k, np.float32)])
+                assert r.outputs[0].tolist() == [k + 2.0] * 16
+            stop.set()
+        records = await rt.finished_jobs("npu")
+        stats = await rt.statistics("npu")
+    highs = [r for r in records if r.app == me and r.priority == Priority.HIGH]
+    lows = [r for r in records if r.app == me and r.priority == Priority.LOW]
+    assert len(highs) == 5 and lows
+    longest_low_op = max(r.longest_step for r in lows)
+    for h in highs:
+        assert h.status == ErrorStatus.NONE
+        assert h.wait <= longest_low_op, (h.wait, longest_low_op)
+    assert stats.of(me, Priority.LOW).preempted >= 1
+    assert all(np.array_equal(out, np.full(DIMS, 30.0, np.float32)) for out in low_results)
