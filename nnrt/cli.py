@@ -1,5 +1,6 @@
 """The ``nnrt`` command line: ``nnrt devices`` lists the devices a runtime
-finds; ``nnrt driver serve NAME`` runs a driver service."""
+finds; ``nnrt driver serve NAME`` runs a driver service; ``nnrt demo`` runs
+the simulated camera loop."""
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
                        help="which peer credential keys an app's queue (default: uid)")
     serve.set_defaults(func=_driver_serve)
-    args = parser.parse_args(argv)
+    demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
+    demo.set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":  # the demo parses its own options (--seconds, --report)
+        from .demo import main as demo_main
+        return demo_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -1,0 +1,20 @@
+"""`make demo` (nnrt demo): the camera loop runs end to end with real
+processes, prints its summary and writes a self-contained HTML report."""
+import subprocess
+import sys
+
+
+def test_camera_loop_demo_prints_a_summary_and_writes_a_report(tmp_path):
+    report = tmp_path / "demo.html"
+    out = subprocess.run([sys.executable, "-m", "nnrt", "demo", "--seconds", "2",
+                          "--report", str(report)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "detector" in out and "background" in out and "competitor" in out
+    assert "preemptions:" in out and "share of device time:" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("detector", "background", "competitor")}
+    detector = rows["detector"]
+    assert int(detector[detector.index("HIGH") + 1]) > 0  # frames ran (the runs column)
+    html = report.read_text()
+    assert html.startswith("<!doctype html>") and "<svg" in html and "polyline" in html
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")  # self-contained
