@@ -32,7 +32,8 @@ def _driver_serve(args) -> int:
     from .drivers.service.server import default_socket_path, serve
 
     kind = args.driver or (args.name if args.name in DRIVERS else "reference")
-    device = make_driver(kind, args.name)
+    device = make_driver(kind, args.name, slots=args.slots, queue_limit=args.queue_limit,
+                         memory_limit=args.memory_limit)
     path = args.socket or default_socket_path(args.name)
 
     async def main():
@@ -75,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                             "else reference)")
     serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
                        help="which peer credential keys an app's queue (default: uid)")
+    serve.add_argument("--slots", type=int, default=1,
+                       help="executions the device runs at once (default: 1)")
+    serve.add_argument("--queue-limit", type=int, default=32,
+                       help="waiting executions per app before RESOURCE_EXHAUSTED_TRANSIENT "
+                            "(default: 32)")
+    serve.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
+                       help="refuse models with more constant bytes than this "
+                            "(RESOURCE_EXHAUSTED_PERSISTENT)")
     serve.set_defaults(func=_driver_serve)
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)

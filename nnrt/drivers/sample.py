@@ -118,10 +118,12 @@ DRIVERS: dict[str, Callable[[str], Device]] = {
 }
 
 
-def make_driver(kind: str, name: str | None = None) -> Device:
-    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``)."""
+def make_driver(kind: str, name: str | None = None, **settings) -> Device:
+    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``).
+    ``settings`` go to the reference driver's scheduler (``slots``,
+    ``queue_limit``, ``memory_limit``)."""
     try:
         factory = DRIVERS[kind]
     except KeyError:
         raise invalid(f"no driver {kind!r}; drivers: {', '.join(DRIVERS)}") from None
-    return factory(name or kind)
+    return factory(name or kind, **settings)
