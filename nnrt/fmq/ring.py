@@ -312,6 +312,9 @@ class Ring:
         self._w = self._counters[self._wi]
         self._r = self._counters[self._ri]
         self._spin = _DEFAULT_SPIN if spin is None else float(spin)
+        # One epoll per (eventfd, also fd) pair, made on first use and kept:
+        # creating it for every wait cost tens of microseconds per frame.
+        self._epolls: dict[tuple[int, int], select.epoll] = {}
         self._frames_written = 0
         self._frames_read = 0
         self._closed = False
@@ -396,6 +399,9 @@ class Ring:
         if self._closed:
             return
         self._closed = True
+        for ep in self._epolls.values():
+            ep.close()
+        self._epolls.clear()
         if self._native is not None:
             self._native.release()
         self._counters.release()
@@ -712,6 +718,17 @@ class Ring:
                 raise TimeoutError("timed out waiting on the ring")
             self._check_open()
 
+    def _epoll(self, efd: int, also: int) -> select.epoll:
+        """The kept epoll watching ``efd`` and ``also`` (which must stay open
+        while this ring is waited on with it, as a burst's wake fd does)."""
+        ep = self._epolls.get((efd, also))
+        if ep is None:
+            ep = select.epoll(2, select.EPOLL_CLOEXEC)
+            ep.register(efd, select.EPOLLIN)
+            ep.register(also, select.EPOLLIN)
+            self._epolls[(efd, also)] = ep
+        return ep
+
     async def _sleep_async(self, efd: int, space: bool, also: int | None, ready) -> Ready:
         while True:
             if ready() or self._spin_until(ready):
@@ -724,7 +741,8 @@ class Ring:
                     await anyio.wait_readable(efd)
                     efd_ready, also_ready = True, False
                 else:
-                    efd_ready, also_ready = await _wait_either(efd, also)
+                    efd_ready, also_ready = await _wait_either(self._epoll(efd, also),
+                                                               efd, also)
             finally:
                 self._retire(space)
             if efd_ready:
@@ -734,23 +752,14 @@ class Ring:
             self._check_open()
 
 
-async def _wait_either(efd: int, also: int) -> tuple[bool, bool]:
+async def _wait_either(ep: select.epoll, efd: int, also: int) -> tuple[bool, bool]:
     """Sleep until ``efd`` or ``also`` is readable; say which are.
 
-    One epoll fd holding both is readable when either is, so the event loop
-    waits on a single fd and no two tasks race."""
-    ep = select.epoll(2, select.EPOLL_CLOEXEC)
-    try:
-        ep.register(efd, select.EPOLLIN)
-        ep.register(also, select.EPOLLIN)
-        try:
-            await anyio.wait_readable(ep.fileno())
-        finally:
-            anyio.notify_closing(ep.fileno())
-        ready = {fd for fd, _ in ep.poll(0)}
-        return efd in ready, also in ready
-    finally:
-        ep.close()
+    ``ep`` is an epoll holding both: it is readable when either is, so the
+    event loop waits on a single fd and no two tasks race."""
+    await anyio.wait_readable(ep.fileno())
+    ready = {fd for fd, _ in ep.poll(0)}
+    return efd in ready, also in ready
 
 
 __all__ = ["FrameTooLarge", "HEADER_SIZE", "MAGIC", "NATIVE_AVAILABLE", "PREFIX", "Ready", "Ring",
