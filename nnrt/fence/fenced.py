@@ -227,8 +227,8 @@ class _FencedExecution:
         launched = fenced = NO_TIMING
         if self.measure and result.status is ErrorStatus.NONE:
             on_device = result.timing.on_device
-            launched_us = _us(signal_at - self.launched_at)
-            fenced_us = min(_us(signal_at - self.fenced_at), launched_us)
+            launched_us = microseconds(signal_at - self.launched_at)
+            fenced_us = min(microseconds(signal_at - self.fenced_at), launched_us)
             if on_device != UINT64_MAX:
                 # Two clocks (the driver's and ours) measure nested intervals;
                 # keep the HAL invariant in_driver >= on_device exact.
@@ -292,11 +292,11 @@ def _checked(result) -> ExecutionResult:
     return result if status is result.status else dataclasses.replace(result, status=status)
 
 
-def _us(seconds: float) -> int:
+def microseconds(seconds: float) -> int:
     return max(0, round(seconds * 1_000_000))
 
 
-def _check_wait_for(wait_for) -> list[SyncFence]:
+def check_wait_for(wait_for) -> list[SyncFence]:
     try:
         fences = list(wait_for)
     except TypeError:
@@ -309,7 +309,7 @@ def _check_wait_for(wait_for) -> list[SyncFence]:
     return fences
 
 
-def _check_timeout(timeout_after_fence) -> float | None:
+def check_timeout_after_fence(timeout_after_fence) -> float | None:
     if timeout_after_fence is None:
         return None
     if isinstance(timeout_after_fence, bool) or not isinstance(timeout_after_fence, (int, float)) \
@@ -339,9 +339,9 @@ async def run_fenced(task_group: anyio.abc.TaskGroup, run: RunFn, wait_for: Iter
     launched_at = clock()
     if not callable(run):
         raise invalid(f"run must be an async callable, not {type(run).__name__}")
-    fences = _check_wait_for(wait_for)
+    fences = check_wait_for(wait_for)
     deadline = check_deadline(deadline)
-    timeout_after_fence = _check_timeout(timeout_after_fence)
+    timeout_after_fence = check_timeout_after_fence(timeout_after_fence)
     owned: list[SyncFence] = []
     execution = None
     try:

@@ -69,13 +69,13 @@ import numpy as np
 from ..drivers.hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
 from ..drivers.service.client import ServicePreparedModel
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..fence.fenced import run_fenced
+from ..fence.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
 from ..fence.sync_fence import SyncFence
 from ..memory import Memory, Region
 from ..model.graph import DataLocation
 from ..qos.priority import check_deadline
 from ..vlog import vlog
-from .runtime import ExecutionTiming, Result
+from .runtime import ExecutionTiming, Result, _copy_into
 
 # As in runtime.py: retries with larger outputs of an awaited stage.
 _MAX_RESIZE_RETRIES = 2
@@ -463,8 +463,8 @@ class _Chain:
         signal_at = time.monotonic()
         if self.measure and status is ErrorStatus.NONE:
             on_device = result.timing.on_device if result.timing else None
-            launched_us = _us(signal_at - self.launched_at)
-            fenced_us = min(_us(signal_at - self.fenced_at), launched_us)
+            launched_us = microseconds(signal_at - self.launched_at)
+            fenced_us = min(microseconds(signal_at - self.fenced_at), launched_us)
             if on_device is not None:
                 launched_us, fenced_us = max(launched_us, on_device), max(fenced_us, on_device)
             launched = ExecutionTiming(on_device, launched_us)
@@ -511,47 +511,6 @@ class _Chain:
                 m.close()
 
 
-def _copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:
-    """Results into the app's output arrays or Regions (before the fence)."""
-    if any(r.nbytes > (u.length if isinstance(u, Region) else u.nbytes)
-           for u, r in zip(user_outputs, results)):
-        raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
-                        output_shapes=[tuple(r.shape) for r in results])
-    views = []
-    for u, r in zip(user_outputs, results):
-        view = u.array(r.dtype, r.shape) if isinstance(u, Region) \
-            else u.reshape(-1)[:r.size].reshape(r.shape)
-        view[...] = r
-        views.append(view)
-    return views
-
-
-def _us(seconds: float) -> int:
-    return max(0, round(seconds * 1_000_000))
-
-
-def _check_wait_for(wait_for) -> list[SyncFence]:
-    try:
-        fences = list(wait_for)
-    except TypeError:
-        raise invalid(f"wait_for must be a list of SyncFence, not {type(wait_for).__name__}") from None
-    for i, f in enumerate(fences):
-        if not isinstance(f, SyncFence):
-            raise invalid(f"wait_for[{i}] is a {type(f).__name__}, not a SyncFence")
-        if f.closed:
-            raise invalid(f"wait_for[{i}] is a closed SyncFence")
-    return fences
-
-
-def _check_timeout(value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or math.isnan(value) or value < 0:
-        raise invalid(f"timeout_after_fence {value!r} is not None or a number of seconds >= 0")
-    return float(value)
-
-
 async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.ndarray] | None = None,
                          wait_for: Sequence[SyncFence] = (), measure_timing: bool = False,
                          deadline: float | None = None, loop_timeout: float | None = None,
@@ -575,8 +534,8 @@ async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.n
     """
     launched_at = time.monotonic()
     deadline = check_deadline(deadline)
-    timeout_after_fence = _check_timeout(timeout_after_fence)
-    fences = _check_wait_for(wait_for)
+    timeout_after_fence = check_timeout_after_fence(timeout_after_fence)
+    fences = check_wait_for(wait_for)
     arrays = compiled._stage_inputs(inputs)
     user_outputs = compiled._check_outputs(outputs) if outputs is not None else None
     host = _the_host()

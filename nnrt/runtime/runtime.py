@@ -7,6 +7,7 @@ on trio. The runtime talks to drivers only through the HAL
 """
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -306,7 +307,7 @@ def _pool_of(pools: list, memory: Memory) -> int:
 def _allocate(dims: tuple[int, ...], operand: Operand) -> np.ndarray:
     if operand.type.is_scalar:
         return np.empty(1, operand.type.dtype)
-    count = int(np.prod(dims)) if dims and all(dims) else 0
+    count = math.prod(dims) if dims and all(dims) else 0
     # A zero-byte buffer is still a buffer: the driver reports the size it needs.
     return np.empty(count, operand.type.dtype)
 
@@ -523,7 +524,7 @@ def _writable_bytes(arr: np.ndarray):
 
 
 def _shaped(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)  # () -> 1: a scalar
     return arr.reshape(-1)[:count].reshape(shape)
 
 
