@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import FusedActivation, HalVersion, OperandType as T, OperationType
-from .common import (broadcast_dims, check_quant_params, dequantize, finish_output,
-                     same_as_input, to_output)
+from .common import (broadcast_dims, check_quant_params, dequantize, expect_same_quant,
+                     finish_output, same_as_input, to_output)
 from .registry import Call, OpView, register
 
 V = HalVersion
@@ -52,13 +52,6 @@ def expect_output_quant(op: OpView, fixed: dict) -> None:
             raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) of type "
                           f"{out.type.name} must have scale {scale} and zero point "
                           f"{zero_point}, got {out.scale} and {out.zero_point}")
-
-
-def expect_same_quant(op: OpView) -> None:
-    a, out = op.inputs[0], op.outputs[0]
-    if out.type.is_quantized and (out.scale != a.scale or out.zero_point != a.zero_point):
-        raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) must have the scale and "
-                      f"zero point of input 0")
 
 
 # --- element-wise activations ----------------------------------------------

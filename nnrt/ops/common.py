@@ -168,6 +168,15 @@ def same_as_input(i: int = 0):
     return shape
 
 
+def expect_same_quant(op: OpView) -> None:
+    """A quantized output 0 must keep input 0's scale and zero point (the
+    rule of operations that only move or select values)."""
+    a, out = op.inputs[0], op.outputs[0]
+    if out.type.is_quantized and (out.scale != a.scale or out.zero_point != a.zero_point):
+        raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) must have the scale and "
+                      f"zero point of input 0")
+
+
 def check_quant_params(op: OpView) -> None:
     """Every quantized tensor operand (in or out) must have a positive scale
     and a zero point inside its type's range (TENSOR_QUANT8_SYMM*: zero)."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
 from .common import check_quant_params
-from .recurrent import (dim, expect_float_signature, maybe_omitted, real, required,
+from .recurrent import (bidi_sequence_shape, dim, expect_float_signature, maybe_omitted, real, required,
                         time_major_view, version_of)
 from .registry import Arg, Call, OpView, register
 
@@ -336,21 +336,7 @@ def _validate_bidi_lstm(op: OpView) -> HalVersion:
 
 
 def _shape_bidi_lstm(op: OpView) -> list[tuple[int, ...]]:
-    fw_units, fw_out = dim(op, 4, 0), dim(op, 8, 1)
-    bw_units, bw_out = dim(op, 21, 0), dim(op, 25, 1)
-    tm = op.value(52)
-    merged = len(op.outputs) % 2 == 1
-    if tm is None:
-        lead, batch = (0, 0), 0
-    else:
-        lead = (dim(op, 0, 0), dim(op, 0, 1))
-        batch = dim(op, 0, 1 if tm else 0)
-    if merged:
-        seqs = [lead + (fw_out + bw_out if fw_out and bw_out else 0,)]
-    else:
-        seqs = [lead + (fw_out,), lead + (bw_out,)]
-    states = [(batch, fw_out), (batch, fw_units), (batch, bw_out), (batch, bw_units)]
-    return (seqs + states)[:len(op.outputs)]
+    return bidi_sequence_shape(op, (4, 8), (21, 25), 52)
 
 
 def _kernel_bidi_lstm(call: Call) -> list[np.ndarray]:

@@ -16,8 +16,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..model.types import FusedActivation, HalVersion, OperandType as T, OperationType, PaddingScheme
-from .common import (apply_activation, check_quant_params, conv_output_size, implicit_padding,
-                     quantized_activation_range, round_half_away)
+from .common import (apply_activation, check_quant_params, conv_output_size, expect_same_quant,
+                     implicit_padding, quantized_activation_range, round_half_away)
 from .registry import Call, OpView, register
 
 _AVG_MAX_TYPES = {
@@ -87,10 +87,7 @@ def _validator(types: dict):
         op.expect_types([t] + [T.INT32] * (n_ints - 1) + [T.BOOL], [t])
         op.expect_rank(0, 4)
         check_quant_params(op)
-        if t.is_quantized:
-            i, o = op.inputs[0], op.outputs[0]
-            if (i.scale, i.zero_point) != (o.scale, o.zero_point):
-                raise op.fail("output scale and zero point must equal the input's")
+        expect_same_quant(op)
         p = _params(_static_values(op), n)
         if explicit:
             for k in range(1, 5):

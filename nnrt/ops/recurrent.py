@@ -215,21 +215,31 @@ def _validate_bidi_rnn(op: OpView) -> HalVersion:
     return version
 
 
-def _shape_bidi_rnn(op: OpView) -> list[tuple[int, ...]]:
-    fw_units, bw_units = dim(op, 1, 0), dim(op, 5, 0)
-    tm = op.value(13)
-    merged = len(op.outputs) % 2 == 1
+def bidi_sequence_shape(op: OpView, fw: tuple[int, int], bw: tuple[int, int],
+                        time_major: int) -> list[tuple[int, ...]]:
+    """Outputs of BIDIRECTIONAL_SEQUENCE_RNN/LSTM: the sequence output(s),
+    merged (an odd output count) or one per direction, then each direction's
+    final states. ``fw``/``bw`` are (units input, output-size input) indexes
+    whose dim 0 / dim 1 give the state widths; ``time_major`` the flag's input."""
+    fw_units, fw_out = dim(op, fw[0], 0), dim(op, fw[1], 1 if fw[1] != fw[0] else 0)
+    bw_units, bw_out = dim(op, bw[0], 0), dim(op, bw[1], 1 if bw[1] != bw[0] else 0)
+    tm = op.value(time_major)
     if tm is None:
         lead, batch = (0, 0), 0
     else:
         lead = (dim(op, 0, 0), dim(op, 0, 1))
         batch = dim(op, 0, 1 if tm else 0)
-    if merged:
-        seqs = [lead + (fw_units + bw_units if fw_units and bw_units else 0,)]
+    if len(op.outputs) % 2 == 1:
+        seqs = [lead + (fw_out + bw_out if fw_out and bw_out else 0,)]
     else:
-        seqs = [lead + (fw_units,), lead + (bw_units,)]
-    states = [(batch, fw_units), (batch, bw_units)]
+        seqs = [lead + (fw_out,), lead + (bw_out,)]
+    states = [(batch, fw_out), (batch, fw_units), (batch, bw_out), (batch, bw_units)] \
+        if fw[1] != fw[0] else [(batch, fw_units), (batch, bw_units)]
     return (seqs + states)[:len(op.outputs)]
+
+
+def _shape_bidi_rnn(op: OpView) -> list[tuple[int, ...]]:
+    return bidi_sequence_shape(op, (1, 1), (5, 5), 13)
 
 
 def _kernel_bidi_rnn(call: Call) -> list[np.ndarray]:

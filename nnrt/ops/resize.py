@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import check_quant_params, round_half_away
+from .common import check_quant_params, expect_same_quant, round_half_away
 from .registry import Call, OpView, register
 
 _TYPES = {
@@ -57,10 +57,7 @@ def _validate(op: OpView) -> HalVersion:
     op.expect_types([t, size_type, size_type, T.BOOL, T.BOOL, T.BOOL], [t])
     op.expect_rank(0, 4)
     check_quant_params(op)
-    if t.is_quantized:
-        i, o = op.inputs[0], op.outputs[0]
-        if (i.scale, i.zero_point) != (o.scale, o.zero_point):
-            raise op.fail("output scale and zero point must equal the input's")
+    expect_same_quant(op)
     for k, name in ((1, "width"), (2, "height")):
         v = op.value(k)
         if v is not None and not v > 0:

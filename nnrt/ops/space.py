@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import check_quant_params
+from .common import check_quant_params, expect_same_quant
 from .registry import Call, OpView, register
 
 _SINCE_1_0 = {
@@ -29,10 +29,7 @@ def _common_checks(op: OpView, types: dict, param_types: list) -> HalVersion:
     t = op.expect_type_in(0, tuple(types))
     op.expect_types([t] + param_types, [t])
     check_quant_params(op)
-    if t.is_quantized:
-        i, o = op.inputs[0], op.outputs[0]
-        if (i.scale, i.zero_point) != (o.scale, o.zero_point):
-            raise op.fail("output scale and zero point must equal the input's")
+    expect_same_quant(op)
     return types[t]
 
 
