@@ -9,20 +9,20 @@ them) submit a job for the prepared model's app and priority, wait for a
 slot, and run the executor with the gate's checkpoint at every operation
 boundary, where a higher-priority job of the same app preempts it, a hopeless
 deadline aborts it and a cancellation stops it. ``execute`` runs all of that
-on a worker thread; cancelling the awaiting task withdraws or stops the job
-and returns only once the thread has let go of the request's buffers.
+on a worker thread of its own — or, when it preempts a running job, on that
+job's thread (donation, see :mod:`nnrt.qos.gate`) — and the result goes
+straight from whichever thread ran it to the awaiting task. Cancelling the
+awaiting task withdraws or stops the job and returns only once the thread
+running it has let go of the request's buffers.
 """
 from __future__ import annotations
 
 import itertools
-import math
 import os
-import threading
 import time
 from typing import Callable, Hashable
 
 import anyio
-import anyio.lowlevel
 import numpy as np
 
 from .. import __version__, ops
@@ -33,9 +33,12 @@ from ..model.types import OperandType
 from ..model.validate import validate_model, validate_request
 from ..qos.gate import ExecutionGate
 from ..qos.priority import Priority, check_deadline, check_priority
-from ..qos.scheduler import DEFAULT_QUEUE_LIMIT, Job, Scheduler, SchedulerStatistics, check_key
+from ..qos.scheduler import (DEFAULT_QUEUE_LIMIT, Job, JobState, Scheduler, SchedulerStatistics,
+                             check_key)
 from ..vlog import vlog
 from .executor import Executor
+from .handoff import Waiter, run_soon
+from .heap import keep_freed_memory
 from .hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
                   OutputShape, PerformanceInfo, PreparedModel, Request, Timing, NO_TIMING)
 
@@ -52,11 +55,12 @@ class ReferenceDevice(Device):
         explicit ``app=`` (default: this process's pid); ``slots`` is how many
         executions run at once; ``memory_limit`` (bytes) refuses bigger models
         with RESOURCE_EXHAUSTED_PERSISTENT."""
+        keep_freed_memory()   # a fresh array per operation: see nnrt/drivers/heap.py
         self.name = name
         self.app = os.getpid() if app is None else check_key(app, "app key")
         self.scheduler = Scheduler(slots=slots, queue_limit=queue_limit,
                                    memory_limit=memory_limit, clock=clock, name=name)
-        self.gate = ExecutionGate(self.scheduler)
+        self.gate = ExecutionGate(self.scheduler, spawn=run_soon)
 
     def statistics(self) -> SchedulerStatistics:
         """The scheduler's counters per app and priority."""
@@ -124,36 +128,7 @@ def model_bytes(model: Model) -> int:
     return total
 
 
-# Worker threads of executions. Its own limiter, not anyio's default one
-# (40 threads, shared with the app): a job waiting for a slot sleeps on its
-# thread, and the job holding the slot must never wait for a thread that a
-# queued job holds. The scheduler's per-app queue limit bounds the threads.
-_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("nnrt_reference")
-
-
-def _thread_limiter() -> anyio.CapacityLimiter:
-    try:
-        return _THREADS.get()
-    except LookupError:
-        limiter = anyio.CapacityLimiter(math.inf)
-        _THREADS.set(limiter)
-        return limiter
-
-
 _PREPARED_IDS = itertools.count(1)
-
-
-class _Handoff:
-    """Between an awaiting task and its worker thread, under ``lock``: did
-    the thread start, did the task stop waiting (cancelled). ``done``: the
-    thread has let go of the request for good."""
-
-    __slots__ = ("lock", "started", "abandoned", "done")
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.started = self.abandoned = False
-        self.done = threading.Event()
 
 
 class ReferencePreparedModel(PreparedModel):
@@ -171,32 +146,33 @@ class ReferencePreparedModel(PreparedModel):
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
         started = time.perf_counter_ns()
+        waiter = Waiter()
+
+        def work(job: Job) -> None:
+            # Called by the gate once: on a thread that owns the job (its own,
+            # or a preempted job's: donation), or with the job already ended.
+            if job.state is JobState.DONE:
+                result = ExecutionResult(job.status or ErrorStatus.GENERAL_FAILURE,
+                                         message=job.message)
+            else:
+                result = self._run_claimed(job, request, measure, loop_timeout, started)
+            waiter.deliver(result)
+
         try:
-            job = self._submit(request, deadline)
+            job = self._submit(request, deadline, work)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
-        handoff = _Handoff()
         try:
-            return await anyio.to_thread.run_sync(self._run_on_worker, job, request, measure,
-                                                  loop_timeout, started, handoff,
-                                                  abandon_on_cancel=True,
-                                                  limiter=_thread_limiter())
+            return await waiter.wait()
         except BaseException:
-            await self._abandon(job, handoff)
+            # Cancelled: withdraw the job, or stop it at its next boundary
+            # (which gives the slot back), and wait, shielded, until the
+            # thread running it lets go of the request's pools, which the
+            # caller may free as soon as this returns: at most one operation.
+            if self._gate.cancel(job):
+                with anyio.CancelScope(shield=True):
+                    await waiter.wait()
             raise
-
-    async def _abandon(self, job: Job, handoff: "_Handoff") -> None:
-        """The awaiting task was cancelled: withdraw the job, or stop it at
-        its next boundary (which gives the slot back), and wait, shielded,
-        until the worker thread has let go of the request's pools, which the
-        caller may free as soon as this returns: at most one operation."""
-        with handoff.lock:
-            handoff.abandoned = True
-            started = handoff.started
-        self._gate.cancel(job)
-        if started:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(handoff.done.wait, limiter=_thread_limiter())
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -207,38 +183,25 @@ class ReferencePreparedModel(PreparedModel):
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
         try:
-            return self._run(job, request, measure, loop_timeout, started)
+            self._gate.claim(job)     # no work offered: only this thread runs it
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
         except BaseException:
             self._gate.cancel(job)
             raise
+        return self._run_claimed(job, request, measure, loop_timeout, started)
 
-    def _submit(self, request: Request, deadline) -> Job:
+    def _submit(self, request: Request, deadline, work=None) -> Job:
         deadline = check_deadline(deadline)
         validate_request(self.model, request)
-        return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key)
+        return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
+                                 work=work)
 
-    def _run_on_worker(self, job: Job, request: Request, measure: bool,
-                       loop_timeout: float | None, started: int,
-                       handoff: "_Handoff") -> ExecutionResult:
-        with handoff.lock:
-            if handoff.abandoned:    # cancelled before this thread picked it up
-                return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
-                                       message="the execution was cancelled")
-            handoff.started = True
-        try:
-            return self._run(job, request, measure, loop_timeout, started)
-        finally:
-            handoff.done.set()
-
-    def _run(self, job: Job, request: Request, measure: bool, loop_timeout: float | None,
-             started: int) -> ExecutionResult:
-        """Wait for a slot, run with the gate's checkpoint at every boundary,
-        give the slot back; on the thread that owns ``job``."""
+    def _run_claimed(self, job: Job, request: Request, measure: bool,
+                     loop_timeout: float | None, started: int) -> ExecutionResult:
+        """Run a job this thread owns, with the gate's checkpoint at every
+        boundary, and give the slot back; never raises."""
         gate = self._gate
-        try:
-            gate.wait_started(job)
-        except NnrtError as e:
-            return ExecutionResult(e.status, message=e.message)
         shapes: tuple[OutputShape, ...] = ()
         message = ""
         try:
@@ -257,8 +220,10 @@ class ReferencePreparedModel(PreparedModel):
         except NnrtError as e:
             status, message = e.status, e.message
             shapes = tuple(e.output_shapes or ()) or shapes
-        except BaseException:
-            gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the executor raised unexpectedly")
+        except Exception as e:
+            status, message = ErrorStatus.GENERAL_FAILURE, f"the executor raised {e!r}"
+        except BaseException:   # KeyboardInterrupt in a synchronous caller: free the slot
+            gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the execution was interrupted")
             raise
         final = gate.finish(job, status, message)
         if final != status:

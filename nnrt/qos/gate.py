@@ -5,20 +5,46 @@ reference device, a driver service's executor threads).
 Theory of operation
 -------------------
 One lock serializes every call into the scheduler; the scheduler itself
-stays free of threads and I/O. Each job has a ``threading.Event``; after
-every call the gate drains the scheduler's wake-up outbox and sets the event
-of each job named there, still under the lock. A waiting thread checks its
-job's state and clears its event under that same lock before sleeping, so a
-wake-up between the check and the sleep is never lost.
+stays free of threads and I/O. Each job has a ticket with a
+``threading.Event``; after every call the gate drains the scheduler's
+wake-up outbox and sets the event of each job named there, still under the
+lock. A waiting thread checks its job's state and clears its event under
+that same lock before sleeping, so a wake-up between the check and the sleep
+is never lost.
 
-The thread that owns a job calls, in order: ``wait_started`` (sleeps until
-the job holds a slot), ``checkpoint`` at every operation boundary, then
-``finish``. A preempted job's thread sleeps inside ``checkpoint`` and returns
-from it when the job is dispatched again: the execution's context (next
-operation, live operand values, nested WHILE/IF frames) is simply that
-thread's stack, kept whole while parked, so resuming never restarts
-anything. (Rejected: turning the executor into an explicit continuation,
-which would need every control-flow kernel rewritten as a generator.)
+A job is run by the thread that owns it, which calls ``checkpoint`` at every
+operation boundary, then ``finish``. A preempted job's thread sleeps inside
+``checkpoint`` and returns from it when the job is dispatched again: the
+execution's context (next operation, live operand values, nested WHILE/IF
+frames) is simply that thread's stack, kept whole while parked, so resuming
+never restarts anything. (Rejected: turning the executor into an explicit
+continuation, which would need every control-flow kernel rewritten as a
+generator.)
+
+Two ways to become the owner:
+
+- A synchronous caller submits without ``work`` and calls ``claim`` on its
+  own thread, which sleeps until the job holds a slot.
+- A caller that must not block (an event loop) submits with ``work``: the
+  gate calls ``work(job)`` exactly once, on a thread that owns the job once
+  it holds a slot, or with the job DONE if it ended first (refused,
+  cancelled) so ``work`` can report that. The thread is started with
+  ``spawn`` only when the job needs one — when it is dispatched, or at once
+  if it has a deadline (its thread wakes at the job's ``wake_time`` to have
+  it refused when hopeless) — so a queued job without a deadline holds no
+  thread.
+
+Donation. When a running job is preempted on a one-slot device, its thread
+— awake at the boundary already — claims the job that took the slot, if
+that job came with ``work`` and has no thread running it, and runs
+``work(job)`` itself before parking. The preempting job's path then has no
+thread wake-up in it at all (the one that made HIGH's latency under a LOW
+flood jump: docs/qos.md). Only with one slot: the donated job runs on top of
+the preempted job's stack, so the preempted job cannot move until it ends;
+with one slot nothing else could have run it meanwhile (its app's more
+important job holds the only slot, and the app's queue serves that
+priority first), with more slots the preempted job might be dispatched to
+another slot and hold it idle.
 
 A waiting job with a deadline sleeps at most until its ``wake_time``; on
 waking it polls the scheduler, which refuses it if it is hopeless by then,
@@ -27,83 +53,151 @@ frees.
 
 ``cancel`` may come from any thread (an event loop whose task was
 cancelled): a waiting job is withdrawn and its thread woken; a running one
-stops at its next boundary; a job that was given a slot but whose thread
-never started (no ``wait_started`` yet) gives the slot back at once.
+stops at its next boundary; a job that was given a slot but not claimed yet
+gives the slot back at once (and a thread waiting to claim it, or the
+job's ``work``, learns of the cancellation).
 """
 from __future__ import annotations
 
 import threading
-from typing import Hashable
+from typing import Callable, Hashable
 
 from ..errors import ErrorStatus, NnrtError
+from ..vlog import vlog
 from .priority import Priority
 from .scheduler import Job, JobRecord, JobState, Scheduler, SchedulerStatistics, Verdict
 
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs
 
 
+class _Ticket:
+    """The gate's side of one job: the event its waiting thread sleeps on,
+    which thread owns it (None until claimed), the ``work`` the gate runs for
+    it and whether a thread was given that work yet. The ticket lives from
+    ``submit`` until the owner calls ``finish``, or until a thread learns
+    that the unclaimed job ended."""
+
+    __slots__ = ("event", "owner", "work", "spawned")
+
+    def __init__(self, work: Callable[[Job], None] | None):
+        self.event = threading.Event()
+        self.owner: int | None = None
+        self.work = work
+        self.spawned = False
+
+
 class ExecutionGate:
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler,
+                 spawn: Callable[..., None] | None = None):
+        """``spawn(fn, *args)`` runs ``fn(*args)`` on another thread and
+        returns at once; needed only for jobs submitted with ``work``."""
         self.scheduler = scheduler
+        self.spawn = spawn
         self._lock = threading.Lock()
-        self._events: dict[Job, threading.Event] = {}
-        self._attached: set[Job] = set()
+        self._tickets: dict[Job, _Ticket] = {}
 
     def submit(self, app: Hashable, priority: Priority, *, deadline: float | None = None,
-               model: Hashable = None) -> Job:
-        """Queue a job; NnrtError when the scheduler refuses it."""
+               model: Hashable = None, work: Callable[[Job], None] | None = None) -> Job:
+        """Queue a job; NnrtError when the scheduler refuses it. Without
+        ``work`` the caller's thread must ``claim`` it; with ``work`` the gate
+        calls ``work(job)`` once, on an owning thread or with the job DONE.
+        ``work`` must not raise."""
+        if work is not None and self.spawn is None:
+            raise TypeError("jobs with work need a gate made with spawn=")
         with self._lock:
             job = self.scheduler.submit(app, priority, deadline=deadline, model=model)
-            self._events[job] = threading.Event()
-            self._deliver()
+            ticket = self._tickets[job] = _Ticket(work)
+            if work is not None and deadline is not None:
+                ticket.spawned = True   # its thread polls the deadline while it waits
+                starts = [job]
+            else:
+                starts = []
+            starts += self._deliver(self.scheduler.take_wakeups())
+        self._start(starts)
         return job
 
-    def wait_started(self, job: Job) -> None:
-        """Block until ``job`` holds a slot; raise its NnrtError when it was
-        refused or cancelled instead. The calling thread becomes the job's
-        owner (it must call ``finish``)."""
+    def claim(self, job: Job) -> bool:
+        """Block until the job holds a slot and own it (True: the caller runs
+        it and must call ``finish``), or return False when another thread
+        claimed it (donation: that thread runs it to the end). Raise the
+        job's NnrtError when it was refused or cancelled instead."""
         with self._lock:
-            self._attached.add(job)
-        self._wait_running(job)
+            ticket = self._tickets.get(job)
+        if ticket is None:          # a donor already ran it to the end
+            return False
+        me = threading.get_ident()
+        clock = self.scheduler.clock
+        while True:
+            with self._lock:
+                if ticket.owner is not None:
+                    return False
+                if job.state is JobState.DONE:
+                    self._tickets.pop(job, None)
+                    raise self._error(job)
+                ticket.event.clear()
+                if job.state is JobState.RUNNING:
+                    ticket.owner = me
+                    return True
+                wake = self.scheduler.wake_time(job)
+                timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
+            if not ticket.event.wait(timeout):
+                self.poll()
 
     def checkpoint(self, job: Job) -> None:
-        """An operation boundary: return to go on (possibly after being
-        parked by a preemption and resumed), or raise NnrtError to unwind."""
+        """An operation boundary of a job this thread owns: return to go on
+        (possibly after being parked by a preemption and resumed, and after
+        running the preempting job meanwhile), or raise NnrtError to unwind."""
+        donated = None
         with self._lock:
             verdict = self.scheduler.checkpoint(job)
-            self._deliver()
+            woken = self.scheduler.take_wakeups()
+            if verdict is Verdict.PREEMPTED:
+                donated = self._donation(job, woken)
+            starts = self._deliver(woken, skip=donated)
+        self._start(starts)
         if verdict is Verdict.CONTINUE:
             return
         if verdict is Verdict.STOPPED:
             raise self._error(job)
+        if donated is not None:
+            self._run_donated(donated, job)
         self._wait_running(job)
 
     def finish(self, job: Job, status: ErrorStatus = ErrorStatus.NONE,
                message: str = "") -> ErrorStatus:
-        """End the job's run (no-op when it already stopped); returns the
-        status to report (a miss instead of NONE when it finished late)."""
+        """End the run of a job this thread owns (no-op when it already
+        stopped); returns the status to report (a miss instead of NONE when
+        it finished late). The job's buffers must be free by now."""
         with self._lock:
             final = self.scheduler.finish(job, status, message)
-            self._deliver()
-            self._forget(job)
+            starts = self._deliver(self.scheduler.take_wakeups())
+            self._tickets.pop(job, None)
+        self._start(starts)
         return final
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job) -> bool:
+        """Withdraw or stop ``job``, from any thread; True when a thread owns
+        it and is still running it (it stops at its next boundary: wait for
+        it to let go of the request's buffers before freeing them)."""
         with self._lock:
-            if job.state is JobState.RUNNING and job not in self._attached:
-                self.scheduler.cancel(job)
+            ticket = self._tickets.get(job)
+            owned = ticket is not None and ticket.owner is not None
+            self.scheduler.cancel(job)
+            woken = self.scheduler.take_wakeups()
+            if job.state is JobState.RUNNING and not owned:
+                # Dispatched but not claimed yet: nobody touched the buffers.
                 self.scheduler.finish(job, ErrorStatus.GENERAL_FAILURE,
                                       "the execution was cancelled before it started")
-            else:
-                self.scheduler.cancel(job)
-            self._deliver()
-            if job.state is JobState.DONE and job not in self._attached:
-                self._forget(job)
+                woken += [job] + self.scheduler.take_wakeups()
+            starts = self._deliver(woken)
+        self._start(starts)
+        return owned
 
     def poll(self) -> None:
         with self._lock:
             self.scheduler.poll()
-            self._deliver()
+            starts = self._deliver(self.scheduler.take_wakeups())
+        self._start(starts)
 
     def statistics(self) -> SchedulerStatistics:
         with self._lock:
@@ -113,32 +207,85 @@ class ExecutionGate:
         with self._lock:
             return self.scheduler.finished_jobs()
 
+    # --- internals --------------------------------------------------------
+
+    def _deliver(self, woken: list[Job], skip: tuple[Job, _Ticket] | None = None) -> list[Job]:
+        """Under the lock: wake the threads of ``woken`` jobs; returns the
+        jobs with work that need a thread started (after the lock)."""
+        starts = []
+        for job in woken:
+            ticket = self._tickets.get(job)
+            if ticket is None or (skip is not None and job is skip[0]):
+                continue
+            if ticket.work is not None and not ticket.spawned and ticket.owner is None:
+                ticket.spawned = True
+                starts.append(job)
+            else:
+                ticket.event.set()
+        return starts
+
+    def _start(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.spawn(self._serve, job)
+
+    def _serve(self, job: Job) -> None:
+        """A job's own thread, for a job submitted with work."""
+        with self._lock:
+            ticket = self._tickets.get(job)
+        if ticket is None:
+            return
+        try:
+            if not self.claim(job):
+                return                  # donated: its donor calls work
+        except NnrtError:
+            pass                        # ended unclaimed: work reports it
+        ticket.work(job)
+
+    def _donation(self, preempted: Job, woken: list[Job]) -> tuple[Job, _Ticket] | None:
+        """Under the lock, just after ``preempted`` gave its slot away: the
+        job that took it, claimed for this thread, if it may be donated."""
+        if self.scheduler.slots != 1:
+            return None
+        for job in woken:
+            if job.state is JobState.RUNNING and job.app == preempted.app:
+                ticket = self._tickets.get(job)
+                if ticket is None or ticket.owner is not None or ticket.work is None:
+                    return None
+                ticket.owner = threading.get_ident()
+                return job, ticket
+        return None
+
+    def _run_donated(self, donated: tuple[Job, _Ticket], preempted: Job) -> None:
+        job, ticket = donated
+        vlog("execution", "%s: job %d runs on the thread of preempted job %d",
+             self.scheduler.name, job.seq, preempted.seq)
+        try:
+            ticket.work(job)
+        except BaseException as e:   # a bug in work: end the job, keep the donor's own going
+            vlog("execution", "%s: donated job %d raised %r", self.scheduler.name, job.seq, e)
+            if job.state is JobState.RUNNING:
+                self.finish(job, ErrorStatus.GENERAL_FAILURE, f"the execution raised {e!r}")
+        # A thread of its own, if it has one (a deadline), is asleep in claim()
+        # until its wake time, then sees the job owned and leaves: not woken
+        # here, where it would compete with the result's hand-over.
+
     def _wait_running(self, job: Job) -> None:
+        """Park the owner's thread until its preempted job runs again."""
         clock = self.scheduler.clock
+        with self._lock:
+            ticket = self._tickets[job]
         while True:
             with self._lock:
-                state = job.state
-                if state is JobState.DONE:
-                    self._forget(job)
+                if job.state is JobState.DONE:
+                    self._tickets.pop(job, None)
                     raise self._error(job)
-                event = self._events[job]
-                event.clear()
-                if state is JobState.RUNNING:
+                ticket.event.clear()
+                if job.state is JobState.RUNNING:
                     return
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
-            if not event.wait(timeout):
+            if not ticket.event.wait(timeout):
                 self.poll()
-
-    def _deliver(self) -> None:
-        for job in self.scheduler.take_wakeups():
-            event = self._events.get(job)
-            if event is not None:
-                event.set()
-
-    def _forget(self, job: Job) -> None:
-        self._events.pop(job, None)
-        self._attached.discard(job)
 
     @staticmethod
     def _error(job: Job) -> NnrtError:

@@ -23,7 +23,7 @@ FLOODER = textwrap.dedent("""
     from tests.integration.test_qos_inprocess import DIMS, chain_model
     async def main():
         async with nnrt.Runtime(discover=True) as rt:
-            compiled = await rt.compile(chain_model(10), priority=nnrt.Priority.LOW,
+            compiled = await rt.compile(chain_model({ops}), priority=nnrt.Priority.LOW,
                                         devices=["npu"])
             x = np.zeros(DIMS, np.float32)
             runs = 0
@@ -53,9 +53,14 @@ async def test_two_client_processes_flooding_one_service_share_it(monkeypatch, t
         npu = rt.device("npu")
         env = _env(npu.socket_path, tmp_path)
         # The first app keeps three executions in flight, the second one: a
-        # fair scheduler still splits the device evenly between the apps.
+        # fair scheduler still splits the device evenly between the apps. The
+        # one-at-a-time app is idle for a round trip after each run, and the
+        # device goes on with the other app meanwhile (it never idles), so
+        # its executions are long enough (20 operations, about 10 ms here)
+        # for that round trip (1-3 ms on a loaded 2-core machine) to be small.
         procs = [subprocess.Popen([sys.executable, "-c", FLOODER.format(
-                     root=root, seconds=3.0, inflight=n)], env=env, stdout=subprocess.PIPE,
+                     root=root, seconds=3.0, inflight=n, ops=20)], env=env,
+                     stdout=subprocess.PIPE,
                      text=True) for n in (3, 1)]
         reports = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1])
                    for p in procs]

@@ -118,7 +118,7 @@ class Runner:
 
     def _main(self):
         try:
-            self.gate.wait_started(self.job)
+            self.gate.claim(self.job)
             try:
                 self.result = self.ex.run(self.inputs, checkpoint=self._checkpoint)
             finally:
@@ -145,7 +145,7 @@ def test_preempted_execution_resumes_where_it_stopped_with_the_same_result():
     high = gate.submit("app", HIGH, model="high")
     assert high.state is JobState.QUEUED            # the slot is LOW's until a boundary
     runner.resume()
-    gate.wait_started(high)                         # handed over at boundary 5
+    gate.claim(high)                         # handed over at boundary 5
     assert low.state is JobState.PREEMPTED and low.preemptions == 1
     high_out = high_ex.run([x], checkpoint=lambda c: gate.checkpoint(high))[0]
     gate.finish(high)
@@ -185,7 +185,7 @@ def test_preemption_between_while_iterations_keeps_the_loop_state():
     assert runner.paused.wait(TIMEOUT)
     high = gate.submit("app", HIGH, model="high")
     runner.resume()
-    gate.wait_started(high)
+    gate.claim(high)
     assert low.state is JobState.PREEMPTED
     high_ex.run([np.zeros(8, np.float32)], checkpoint=lambda c: gate.checkpoint(high))
     gate.finish(high)
@@ -236,7 +236,7 @@ def test_a_preemption_that_makes_a_job_late_aborts_it_while_parked():
     assert runner.paused.wait(TIMEOUT)
     high = gate.submit("app", HIGH)
     runner.resume()
-    gate.wait_started(high)
+    gate.claim(high)
     clock.advance(1.5)                  # the HIGH job takes long: LOW cannot make it now
     gate.finish(high)
     runner.join()
@@ -269,7 +269,7 @@ def test_cancelling_a_parked_execution_wakes_its_thread():
     assert runner.paused.wait(TIMEOUT)
     high = gate.submit("app", HIGH)
     runner.resume()
-    gate.wait_started(high)
+    gate.claim(high)
     assert low.state is JobState.PREEMPTED
     gate.cancel(low)
     runner.join()
@@ -286,14 +286,14 @@ def test_cancelling_a_job_whose_thread_never_started_frees_its_slot():
     gate.cancel(job)
     assert job.state is JobState.DONE and nxt.state is JobState.RUNNING
     with pytest.raises(NnrtError, match="cancelled"):
-        gate.wait_started(job)               # a late thread learns it at once
+        gate.claim(job)               # a late thread learns it at once
 
 
 def test_a_waiting_job_is_refused_when_its_deadline_becomes_hopeless():
     gate, scheduler, clock = setup()
     blocker = gate.submit("app", LOW)
     job = gate.submit("app", LOW, deadline=clock() + 1.0)
-    waiter = threading.Thread(target=lambda: pytest.raises(NnrtError, gate.wait_started, job),
+    waiter = threading.Thread(target=lambda: pytest.raises(NnrtError, gate.claim, job),
                               daemon=True)
     waiter.start()
     clock.advance(1.5)

@@ -43,13 +43,11 @@ the result fence (anyone holding an eventfd may), so its waiters wake.
 from __future__ import annotations
 
 import array
-import asyncio
 import collections
 import itertools
 import os
 import socket
 import threading
-import sys
 import weakref
 
 from ...errors import ErrorStatus, NnrtError, bad_state, invalid
@@ -59,6 +57,7 @@ from ...memory import Memory
 from ...model.graph import Model
 from ...qos.priority import Priority
 from ...vlog import vlog
+from ..handoff import Waiter
 from ..hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
                    PreparedModel, Request, Timing)
 from . import protocol as p
@@ -75,56 +74,14 @@ def _dead(message: str) -> NnrtError:
     return NnrtError(ErrorStatus.DEAD_OBJECT, message)
 
 
-class _Waiter:
-    """Where the reply to one call goes: set from the reader thread."""
+class _Waiter(Waiter):
+    """Where the reply to one call goes: delivered from the reader thread."""
 
-    __slots__ = ("reply", "_future", "_loop", "_event", "_schedule", "_thread_event")
+    __slots__ = ()
 
-    def __init__(self, blocking: bool):
-        self.reply: p.Reply | None = None
-        self._future = self._loop = self._event = self._schedule = self._thread_event = None
-        if blocking:
-            self._thread_event = threading.Event()
-            return
-        try:
-            self._loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio: trio is the other loop anyio runs on
-            trio = sys.modules.get("trio")
-            if trio is None:
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                "the service client needs an asyncio or trio event loop") from None
-            self._event = trio.Event()
-            self._schedule = trio.lowlevel.current_trio_token().run_sync_soon
-        else:
-            self._future = self._loop.create_future()
-
-    def deliver(self, reply: p.Reply) -> None:
-        self.reply = reply
-        try:
-            if self._thread_event is not None:
-                self._thread_event.set()
-            elif self._loop is not None:
-                self._loop.call_soon_threadsafe(_resolve, self._future)
-            else:
-                self._schedule(self._event.set)
-        except RuntimeError:
-            pass  # the caller's loop has ended: nobody is waiting any more
-
-    async def wait(self) -> p.Reply:
-        if self._future is not None:
-            await self._future
-        else:
-            await self._event.wait()
-        return self.reply
-
-    def wait_blocking(self) -> p.Reply:
-        self._thread_event.wait()
-        return self.reply
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+    @property
+    def reply(self) -> p.Reply | None:
+        return self.value if self.delivered else None
 
 
 class _Channel:
