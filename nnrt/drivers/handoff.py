@@ -33,7 +33,7 @@ _PENDING = object()
 class Waiter:
     """One value, delivered once from any thread."""
 
-    __slots__ = ("value", "_event", "_post", "_thread_event")
+    __slots__ = ("value", "_event", "_post", "_thread_event", "_taken")
 
     def __init__(self, blocking: bool = False):
         """``blocking``: the waiter is a thread (``wait_blocking``); otherwise
@@ -44,6 +44,7 @@ class Waiter:
             self._thread_event = threading.Event()
             return
         self._event = anyio.Event()
+        self._taken = threading.Event()
         try:
             self._post = asyncio.get_running_loop().call_soon_threadsafe
         except RuntimeError:  # not asyncio: trio is the other loop anyio runs on
@@ -72,7 +73,13 @@ class Waiter:
         resumed by awaiting again (an anyio Event survives cancellation, where
         a future awaited by a cancelled task is cancelled with it)."""
         await self._event.wait()
+        self._taken.set()
         return self.value
+
+    def wait_taken(self, timeout: float) -> bool:
+        """From the delivering thread: block until the awaiting task has
+        resumed with the value (True), or ``timeout`` seconds."""
+        return self._taken.wait(timeout)
 
     def wait_blocking(self, timeout: float | None = None) -> Any:
         """The value (``_PENDING`` on timeout), for a ``blocking`` waiter."""

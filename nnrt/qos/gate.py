@@ -95,6 +95,7 @@ class ExecutionGate:
         self.spawn = spawn
         self._lock = threading.Lock()
         self._tickets: dict[Job, _Ticket] = {}
+        self._donors = threading.local()   # .depth: donated jobs running on this thread
 
     def submit(self, app: Hashable, priority: Priority, *, deadline: float | None = None,
                model: Hashable = None, work: Callable[[Job], None] | None = None) -> Job:
@@ -199,6 +200,11 @@ class ExecutionGate:
             starts = self._deliver(self.scheduler.take_wakeups())
         self._start(starts)
 
+    def running_donated(self) -> bool:
+        """True on a thread that is running another job's work for it
+        (donation), with its own preempted job parked below."""
+        return getattr(self._donors, "depth", 0) > 0
+
     def statistics(self) -> SchedulerStatistics:
         with self._lock:
             return self.scheduler.statistics()
@@ -259,12 +265,16 @@ class ExecutionGate:
         job, ticket = donated
         vlog("execution", "%s: job %d runs on the thread of preempted job %d",
              self.scheduler.name, job.seq, preempted.seq)
+        donors = self._donors
+        donors.depth = getattr(donors, "depth", 0) + 1
         try:
             ticket.work(job)
         except BaseException as e:   # a bug in work: end the job, keep the donor's own going
             vlog("execution", "%s: donated job %d raised %r", self.scheduler.name, job.seq, e)
             if job.state is JobState.RUNNING:
                 self.finish(job, ErrorStatus.GENERAL_FAILURE, f"the execution raised {e!r}")
+        finally:
+            donors.depth -= 1
         # A thread of its own, if it has one (a deadline), is asleep in claim()
         # until its wake time, then sees the job owned and leaves: not woken
         # here, where it would compete with the result's hand-over.

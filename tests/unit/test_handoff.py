@@ -38,6 +38,27 @@ def test_a_cancelled_wait_can_be_resumed_and_still_gets_the_value(backend):
     assert anyio.run(main, backend=backend) == 42
 
 
+def test_the_delivering_thread_can_wait_until_the_task_took_the_value():
+    async def main():
+        waiter = Waiter()
+        taken = []
+
+        def deliver():
+            waiter.deliver("v")
+            taken.append(waiter.wait_taken(TIMEOUT))
+
+        thread = threading.Thread(target=deliver)
+        thread.start()
+        assert await waiter.wait() == "v"
+        await anyio.to_thread.run_sync(thread.join)
+        unawaited = Waiter()
+        unawaited.deliver("nobody waits")
+        return taken, unawaited.wait_taken(0.01)
+
+    taken, unawaited = anyio.run(main)
+    assert taken == [True] and unawaited is False
+
+
 def test_delivery_after_the_loop_ended_is_dropped_quietly():
     async def make():
         return Waiter()
