@@ -159,7 +159,12 @@ class ReferencePreparedModel(PreparedModel):
                 result = ExecutionResult(job.status or ErrorStatus.GENERAL_FAILURE,
                                          message=job.message)
             else:
-                result = self._run_claimed(job, request, measure, loop_timeout, started)
+                try:
+                    result = self._run_claimed(job, request, measure, loop_timeout, started)
+                except BaseException as e:   # SystemExit and the like: still answer
+                    waiter.deliver(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                                   message=f"the execution was interrupted: {e!r}"))
+                    raise
             waiter.deliver(result)
             if self._gate.running_donated():
                 # This thread's own job, preempted by this one, resumes next:
@@ -209,7 +214,9 @@ class ReferencePreparedModel(PreparedModel):
     def _run_claimed(self, job: Job, request: Request, measure: bool,
                      loop_timeout: float | None, started: int) -> ExecutionResult:
         """Run a job this thread owns, with the gate's checkpoint at every
-        boundary, and give the slot back; never raises."""
+        boundary, and give the slot back. A failure is a result; only what is
+        not an Exception (KeyboardInterrupt) propagates, after the slot is
+        given back."""
         gate = self._gate
         shapes: tuple[OutputShape, ...] = ()
         message = ""
