@@ -15,7 +15,7 @@ import numpy as np
 import nnrt
 from nnrt import ErrorStatus, Priority
 
-from .test_qos_inprocess import DIMS, chain_model, wait_until
+from .test_qos_inprocess import DIMS, chain_model, endless_model, wait_until
 
 FLOODER = textwrap.dedent("""
     import json, os, sys, time, anyio, numpy as np, nnrt
@@ -111,3 +111,45 @@ async def test_high_starts_within_one_low_operation_in_a_service(monkeypatch, tm
         assert h.wait <= longest_low_op, (h.wait, longest_low_op)
     assert stats.of(me, Priority.LOW).preempted >= 1
     assert all(np.array_equal(out, np.full(DIMS, 30.0, np.float32)) for out in low_results)
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_execution_in_the_service(
+        monkeypatch, tmp_path):
+    """Issue 7 (4) across the socket: the client sends CANCEL and returns only
+    once the service's driver has let go of the pools (the execution's own
+    reply); the service frees the slot and keeps serving."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")]) as rt:
+        me = ("pid", os.getpid())
+        endless = await rt.compile(endless_model(), priority=Priority.LOW, devices=["npu"])
+        quick = await rt.compile(chain_model(1, (4,)), priority=Priority.LOW, devices=["npu"])
+        pool = nnrt.Memory.create(4, "endless-input")
+        pool.array(np.float32, (1,))[:] = 1.0
+        region = pool.region(0, 4)
+
+        async def low(key: str):
+            return (await rt.statistics("npu")).of(me, Priority.LOW)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: endless.execute([region], loop_timeout=10.0))
+            for _ in range(5000):
+                if (await low("running")).running == 1:
+                    break
+                await anyio.sleep(0.002)
+            with anyio.move_on_after(0.05):          # this one waits in the queue
+                await endless.execute([region], loop_timeout=10.0)
+            tg.cancel_scope.cancel()                 # and this one runs its WHILE loop
+        stats = await rt.statistics("npu")
+        assert stats.busy == 0
+        counts = stats.of(me, Priority.LOW)
+        assert (counts.cancelled, counts.running, counts.queued) == (2, 0, 0)
+        records = [r for r in await rt.finished_jobs("npu") if r.app == me]
+        assert [r.status for r in records[-2:]] == [ErrorStatus.GENERAL_FAILURE] * 2
+        assert all("cancelled" in r.message for r in records[-2:])
+        # Stopped well before the 10 s loop timeout, and the pool is ours again.
+        assert max(r.ran for r in records[-2:]) < 5.0
+        pool.array(np.float32, (1,))[:] = 2.0
+        r = await quick.execute([np.zeros(4, np.float32)])
+        assert r.outputs[0].tolist() == [1.0] * 4
+        pool.close()

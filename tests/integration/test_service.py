@@ -360,7 +360,8 @@ def _fuzz_frames(rng, count):
         p.Hello(1), p.Query(2, p.Method.CAPABILITIES), p.ReleaseModel(3, 1),
         p.SupportedOperations(4, model),
         p.PrepareModel(5, model, nnrt.ExecutionPreference.LOW_POWER, nnrt.Priority.LOW, None),
-        p.Execute(6, 1, (arg, arg), (arg,), (p.WirePool(1, None, True, 0, 48, 0, 48),)))]
+        p.Execute(6, 1, (arg, arg), (arg,), (p.WirePool(1, None, True, 0, 48, 0, 48),)),
+        p.Cancel(7, 6))]
     for _ in range(count):
         roll = rng.random()
         if roll < 0.4:

@@ -54,6 +54,7 @@ def sample_messages():
                   (p.WirePool(3, 9, True, 0, 4096, 0, 32), p.WirePool(4, None, False, 0, 64, 8, 8)),
                   (1, 2), True, 100.0, 2.0),
         p.ReleaseModel(9, 99),
+        p.Cancel(10, 8),
         p.Reply(1, p.Method.HELLO, value=p.DeviceInfo("dev", DeviceType.GPU, "v1", 30)),
         p.Reply(2, p.Method.CAPABILITIES, value=caps),
         p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=["a", "b"]),
@@ -63,6 +64,7 @@ def sample_messages():
         p.Reply(7, p.Method.PREPARE_MODEL, ErrorStatus.INVALID_ARGUMENT, "bad model"),
         p.Reply(8, p.Method.EXECUTE, result.status, result.message, result),
         p.Reply(9, p.Method.RELEASE_MODEL),
+        p.Reply(10, p.Method.CANCEL),
         p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
     ]
 

@@ -20,6 +20,11 @@ with DEAD_OBJECT at once — executions get an ``ExecutionResult`` with that
 status, other calls raise ``NnrtError(DEAD_OBJECT)`` — and every later call
 fails the same way without touching the socket.
 
+Cancelling the task awaiting ``execute`` sends CANCEL for that call and
+waits (shielded, bounded) for the call's own reply: the service sends it once
+its driver has let go of the request's pools, so the caller may reuse them
+when the cancellation reaches it, as with the in-process device.
+
 Device queries answer the same for a device's whole life, so ``connect``
 asks them once and the proxy answers from that copy.
 
@@ -50,6 +55,8 @@ import socket
 import threading
 import weakref
 
+import anyio
+
 from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
@@ -65,6 +72,10 @@ from . import protocol as p
 _RECV_SIZE = 1 << 16
 _ALIGN = 64
 _MAX_FREE_ARENAS = 8
+# How long a cancelled execution waits for the service to let go of its
+# pools (it stops at the next operation boundary; a live service answers
+# in one operation's time, a dead one at once with DEAD_OBJECT).
+_CANCEL_GRACE = 10.0
 # The service caches at most protocol.MAX_CACHED_POOLS pools per prepared
 # model; the client evicts its oldest ids well before that.
 _CLIENT_CACHE_LIMIT = p.MAX_CACHED_POOLS - 32
@@ -77,7 +88,7 @@ def _dead(message: str) -> NnrtError:
 class _Waiter(Waiter):
     """Where the reply to one call goes: delivered from the reader thread."""
 
-    __slots__ = ()
+    __slots__ = ("call_id",)
 
     @property
     def reply(self) -> p.Reply | None:
@@ -118,7 +129,7 @@ class _Channel:
         with self._send_lock:
             if self.dead is not None:
                 raise self.dead
-            call_id = next(self._call_ids)
+            call_id = waiter.call_id = next(self._call_ids)
             message = build(call_id)
             data, fds = self.proto.send(message)
             with self._pending_lock:
@@ -137,10 +148,25 @@ class _Channel:
             anc = []  # the fds ride with the first bytes only
             view = view[sent:]
 
-    async def call(self, build) -> p.Reply:
+    async def call(self, build, on_cancel=None) -> p.Reply:
+        """Send ``build(call_id)`` and await its reply. With ``on_cancel``,
+        cancelling the awaiting task also cancels the call in the service
+        (CANCEL) and waits, shielded and at most ``_CANCEL_GRACE`` seconds,
+        for the call's own reply, which the service sends once the driver
+        has let go of the request's pools; ``on_cancel(reply)`` then runs
+        with that reply (None if it did not come) before the cancellation
+        propagates."""
         waiter = self._start(build, blocking=False)
         try:
             return await waiter.wait()
+        except BaseException:
+            if on_cancel is not None and not waiter.delivered:
+                self.send_only(lambda cid: p.Cancel(cid, waiter.call_id))
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(_CANCEL_GRACE):
+                        await waiter.wait()
+                on_cancel(waiter.reply)
+            raise
         finally:
             self._forget(waiter)
 
@@ -464,9 +490,14 @@ class ServicePreparedModel(PreparedModel):
         plan = self._plan(request)
         if isinstance(plan, ExecutionResult):
             return plan
+        def cancelled(reply: p.Reply | None) -> None:
+            if reply is not None:       # the service let go of the arena: reuse it
+                self._finish(plan, None)
+
         try:
             reply = await self._channel.call(
-                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout))
+                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout),
+                on_cancel=cancelled)
         except NnrtError as e:
             self._finish(plan, None)
             return ExecutionResult(e.status, message=e.message)

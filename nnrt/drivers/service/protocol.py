@@ -96,6 +96,7 @@ class Method(enum.IntEnum):
     GET_MEMORIES = 14         # service -> client: the fds of unknown burst slots
     BURST_ENDED = 15          # service -> client: a burst ended on the service's side
     STATISTICS = 16           # the scheduler's counters and its recent finished jobs
+    CANCEL = 17               # stop the EXECUTE started by another call; empty reply
 
 
 # Calls the service makes to the client (the burst server asking the
@@ -280,6 +281,20 @@ class BurstEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class Cancel:
+    """The caller stopped waiting for the EXECUTE it sent as call ``target``:
+    the service withdraws it, or stops it at its next operation boundary.
+    CANCEL is acknowledged at once with an empty reply; the EXECUTE's own
+    reply (cancelled, or its result if it had already finished) follows once
+    the driver has let go of the request's pools, which is what tells the
+    client it may reuse them. An unknown or finished ``target`` is ignored."""
+
+    call_id: int
+    target: int
+    method = Method.CANCEL
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseModel:
     call_id: int
     model_id: int
@@ -310,7 +325,7 @@ class Malformed:
 
 
 Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
-        | ExecuteFenced)
+        | ExecuteFenced | Cancel)
 
 _QUERIES = (Method.CAPABILITIES, Method.SUPPORTED_EXTENSIONS, Method.NUMBER_OF_CACHE_FILES,
             Method.STATISTICS)
@@ -542,6 +557,8 @@ def _encode_call(w: _Writer, m) -> None:
         w.fds.extend(m.ring_fds)
     elif isinstance(m, ReleaseBurst):
         w.u64(m.burst_id)
+    elif isinstance(m, Cancel):
+        w.u64(m.target)
     elif isinstance(m, BurstEnded):
         w.u64(m.burst_id)
         w.str_(m.reason)
@@ -893,6 +910,8 @@ def _decode_call(r: _Reader, method: Method, call_id: int):
                               tuple(r.fd(f"burst ring fd {k}") for k in range(BURST_RING_FDS)))
     if method == Method.RELEASE_BURST:
         return ReleaseBurst(call_id, r.u64("burst id"))
+    if method == Method.CANCEL:
+        return Cancel(call_id, r.u64("cancelled call id"))
     if method == Method.BURST_ENDED:
         burst_id = r.u64("burst id")
         return BurstEnded(call_id, burst_id, r.str_("reason"))

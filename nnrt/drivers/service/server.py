@@ -15,7 +15,10 @@ Prepared models and the pools mapped for them belong to the connection that
 made them: their ids are unique across the service, but a connection looks
 them up only among its own, so naming another connection's object is
 INVALID_ARGUMENT. When the connection closes, its running calls are
-cancelled and everything it owned is released.
+cancelled and everything it owned is released. CANCEL names one EXECUTE call
+of the connection: its handler's cancel scope is cancelled (the driver
+withdraws or stops the job) and the call is answered "cancelled" once the
+driver has let go of its pools.
 
 Every fd received is either mapped (``Memory.from_fd`` duplicates it) or not
 used, and in both cases the received fd is closed by the handler that got
@@ -200,6 +203,8 @@ class ServiceConnection:
         self._alive = True
         self._in_flight = 0
         self._tg = None  # the connection's task group, home of fenced executions
+        # The cancel scopes of EXECUTE calls in progress, by call id (CANCEL).
+        self._executions: dict[int, anyio.CancelScope] = {}
         # Burst sessions of this connection (each a task in its task group),
         # and the calls we made to the client (GET_MEMORIES) awaiting a reply.
         self.bursts: dict[int, BurstServer] = {}
@@ -275,6 +280,13 @@ class ServiceConnection:
                 if isinstance(event, p.Reply):  # the client answering a call of ours
                     self._deliver_service_reply(event)
                     continue
+                if isinstance(event, p.Cancel):
+                    scope = self._executions.get(event.target)
+                    if scope is not None:
+                        scope.cancel()
+                    # Acknowledged at once; the cancelled call answers for itself.
+                    await self._reply(p.Reply(event.call_id, p.Method.CANCEL))
+                    continue
                 self.service._calls += 1
                 if self._in_flight >= MAX_CALLS_IN_FLIGHT:
                     for fd in _fds_in(event):
@@ -315,7 +327,18 @@ class ServiceConnection:
         method = call.method
         try:
             if isinstance(call, p.Execute):
-                result = await self._execute(call)
+                result = None
+                with anyio.CancelScope() as scope:
+                    self._executions[call.call_id] = scope
+                    try:
+                        result = await self._execute(call)
+                    finally:
+                        self._executions.pop(call.call_id, None)
+                if result is None:
+                    # CANCEL: the driver has let go of the pools by now (the
+                    # reference device's execute returns only then).
+                    result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                             message="the execution was cancelled by its caller")
                 reply = p.Reply(call.call_id, method, result.status, result.message, result)
             elif isinstance(call, p.ExecuteFenced):
                 info = await self._execute_fenced(call)
