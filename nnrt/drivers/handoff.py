@@ -82,7 +82,8 @@ class Waiter:
         return self._taken.wait(timeout)
 
     def wait_blocking(self, timeout: float | None = None) -> Any:
-        """The value (``_PENDING`` on timeout), for a ``blocking`` waiter."""
+        """The value, for a ``blocking`` waiter; after a ``timeout`` check
+        ``delivered`` first."""
         self._thread_event.wait(timeout)
         return self.value
 

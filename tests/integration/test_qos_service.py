@@ -128,13 +128,13 @@ async def test_cancelling_the_awaiting_task_cancels_the_execution_in_the_service
         pool.array(np.float32, (1,))[:] = 1.0
         region = pool.region(0, 4)
 
-        async def low(key: str):
+        async def low():
             return (await rt.statistics("npu")).of(me, Priority.LOW)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: endless.execute([region], loop_timeout=10.0))
             for _ in range(5000):
-                if (await low("running")).running == 1:
+                if (await low()).running == 1:
                     break
                 await anyio.sleep(0.002)
             with anyio.move_on_after(0.05):          # this one waits in the queue
