@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ErrorStatus, NnrtError
-from ..model.graph import Model, Operand
+from ..model.graph import HalModel, Operand
 from ..model.types import OperandLifeTime as L, OperationType
 from ..model.validate import ValidatedModel
 from ..vlog import on as vlog_on, vlog
@@ -50,7 +50,7 @@ class _Step:
 
 
 class _SubgraphPlan:
-    def __init__(self, model: Model, index: int | None, dims: dict[int, tuple[int, ...]]):
+    def __init__(self, model: HalModel, index: int | None, dims: dict[int, tuple[int, ...]]):
         sub = model.subgraph(index)
         self.operands = sub.operands
         self.input_indexes = sub.input_indexes
@@ -74,7 +74,7 @@ class _SubgraphPlan:
 
 
 class Executor:
-    def __init__(self, model: Model, validated: ValidatedModel):
+    def __init__(self, model: HalModel, validated: ValidatedModel):
         self.model = model
         self.relaxed = model.relax_computation_float32_to_float16
         self.plans = {index: _SubgraphPlan(model, index, validated.dims[index])

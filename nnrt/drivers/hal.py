@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import ErrorStatus, NnrtError
-from ..model.graph import DataLocation, Model
+from ..model.graph import DataLocation, HalModel
 from ..model.types import OperandType
 from ..qos.priority import Priority
 
@@ -219,12 +219,12 @@ class Device(abc.ABC):
         return (0, 0)
 
     @abc.abstractmethod
-    def supported_operations(self, model: Model) -> list[bool]:
+    def supported_operations(self, model: HalModel) -> list[bool]:
         """One flag per operation of the main subgraph; INVALID_ARGUMENT for an
         invalid model."""
 
     @abc.abstractmethod
-    async def prepare_model(self, model: Model, preference: ExecutionPreference,
+    async def prepare_model(self, model: HalModel, preference: ExecutionPreference,
                             priority: Priority, deadline: float | None = None,
                             cache=None) -> PreparedModel: ...
 

@@ -28,7 +28,7 @@ import numpy as np
 from .. import __version__, ops
 from ..errors import ErrorStatus, NnrtError
 from ..memory import as_buffer
-from ..model.graph import Model, decode_value
+from ..model.graph import HalModel, decode_value
 from ..model.types import OperandType
 from ..model.validate import validate_model, validate_request
 from ..qos.gate import ExecutionGate
@@ -73,7 +73,7 @@ class ReferenceDevice(Device):
         one = PerformanceInfo(1.0, 1.0)
         return Capabilities(one, one, {t: one for t in OperandType}, one, one)
 
-    def supported_operations(self, model: Model) -> list[bool]:
+    def supported_operations(self, model: HalModel) -> list[bool]:
         supported = []
         for op in model.main.operations:
             try:
@@ -84,12 +84,12 @@ class ReferenceDevice(Device):
                 supported.append(False)
         return supported
 
-    async def prepare_model(self, model: Model, preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
+    async def prepare_model(self, model: HalModel, preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
                             cache=None, *, app: Hashable = None) -> "ReferencePreparedModel":
         return self.prepare_model_synchronously(model, preference, priority, deadline, app=app)
 
-    def prepare_model_synchronously(self, model: Model,
+    def prepare_model_synchronously(self, model: HalModel,
                                     preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                                     priority: Priority = Priority.MEDIUM,
                                     deadline: float | None = None, *,
@@ -118,7 +118,7 @@ class ReferenceDevice(Device):
         return ReferencePreparedModel(model, Executor(model, validated), self.gate, priority, app)
 
 
-def model_bytes(model: Model) -> int:
+def model_bytes(model: HalModel) -> int:
     """Memory a model needs to run: its constants plus every operand whose
     size is known (an upper bound: the executor frees nothing mid-run)."""
     total = len(model.operand_values)
@@ -136,7 +136,7 @@ _DONOR_LINGER = 0.002
 
 
 class ReferencePreparedModel(PreparedModel):
-    def __init__(self, model: Model, executor: Executor, gate: ExecutionGate,
+    def __init__(self, model: HalModel, executor: Executor, gate: ExecutionGate,
                  priority: Priority = Priority.MEDIUM, app: Hashable = None):
         self.model = model
         self.executor = executor

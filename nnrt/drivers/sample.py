@@ -14,7 +14,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import invalid
-from ..model.graph import Model, Operation
+from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
 from .hal import Capabilities, Device, DeviceType, PerformanceInfo
 from .reference import ReferenceDevice
@@ -28,18 +28,18 @@ class SampleDevice(ReferenceDevice):
     version_string = f"nnrt-sample-{__version__}"
     performance = PerformanceInfo(1.0, 1.0)
 
-    def claims(self, model: Model, op: Operation) -> bool:
+    def claims(self, model: HalModel, op: Operation) -> bool:
         return True
 
     def capabilities(self) -> Capabilities:
         perf = self.performance
         return Capabilities(perf, perf, {t: perf for t in T}, perf, perf)
 
-    def supported_operations(self, model: Model) -> list[bool]:
+    def supported_operations(self, model: HalModel) -> list[bool]:
         return [ok and self.claims(model, op)
                 for ok, op in zip(super().supported_operations(model), model.main.operations)]
 
-    def prepare_model_synchronously(self, model: Model, *args, **kwargs):
+    def prepare_model_synchronously(self, model: HalModel, *args, **kwargs):
         if model.referenced:  # IF/WHILE bodies are never claimed by a sample driver
             raise invalid(f"{self.name} does not run control flow")
         for k, op in enumerate(model.main.operations):
@@ -48,14 +48,14 @@ class SampleDevice(ReferenceDevice):
         return super().prepare_model_synchronously(model, *args, **kwargs)
 
 
-def _tensor_types(model: Model, op: Operation) -> tuple[set, set]:
+def _tensor_types(model: HalModel, op: Operation) -> tuple[set, set]:
     operands = model.main.operands
     ins = {operands[i].type for i in op.inputs if operands[i].type.is_tensor}
     outs = {operands[i].type for i in op.outputs}
     return ins, outs
 
 
-def _is_float32(model: Model, op: Operation) -> bool:
+def _is_float32(model: HalModel, op: Operation) -> bool:
     # Shape and axis operands (TENSOR_INT32) may ride along with float data.
     ins, outs = _tensor_types(model, op)
     return outs == {T.TENSOR_FLOAT32} and ins <= {T.TENSOR_FLOAT32, T.TENSOR_INT32}
@@ -81,7 +81,7 @@ class MinimalDevice(SampleDevice):
     performance = PerformanceInfo(0.8, 0.8)
     OPERATIONS = frozenset({Op.ADD, Op.MUL, Op.CONV_2D, Op.RELU, Op.FULLY_CONNECTED, Op.SOFTMAX})
 
-    def claims(self, model: Model, op: Operation) -> bool:
+    def claims(self, model: HalModel, op: Operation) -> bool:
         return op.type in self.OPERATIONS
 
 
@@ -90,7 +90,7 @@ class QuantDevice(SampleDevice):
 
     performance = PerformanceInfo(0.3, 0.3)
 
-    def claims(self, model: Model, op: Operation) -> bool:
+    def claims(self, model: HalModel, op: Operation) -> bool:
         ins, outs = _tensor_types(model, op)
         return bool(outs) and all(t.is_quantized for t in outs) and \
             all(t.is_quantized or t == T.TENSOR_INT32 for t in ins)
@@ -104,7 +104,7 @@ class PartialDevice(SampleDevice):
     performance = PerformanceInfo(0.4, 0.4)
     OPERATIONS = frozenset({Op.ADD, Op.MUL, Op.SUB, Op.RELU, Op.RELU1, Op.RELU6})
 
-    def claims(self, model: Model, op: Operation) -> bool:
+    def claims(self, model: HalModel, op: Operation) -> bool:
         return op.type in self.OPERATIONS
 
 

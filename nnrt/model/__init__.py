@@ -5,7 +5,7 @@ exported from the top-level ``nnrt`` package; this ``__init__`` imports only
 the leaf modules so ``nnrt.ops`` can import ``nnrt.model.types`` freely.
 """
 from .dot import to_dot
-from .graph import ChannelQuant, DataLocation, Model as HalModel, Operand, Operation, Subgraph
+from .graph import ChannelQuant, DataLocation, HalModel, Operand, Operation, Subgraph
 from .types import (FusedActivation, HalVersion, OperandLifeTime, OperandType, OperationType,
                     PaddingScheme)
 

@@ -3,7 +3,7 @@
 Operands and operations are added one by one, checked as they come (BAD_DATA
 naming the operand or operation at fault); ``finish`` sorts the operations
 into run order, checks the graph as a whole and freezes the model into the
-HAL :class:`~nnrt.model.graph.Model`. Every mutating call after ``finish`` is
+HAL :class:`~nnrt.model.graph.HalModel`. Every mutating call after ``finish`` is
 refused with BAD_STATE, as AOSP's ModelBuilder does. Operation signatures are
 checked when the model is compiled (by the driver that prepares it), not here:
 the CTS requires ``finish`` to succeed for any model whose building succeeded.
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import bad_state, invalid
-from .graph import ChannelQuant, DataLocation, Model as HalModel, Operand, Operation, Subgraph
+from .graph import ChannelQuant, DataLocation, HalModel, Operand, Operation, Subgraph
 from ..memory import Memory
 from .types import OperandLifeTime as L, OperandType, OperationType
 

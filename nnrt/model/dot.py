@@ -1,7 +1,7 @@
 """Graphviz dump of a model (the GraphDump analogue)."""
 from __future__ import annotations
 
-from .graph import Model, Subgraph
+from .graph import HalModel, Subgraph
 from .types import OperandLifeTime as L
 
 
@@ -9,7 +9,7 @@ def to_dot(model) -> str:
     """Graphviz text for ``model`` (an ``nnrt.Model`` after finish, or a HAL
     model). Operands are boxes (inputs green, outputs red, constants grey),
     operations ellipses; referenced subgraphs are drawn as clusters."""
-    hal: Model = model.hal_model if hasattr(model, "hal_model") else model
+    hal: HalModel = model.hal_model if hasattr(model, "hal_model") else model
     lines = ["digraph nnrt_model {", "  rankdir=TB;", '  node [fontname="monospace"];']
     _subgraph(lines, hal.main, "m", "  ")
     for k, sub in enumerate(hal.referenced):

@@ -83,7 +83,7 @@ class ExtensionPrefix:
 
 
 @dataclass(frozen=True)
-class Model:
+class HalModel:
     main: Subgraph
     referenced: tuple[Subgraph, ...] = ()
     operand_values: bytes = b""

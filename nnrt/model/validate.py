@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import NnrtError, invalid
 from .. import ops
 from ..memory import as_buffer
-from .graph import Model, Operand, Subgraph
+from .graph import HalModel, Operand, Subgraph
 from .types import HalVersion, OperandLifeTime as L, OperandType
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
@@ -33,7 +33,7 @@ class ValidatedModel:
     dims: dict[int | None, dict[int, tuple[int, ...]]]
 
 
-def validate_model(model: Model) -> ValidatedModel:
+def validate_model(model: HalModel) -> ValidatedModel:
     version = HalVersion.V1_0
     if model.relax_computation_float32_to_float16:
         version = HalVersion.V1_1
@@ -47,7 +47,7 @@ def validate_model(model: Model) -> ValidatedModel:
     return ValidatedModel(version, dims)
 
 
-def _check_no_reference_cycle(model: Model) -> None:
+def _check_no_reference_cycle(model: HalModel) -> None:
     """A subgraph may not refer, directly or not, to itself (IF/WHILE would recurse)."""
     def refs(sub: Subgraph) -> set[int]:
         return {o.location.offset for o in sub.operands
@@ -71,7 +71,7 @@ def _check_no_reference_cycle(model: Model) -> None:
         visit(k, [])
 
 
-def _validate_subgraph(model: Model, index: int | None, where: str):
+def _validate_subgraph(model: HalModel, index: int | None, where: str):
     sub = model.subgraph(index)
     n = len(sub.operands)
     version = HalVersion.V1_0
@@ -159,7 +159,7 @@ def _merge_dims(declared: tuple[int, ...], inferred: tuple[int, ...], what: str)
     return tuple(merged)
 
 
-def _validate_operand(model: Model, operand: Operand, what: str) -> None:
+def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
     t = operand.type
     if t.is_scalar and operand.dimensions:
         raise invalid(f"{what}: scalar type {t.name} with dimensions {list(operand.dimensions)}")
@@ -202,7 +202,7 @@ def _validate_operand(model: Model, operand: Operand, what: str) -> None:
         raise invalid(f"{what}: {lifetime.name} operand must not have a value")
 
 
-def validate_request(model: Model, request) -> None:
+def validate_request(model: HalModel, request) -> None:
     """Check a request's arguments against the main subgraph and its pools."""
     sub: Subgraph = model.main
     pool_sizes = [as_buffer(p).nbytes for p in request.pools]

@@ -27,14 +27,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import ErrorStatus, NnrtError, invalid
-from ..model.graph import ChannelQuant, Model, Operand, Operation
+from ..model.graph import ChannelQuant, HalModel, Operand, Operation
 from ..model.types import HalVersion, OperandLifeTime, OperandType, OperationType
 
 
 class OpView:
     """What a validator or shape function sees of one operation in one model."""
 
-    def __init__(self, model: Model, subgraph_index: int | None, operation: Operation,
+    def __init__(self, model: HalModel, subgraph_index: int | None, operation: Operation,
                  known_dims: dict[int, tuple[int, ...]] | None = None):
         self.model = model
         self.subgraph_index = subgraph_index

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..drivers.hal import Device, ExecutionPreference
 from ..errors import NnrtError, ErrorStatus
-from ..model.graph import Model, Operation, Subgraph
+from ..model.graph import HalModel, Operation, Subgraph
 from ..model.types import OperandLifeTime as L, OperandType
 
 _VALUE_LIFETIMES = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE, L.NO_VALUE, L.SUBGRAPH)
@@ -24,12 +24,12 @@ _VALUE_LIFETIMES = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE, L.NO_VALUE, L.SUBGRAP
 @dataclass(frozen=True)
 class StepPlan:
     device: Device
-    model: Model                 # the step's own HAL model
+    model: HalModel                 # the step's own HAL model
     inputs: tuple[int, ...]      # original operand indexes, in step input order
     outputs: tuple[int, ...]     # original operand indexes, in step output order
 
 
-def _operation_type(model: Model, op: Operation) -> OperandType:
+def _operation_type(model: HalModel, op: Operation) -> OperandType:
     """The data type that decides an operation's performance: its first
     tensor input's (the way NNAPI's partitioner looks at an operation)."""
     for i in op.inputs:
@@ -39,7 +39,7 @@ def _operation_type(model: Model, op: Operation) -> OperandType:
     return model.main.operands[op.outputs[0]].type
 
 
-def assign_devices(model: Model, devices: list[Device],
+def assign_devices(model: HalModel, devices: list[Device],
                    preference: ExecutionPreference) -> list[Device]:
     """The device for each operation of the main subgraph (in order)."""
     supported = [d.supported_operations(model) for d in devices]
@@ -67,7 +67,7 @@ def assign_devices(model: Model, devices: list[Device],
     return chosen
 
 
-def split(model: Model, assignment: list[Device]) -> list[StepPlan]:
+def split(model: HalModel, assignment: list[Device]) -> list[StepPlan]:
     """Cut the main subgraph into steps of consecutive operations on one device."""
     main = model.main
     ops = main.operations
@@ -107,8 +107,8 @@ def split(model: Model, assignment: list[Device]) -> list[StepPlan]:
     return steps
 
 
-def _step_model(model: Model, group: list[Operation], inputs: list[int],
-                outputs: list[int]) -> Model:
+def _step_model(model: HalModel, group: list[Operation], inputs: list[int],
+                outputs: list[int]) -> HalModel:
     main = model.main
     used: list[int] = []
     seen: set[int] = set()

@@ -13,7 +13,7 @@ import pytest
 
 import nnrt.ops  # noqa: F401  (registers the operations)
 from nnrt.errors import NnrtError
-from nnrt.model.graph import ChannelQuant, DataLocation, Model, Operand, Operation, Subgraph
+from nnrt.model.graph import ChannelQuant, DataLocation, HalModel, Operand, Operation, Subgraph
 from nnrt.model.types import HalVersion, OperandLifeTime as L, OperandType as T, OperationType as OT
 from nnrt.ops.registry import Arg, Call, OpView, definition
 
@@ -52,7 +52,7 @@ def view(op_type, inputs, outputs):
     op = Operation(op_type, tuple(range(n)), tuple(range(n, n + len(outputs))))
     sub = Subgraph(tuple(operands), (op,), tuple(i for i in range(n) if inputs[i]["value"] is None),
                    tuple(range(n, n + len(outputs))))
-    return OpView(Model(sub, (), bytes(blob)), None, op)
+    return OpView(HalModel(sub, (), bytes(blob)), None, op)
 
 
 def validate(op_type, inputs, outputs):

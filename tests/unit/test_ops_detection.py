@@ -11,7 +11,7 @@ import pytest
 
 import nnrt.ops  # noqa: F401  (registers the operations)
 from nnrt.errors import NnrtError
-from nnrt.model.graph import DataLocation, Model, Operand, Operation, Subgraph
+from nnrt.model.graph import DataLocation, HalModel, Operand, Operation, Subgraph
 from nnrt.model.types import HalVersion, OperandLifeTime as L, OperandType as T, OperationType as Op
 from nnrt.ops.registry import Arg, Call, OpView, definition
 
@@ -71,7 +71,7 @@ def view(op_type, ins, outs) -> OpView:
     operation = Operation(op_type, tuple(range(n)), tuple(range(n, n + len(outs))))
     inputs = tuple(i for i, s in enumerate(ins) if not s.const)
     sub = Subgraph(tuple(operands), (operation,), inputs, tuple(range(n, n + len(outs))))
-    return OpView(Model(sub, operand_values=bytes(blob)), None, operation)
+    return OpView(HalModel(sub, operand_values=bytes(blob)), None, operation)
 
 
 def validate(op_type, ins, outs) -> HalVersion:

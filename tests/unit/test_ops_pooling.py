@@ -11,7 +11,7 @@ import pytest
 
 import nnrt.ops  # noqa: F401  (registers the operations)
 from nnrt.errors import NnrtError
-from nnrt.model.graph import DataLocation, Model, Operand, Operation, Subgraph
+from nnrt.model.graph import DataLocation, HalModel, Operand, Operation, Subgraph
 from nnrt.model.types import HalVersion, OperandLifeTime as L, OperandType as T, OperationType as Op
 from nnrt.ops.registry import Arg, Call, OpView, definition
 
@@ -69,7 +69,7 @@ def view(op_type, ins, outs) -> OpView:
     operation = Operation(op_type, tuple(range(n)), tuple(range(n, n + len(outs))))
     sub = Subgraph(tuple(operands), (operation,), tuple(i for i, s in enumerate(ins) if not s.const),
                    tuple(range(n, n + len(outs))))
-    return OpView(Model(sub, operand_values=bytes(blob)), None, operation)
+    return OpView(HalModel(sub, operand_values=bytes(blob)), None, operation)
 
 
 def validate(op_type, ins, outs) -> HalVersion:

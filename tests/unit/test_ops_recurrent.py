@@ -14,7 +14,7 @@ import pytest
 
 import nnrt.ops  # noqa: F401  (registers the operations)
 from nnrt.errors import NnrtError
-from nnrt.model.graph import DataLocation, Model, Operand, Operation, Subgraph
+from nnrt.model.graph import DataLocation, HalModel, Operand, Operation, Subgraph
 from nnrt.model.types import HalVersion, OperandLifeTime as L, OperandType as T, OperationType as OT
 from nnrt.ops.registry import Arg, Call, OpView, definition
 
@@ -47,7 +47,7 @@ def view(op_type, inputs, outputs):
     sub = Subgraph(tuple(operands), (op,),
                    tuple(i for i in range(n) if operands[i].lifetime == L.SUBGRAPH_INPUT),
                    tuple(range(n, n + len(outputs))))
-    return OpView(Model(sub, (), bytes(blob)), None, op)
+    return OpView(HalModel(sub, (), bytes(blob)), None, op)
 
 
 def validate(op_type, inputs, outputs):

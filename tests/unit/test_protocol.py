@@ -204,9 +204,9 @@ def test_eof_closes_the_call_stream():
 def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
     # Smallest operands (a scalar without location) and smallest arguments
     # (no value) packed back to back must still decode.
-    from nnrt.model.graph import Model, Subgraph
+    from nnrt.model.graph import HalModel, Subgraph
     operands = tuple(Operand(T.INT32) for _ in range(50))
-    model = Model(Subgraph(operands, (), (), ()))
+    model = HalModel(Subgraph(operands, (), (), ()))
     message = p.SupportedOperations(1, model)
     frame, fds = p.encode(message)
     assert p.decode_body(frame_body(frame), fds) == message

@@ -61,7 +61,7 @@ from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
 from ...memory import Memory
-from ...model.graph import Model
+from ...model.graph import HalModel
 from ...qos.priority import Priority
 from ...vlog import vlog
 from ..handoff import Waiter
@@ -394,7 +394,7 @@ class ServiceDevice(Device):
         return _value(self._channel.call_blocking(lambda cid: p.Query(cid, p.Method.STATISTICS)),
                       "statistics")
 
-    def supported_operations(self, model: Model) -> list[bool]:
+    def supported_operations(self, model: HalModel) -> list[bool]:
         """Asks the service (a blocking round trip: the HAL method is
         synchronous). Never call it on the loop that runs the service itself."""
         wire, staged = _stage_model(model)
@@ -410,7 +410,7 @@ class ServiceDevice(Device):
                             f"{len(model.main.operations)} operations")
         return flags
 
-    async def prepare_model(self, model: Model,
+    async def prepare_model(self, model: HalModel,
                             preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
                             cache=None) -> "ServicePreparedModel":
@@ -437,7 +437,7 @@ class ServiceDevice(Device):
         return f"<ServiceDevice {self.name} at {self.socket_path}{'' if self.alive else ' (dead)'}>"
 
 
-def _stage_model(model: Model) -> tuple[Model, list[Memory]]:
+def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
     """The model with its constant pools as WirePools: a Memory by its fd,
     anything else copied into a new memfd (closed by the caller after the call)."""
     staged, wire = [], []
@@ -459,7 +459,7 @@ def _stage_model(model: Model) -> tuple[Model, list[Memory]]:
         for m in staged:
             m.close()
         raise
-    return Model(model.main, model.referenced, model.operand_values, tuple(wire),
+    return HalModel(model.main, model.referenced, model.operand_values, tuple(wire),
                  model.relax_computation_float32_to_float16, model.extension_prefixes), staged
 
 

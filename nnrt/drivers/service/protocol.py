@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ErrorStatus, NnrtError
-from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, Model, Operand,
+from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
 from ...model.types import OperandLifeTime, OperandType, OperationType
 from ...qos.priority import Priority
@@ -156,14 +156,14 @@ class Query:
 @dataclass(frozen=True, slots=True)
 class SupportedOperations:
     call_id: int
-    model: Model   # pools are WirePool entries
+    model: HalModel   # pools are WirePool entries
     method = Method.SUPPORTED_OPERATIONS
 
 
 @dataclass(frozen=True, slots=True)
 class PrepareModel:
     call_id: int
-    model: Model   # pools are WirePool entries
+    model: HalModel   # pools are WirePool entries
     preference: ExecutionPreference
     priority: Priority
     deadline: float | None
@@ -743,7 +743,7 @@ def _encode_subgraph(w: _Writer, s: Subgraph) -> None:
     w.u32s(s.output_indexes)
 
 
-def _encode_model(w: _Writer, m: Model) -> None:
+def _encode_model(w: _Writer, m: HalModel) -> None:
     _encode_subgraph(w, m.main)
     w.u32(len(m.referenced))
     for s in m.referenced:
@@ -1111,7 +1111,7 @@ def _decode_subgraph(r: _Reader, what: str) -> Subgraph:
                     r.u32s(f"{what} outputs"))
 
 
-def _decode_model(r: _Reader) -> Model:
+def _decode_model(r: _Reader) -> HalModel:
     main = _decode_subgraph(r, "main subgraph")
     n = r.count("subgraph count", 16)
     referenced = tuple(_decode_subgraph(r, f"subgraph {k}") for k in range(n))
@@ -1121,4 +1121,4 @@ def _decode_model(r: _Reader) -> Model:
     n = r.count("extension prefix count", 8)
     prefixes = tuple(ExtensionPrefix(r.str_("extension name"), r.u32("extension prefix"))
                      for _ in range(n))
-    return Model(main, referenced, values, pools, relax, prefixes)
+    return HalModel(main, referenced, values, pools, relax, prefixes)

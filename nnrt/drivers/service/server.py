@@ -66,7 +66,7 @@ from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
 from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
-from ...model.graph import Model
+from ...model.graph import HalModel
 from ...vlog import vlog
 from ..hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
 from . import protocol as p
@@ -630,7 +630,7 @@ class ServiceConnection:
         return mem.view()[wp.offset:wp.offset + wp.length]
 
 
-def _map_model(model: Model) -> tuple[Model, list[Memory]]:
+def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
     """The model with its WirePool constants mapped read-only."""
     memories, views = [], []
     try:
@@ -647,7 +647,7 @@ def _map_model(model: Model) -> tuple[Model, list[Memory]]:
         for m in memories:
             m.close()
         raise
-    return Model(model.main, model.referenced, model.operand_values, tuple(views),
+    return HalModel(model.main, model.referenced, model.operand_values, tuple(views),
                  model.relax_computation_float32_to_float16, model.extension_prefixes), memories
 
 
