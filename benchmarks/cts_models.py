@@ -21,7 +21,7 @@ import anyio
 import numpy as np
 
 import nnrt
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.model.graph import DataLocation
 from nnrt.testing import cts
 

@@ -35,7 +35,7 @@ import numpy as np
 
 import nnrt
 from nnrt import OperandType as T, OperationType as Op
-from nnrt.drivers.hal import ErrorStatus, Request, RequestArgument
+from nnrt.hal import ErrorStatus, Request, RequestArgument
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 from nnrt.runtime.fenced import execute_fenced

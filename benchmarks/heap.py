@@ -29,7 +29,7 @@ def child(ops: int, size: int, runs: int) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from qos_priority import chain
 
-    from nnrt.drivers.hal import DataLocation, Request, RequestArgument
+    from nnrt.hal import DataLocation, Request, RequestArgument
     from nnrt.drivers.heap import keep_freed_memory
     from nnrt.drivers.reference import ReferenceDevice
 

@@ -30,7 +30,7 @@ import numpy as np
 
 import nnrt
 from nnrt import OperandType as T, OperationType as Op
-from nnrt.drivers.hal import ErrorStatus, Request, RequestArgument
+from nnrt.hal import ErrorStatus, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.service.client import ServiceDevice
 from nnrt.memory import Memory

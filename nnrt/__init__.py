@@ -6,16 +6,16 @@
         compiled = await rt.compile(m)
         result = await compiled.execute([x, y])
 """
-__version__ = "0.1.0"
+from ._version import __version__
 
-from .drivers.hal import DeviceType, ExecutionPreference  # noqa: E402
+from .hal import DeviceType, ExecutionPreference  # noqa: E402
 from .errors import ErrorStatus, NnrtError, ResultCode  # noqa: E402
 from .fence import FenceState, SyncFence  # noqa: E402
 from .memory import Memory  # noqa: E402
 from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
-from .qos.priority import Priority, deadline_in  # noqa: E402
+from .hal.types import Priority, deadline_in  # noqa: E402
 from .runtime import CompiledModel, ExecutionTiming, Result, Runtime, run  # noqa: E402
 
 __all__ = ["CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference", "ExecutionTiming",

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from ..drivers.hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
+from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
 from ..drivers.service import protocol as p
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock

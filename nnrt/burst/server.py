@@ -55,7 +55,7 @@ from typing import Awaitable, Callable
 
 import anyio
 
-from ..drivers.hal import PreparedModel, Request, RequestArgument
+from ..hal import PreparedModel, Request, RequestArgument
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory

@@ -30,7 +30,7 @@ from .. import ops
 from ..errors import ErrorStatus, NnrtError
 from ..model.graph import HalModel, Operand
 from ..model.types import OperandLifeTime as L, OperationType
-from ..model.validate import ValidatedModel
+from ..hal.validate import ValidatedModel
 from ..vlog import on as vlog_on, vlog
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)

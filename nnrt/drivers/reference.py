@@ -25,21 +25,22 @@ from typing import Callable, Hashable
 import anyio
 import numpy as np
 
-from .. import __version__, ops
+from .. import ops
+from .._version import __version__
 from ..errors import ErrorStatus, NnrtError
 from ..memory import as_buffer
 from ..model.graph import HalModel, decode_value
 from ..model.types import OperandType
-from ..model.validate import validate_model, validate_request
+from ..hal.validate import validate_model, validate_request
 from ..qos.gate import ExecutionGate
-from ..qos.priority import Priority, check_deadline, check_priority
+from ..hal.types import Priority, check_deadline, check_priority
 from ..qos.scheduler import (DEFAULT_QUEUE_LIMIT, Job, JobState, Scheduler, SchedulerStatistics,
                              check_key)
 from ..vlog import vlog
 from .executor import Executor
-from .handoff import Waiter, run_soon
+from ..handoff import Waiter, run_soon
 from .heap import keep_freed_memory
-from .hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
+from ..hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
                   OutputShape, PerformanceInfo, PreparedModel, Request, Timing, NO_TIMING)
 
 

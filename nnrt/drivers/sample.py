@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import __version__
+from .._version import __version__
 from ..errors import invalid
 from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
-from .hal import Capabilities, Device, DeviceType, PerformanceInfo
+from ..hal import Capabilities, Device, DeviceType, PerformanceInfo
 from .reference import ReferenceDevice
 
 

@@ -1,10 +1,7 @@
-"""Sync fences (eventfd) and fenced executions.
-
-``SyncFence`` (:mod:`.sync_fence`) depends only on :mod:`nnrt.errors`, so the
-HAL may import it. The fenced-execution engine lives in :mod:`.fenced` and is
-not imported here: it uses the HAL's ``ExecutionResult`` and ``Timing``, and
-importing it from this package would make ``drivers.hal -> fence -> drivers.hal``
-a cycle. Import it as ``from nnrt.fence.fenced import run_fenced``.
+"""Sync fences: an eventfd signaled once (``SyncFence``), the state a fence
+reports (``FenceState``) and the merging of fences. This package imports
+nothing of nnrt but ``errors``; the fenced-execution engine that waits for
+fences, runs and signals one is part of the HAL (:mod:`nnrt.hal.fenced`).
 """
 from .merge import MergeStatistics
 from .merge import statistics as merge_statistics

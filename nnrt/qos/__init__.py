@@ -2,10 +2,8 @@
 scheduler that fronts every driver (see ``docs/qos.md``)."""
 from .clock import ManualClock
 from .gate import ExecutionGate
-from .priority import Priority, check_deadline, check_priority, deadline_in
 from .scheduler import (ClassStatistics, Job, JobRecord, JobState, Scheduler,
                         SchedulerStatistics, Verdict, check_key, check_memory_limit)
 
 __all__ = ["ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock",
-           "Priority", "Scheduler", "SchedulerStatistics", "Verdict", "check_deadline",
-           "check_key", "check_memory_limit", "check_priority", "deadline_in"]
+           "Scheduler", "SchedulerStatistics", "Verdict", "check_key", "check_memory_limit"]

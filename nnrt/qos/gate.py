@@ -64,7 +64,7 @@ from typing import Callable, Hashable
 
 from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
-from .priority import Priority
+from ..hal.types import Priority
 from .scheduler import Job, JobRecord, JobState, Scheduler, SchedulerStatistics, Verdict
 
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs

@@ -73,7 +73,7 @@ from typing import Callable, Hashable
 
 from ..errors import ErrorStatus, NnrtError, invalid
 from ..vlog import on as vlog_on, vlog
-from .priority import Priority, check_deadline, check_priority
+from ..hal.types import Priority, check_deadline, check_priority
 
 DEFAULT_QUEUE_LIMIT = 32     # waiting jobs per app before RESOURCE_EXHAUSTED_TRANSIENT
 _ESTIMATE_WEIGHT = 0.25      # weight of the newest run in the moving average

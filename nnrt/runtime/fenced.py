@@ -66,14 +66,14 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..drivers.hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
+from ..hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
 from ..drivers.service.client import ServicePreparedModel
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..fence.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
+from ..hal.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
 from ..fence.sync_fence import SyncFence
 from ..memory import Memory, Region
 from ..model.graph import DataLocation
-from ..qos.priority import check_deadline
+from ..hal.types import check_deadline
 from ..vlog import vlog
 from .runtime import ExecutionTiming, Result, _copy_into
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..drivers.hal import Device, ExecutionPreference
+from ..hal import Device, ExecutionPreference
 from ..errors import NnrtError, ErrorStatus
 from ..model.graph import HalModel, Operation, Subgraph
 from ..model.types import OperandLifeTime as L, OperandType

@@ -3,7 +3,7 @@
 
 The async core uses anyio, so it runs on asyncio (uvloop when installed) and
 on trio. The runtime talks to drivers only through the HAL
-(``nnrt.drivers.hal``).
+(``nnrt.hal``).
 """
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from typing import Any, Sequence
 import anyio
 import numpy as np
 
-from ..drivers.hal import (UINT64_MAX, Device, ExecutionPreference, PreparedModel, Request,
+from ..hal import (UINT64_MAX, Device, ExecutionPreference, PreparedModel, Request,
                            RequestArgument)
 from ..drivers.reference import ReferenceDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import DataLocation, Operand
-from ..model.validate import ValidatedModel, validate_model
+from ..hal.validate import ValidatedModel, validate_model
 from . import partition
-from ..qos.priority import Priority, check_deadline, check_priority
+from ..hal.types import Priority, check_deadline, check_priority
 from ..vlog import vlog
 
 # How many times an execution is retried with larger output buffers after

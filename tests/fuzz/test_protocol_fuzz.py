@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import nnrt
 from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
-from nnrt.drivers.hal import ExecutionPreference, ExecutionResult, OutputShape, RequestArgument
+from nnrt.hal import ExecutionPreference, ExecutionResult, OutputShape, RequestArgument
 from nnrt.drivers.service import protocol as p
 from nnrt.model.graph import DataLocation
 

@@ -13,7 +13,7 @@ import pytest
 
 from nnrt import ErrorStatus
 from nnrt.burst import wire
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.service.client import ServiceDevice
 from nnrt.drivers.service.server import serve

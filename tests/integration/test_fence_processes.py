@@ -15,10 +15,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from nnrt.drivers.hal import ExecutionResult
+from nnrt.hal import ExecutionResult
 from nnrt.errors import ErrorStatus, NnrtError
 from nnrt.fence import FenceState, MergeStatistics, SyncFence, merge_statistics
-from nnrt.fence.fenced import run_fenced
+from nnrt.hal.fenced import run_fenced
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, FenceState, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.service.client import ServiceDevice, ServicePreparedModel
 from nnrt.memory import Memory

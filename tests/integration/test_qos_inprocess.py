@@ -9,7 +9,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.model.graph import DataLocation
 
@@ -164,14 +164,14 @@ async def test_missed_deadlines_are_transient_when_busy_and_persistent_when_too_
             await wait_until(lambda: device.statistics().busy == 1, "the device busy")
             # Time enough on an idle device, but the device stays busy.
             with pytest.raises(NnrtError) as e:
-                await chain.execute([x], deadline=nnrt.qos.deadline_in(s=3 * run_time + 0.02))
+                await chain.execute([x], deadline=nnrt.deadline_in(s=3 * run_time + 0.02))
             assert e.value.status == ErrorStatus.MISSED_DEADLINE_TRANSIENT
             tg.cancel_scope.cancel()
         # Less time than the model needs even alone: refused at once.
         with pytest.raises(NnrtError) as e:
-            await chain.execute([x], deadline=nnrt.qos.deadline_in(s=run_time / 2))
+            await chain.execute([x], deadline=nnrt.deadline_in(s=run_time / 2))
         assert e.value.status == ErrorStatus.MISSED_DEADLINE_PERSISTENT
-        r = await chain.execute([x], deadline=nnrt.qos.deadline_in(s=10))
+        r = await chain.execute([x], deadline=nnrt.deadline_in(s=10))
         assert r.outputs[0][0, 0] == 30.0
 
 

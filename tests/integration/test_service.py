@@ -18,7 +18,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.hal import DeviceType, Request, RequestArgument
+from nnrt.hal import DeviceType, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.sample import make_driver
 from nnrt.drivers.service import protocol as p
@@ -293,7 +293,7 @@ async def test_sigkill_mid_execution_fails_every_pending_call_with_dead_object(t
 OTHER_CLIENT = textwrap.dedent("""
     import asyncio, sys
     import numpy as np
-    from nnrt.drivers.hal import Request, RequestArgument
+    from nnrt.hal import Request, RequestArgument
     from nnrt.drivers.service.client import ServiceDevice
     from nnrt.model.graph import DataLocation
 

@@ -13,7 +13,7 @@ import nnrt
 from nnrt import ErrorStatus, OperandType as T, OperationType as Op
 from nnrt.burst import wire
 from nnrt.burst.server import BurstServer
-from nnrt.drivers.hal import BurstSession, Request, RequestArgument
+from nnrt.hal import BurstSession, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.service import protocol as p
 from nnrt.fmq import Ring

@@ -10,7 +10,7 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
 from nnrt.model.graph import DataLocation
 from nnrt.model.types import OperandLifeTime as L
-from nnrt.model.validate import validate_model
+from nnrt.hal.validate import validate_model
 
 
 def scalar(m, type, value):

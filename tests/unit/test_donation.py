@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nnrt import ErrorStatus, NnrtError, Priority
-from nnrt.drivers.handoff import run_soon
+from nnrt.handoff import run_soon
 from nnrt.qos import ExecutionGate, JobState, ManualClock, Scheduler
 
 from .test_preemption import TIMEOUT, Runner, chain

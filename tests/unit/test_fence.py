@@ -9,10 +9,10 @@ import time
 import anyio
 import pytest
 
-from nnrt.drivers.hal import NO_TIMING, UINT64_MAX, ExecutionResult, OutputShape, Timing
+from nnrt.hal import NO_TIMING, UINT64_MAX, ExecutionResult, OutputShape, Timing
 from nnrt.errors import ErrorStatus, NnrtError, ResultCode
 from nnrt.fence import FenceState, MergeStatistics, SyncFence, merge_statistics
-from nnrt.fence.fenced import run_fenced
+from nnrt.hal.fenced import run_fenced
 from nnrt.fence.outcome import ERROR_TAG, decode_count, encode_outcome, parse_fdinfo
 
 BACKENDS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}),

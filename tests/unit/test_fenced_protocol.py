@@ -8,7 +8,7 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nnrt.drivers.hal import ExecutionResult, OutputShape, RequestArgument, Timing
+from nnrt.hal import ExecutionResult, OutputShape, RequestArgument, Timing
 from nnrt.drivers.service import protocol as p
 from nnrt.errors import ErrorStatus
 from nnrt.model.graph import DataLocation

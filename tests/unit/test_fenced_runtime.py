@@ -7,11 +7,11 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, FenceState, NnrtError, OperationType as Op, ResultCode
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
-from nnrt.qos.priority import deadline_in
+from nnrt.hal.types import deadline_in
 from nnrt.runtime.fenced import execute_fenced
 
 from .test_partition import C, EXPECTED_T1, EXPECTED_Y, X, FailsAtRun, OnlyDevice, chain_model

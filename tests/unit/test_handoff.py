@@ -8,7 +8,7 @@ import threading
 import anyio
 import pytest
 
-from nnrt.drivers.handoff import Waiter, WorkerThreads
+from nnrt.handoff import Waiter, WorkerThreads
 
 TIMEOUT = 10.0
 

@@ -5,10 +5,10 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, ResultCode
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.model.graph import DataLocation
-from nnrt.model.validate import validate_model, validate_request
+from nnrt.hal.validate import validate_model, validate_request
 
 
 def add_model(out_dims=(1, 4)) -> nnrt.Model:

@@ -5,7 +5,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.hal import Capabilities, ExecutionResult, PerformanceInfo
+from nnrt.hal import Capabilities, ExecutionResult, PerformanceInfo
 from nnrt.drivers.reference import ReferenceDevice
 
 

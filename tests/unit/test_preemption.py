@@ -10,7 +10,7 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
 from nnrt.drivers.executor import Executor
-from nnrt.model.validate import validate_model
+from nnrt.hal.validate import validate_model
 from nnrt.qos import ExecutionGate, JobState, ManualClock, Scheduler
 
 HIGH, LOW = Priority.HIGH, Priority.LOW

@@ -7,7 +7,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
-from nnrt.drivers.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
@@ -220,7 +220,7 @@ def test_statistics_reply_round_trips():
     from nnrt.drivers.reference import ReferenceDevice
     from nnrt.drivers.service import protocol as proto
     from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
-    from nnrt.qos.priority import Priority
+    from nnrt.hal.types import Priority
     from nnrt.errors import ErrorStatus
     stats = SchedulerStatistics(2, 1, (ClassStatistics(("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1,
                                                        0, 0, 0.001, None, 0.25),))

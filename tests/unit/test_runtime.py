@@ -7,7 +7,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.hal import Request, RequestArgument
+from nnrt.hal import Request, RequestArgument
 from nnrt.model.graph import DataLocation
 
 DESIGN = Path(__file__).resolve().parents[3] / "shared" / "DESIGN.md"

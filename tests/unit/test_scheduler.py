@@ -6,7 +6,7 @@ import pytest
 
 from nnrt import ErrorStatus, NnrtError, Priority
 from nnrt.qos import JobState, ManualClock, Scheduler, Verdict
-from nnrt.qos.priority import deadline_in
+from nnrt.hal.types import deadline_in
 
 HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
 

@@ -1,4 +1,4 @@
-"""The client proxy of a driver service: a :class:`~nnrt.drivers.hal.Device`
+"""The client proxy of a driver service: a :class:`~nnrt.hal.Device`
 whose calls go over the service's Unix socket.
 
 Theory of operation
@@ -62,10 +62,10 @@ from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
 from ...memory import Memory
 from ...model.graph import HalModel
-from ...qos.priority import Priority
+from ...hal.types import Priority
 from ...vlog import vlog
-from ..handoff import Waiter
-from ..hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
+from ...handoff import Waiter
+from ...hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
                    PreparedModel, Request, Timing)
 from . import protocol as p
 

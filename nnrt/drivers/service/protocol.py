@@ -49,9 +49,9 @@ from ...errors import ErrorStatus, NnrtError
 from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
 from ...model.types import OperandLifeTime, OperandType, OperationType
-from ...qos.priority import Priority
+from ...hal.types import Priority
 from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
-from ..hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
+from ...hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
                    PerformanceInfo, RequestArgument, Timing)
 
 PROTOCOL_VERSION = 1

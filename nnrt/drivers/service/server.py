@@ -1,4 +1,4 @@
-"""The driver service host: one :class:`~nnrt.drivers.hal.Device` served on a
+"""The driver service host: one :class:`~nnrt.hal.Device` served on a
 Unix stream socket (``nnrt driver serve``).
 
 Theory of operation
@@ -68,7 +68,7 @@ from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import HalModel
 from ...vlog import vlog
-from ..hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
+from ...hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
 from . import protocol as p
 
 _RECV_SIZE = 1 << 16

@@ -11,94 +11,12 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import ErrorStatus, NnrtError
-from ..model.graph import DataLocation, HalModel
-from ..model.types import OperandType
-from ..qos.priority import Priority
-
-UINT64_MAX = 2**64 - 1  # "not measured" in Timing
-
-
-class DeviceType(enum.IntEnum):
-    OTHER = 1
-    CPU = 2
-    GPU = 3
-    ACCELERATOR = 4
-
-
-class ExecutionPreference(enum.IntEnum):
-    LOW_POWER = 0
-    FAST_SINGLE_ANSWER = 1
-    SUSTAINED_SPEED = 2
-
-
-class MeasureTiming(enum.IntEnum):
-    NO = 0
-    YES = 1
-
-
-@dataclass(frozen=True, slots=True)
-class PerformanceInfo:
-    """Ratio of a device's time / power to the CPU reference's; lower is better."""
-
-    exec_time: float = 1.0
-    power_usage: float = 1.0
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    relaxed_float32_to_float16_scalar: PerformanceInfo = PerformanceInfo()
-    relaxed_float32_to_float16_tensor: PerformanceInfo = PerformanceInfo()
-    operand_performance: dict[OperandType, PerformanceInfo] = field(default_factory=dict)
-    if_performance: PerformanceInfo = PerformanceInfo()
-    while_performance: PerformanceInfo = PerformanceInfo()
-
-    def performance(self, type: OperandType) -> PerformanceInfo:
-        # The HAL says a type missing from the table performs as badly as possible.
-        return self.operand_performance.get(type, PerformanceInfo(float("inf"), float("inf")))
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """Microseconds; UINT64_MAX means not measured. in_driver >= on_device."""
-
-    on_device: int = UINT64_MAX
-    in_driver: int = UINT64_MAX
-
-
-NO_TIMING = Timing()
-
-
-@dataclass(frozen=True, slots=True)
-class OutputShape:
-    dimensions: tuple[int, ...]
-    is_sufficient: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class RequestArgument:
-    has_no_value: bool = False
-    location: DataLocation | None = None
-    dimensions: tuple[int, ...] = ()  # () = as declared by the operand
-
-
-@dataclass(frozen=True)
-class Request:
-    inputs: tuple[RequestArgument, ...]
-    outputs: tuple[RequestArgument, ...]
-    pools: tuple  # buffer-protocol objects the driver reads inputs from and writes outputs to
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionResult:
-    status: ErrorStatus
-    output_shapes: tuple[OutputShape, ...] = ()
-    timing: Timing = NO_TIMING
-    message: str = ""
-
+from ..model.graph import HalModel
+from .types import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, Priority,
+                    Request)
 
 class BurstSession(abc.ABC):
     """A sequence of executions of one prepared model (HAL ``IBurstContext``):
@@ -180,8 +98,8 @@ class PreparedModel(abc.ABC):
         after this returns, until the fence is signaled. This default waits
         for the fences on the event loop and then runs :meth:`execute`, so the
         execution goes through the driver's scheduler like any other."""
-        # Imported here: nnrt.fence.fenced uses this module's types.
-        from ..fence.fenced import run_fenced
+        # Imported here: nnrt.hal.fenced uses this module's types.
+        from .fenced import run_fenced
 
         async def run(run_deadline: float | None) -> ExecutionResult:
             return await self.execute(request, measure, run_deadline, loop_timeout)
@@ -242,8 +160,3 @@ class Device(abc.ABC):
         fails, and the runtime then uses shared memory instead (as the HAL allows)."""
         raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                         f"device {self.name} does not allocate driver-managed buffers")
-
-
-__all__ = ["Buffer", "BurstSession", "Capabilities", "Device", "DeviceType", "ErrorStatus",
-           "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape", "PerformanceInfo",
-           "PreparedModel", "Priority", "Request", "RequestArgument", "Timing", "UINT64_MAX"]

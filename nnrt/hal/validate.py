@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import NnrtError, invalid
 from .. import ops
 from ..memory import as_buffer
-from .graph import HalModel, Operand, Subgraph
-from .types import HalVersion, OperandLifeTime as L, OperandType
+from ..model.graph import HalModel, Operand, Subgraph
+from ..model.types import HalVersion, OperandLifeTime as L, OperandType
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
 

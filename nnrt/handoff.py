@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import anyio
 
-from ..vlog import vlog
+from .vlog import vlog
 
 _PENDING = object()
 

@@ -51,11 +51,11 @@ from typing import Awaitable, Callable, Iterable
 import anyio
 import anyio.abc
 
-from ..drivers.hal import NO_TIMING, UINT64_MAX, ExecutionResult, Timing
+from .types import NO_TIMING, UINT64_MAX, ExecutionResult, Timing
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..qos.priority import check_deadline
+from .types import check_deadline
 from ..vlog import vlog
-from .sync_fence import SyncFence
+from ..fence.sync_fence import SyncFence
 
 
 class Phase(enum.Enum):

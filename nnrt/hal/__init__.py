@@ -1,0 +1,18 @@
+"""The HAL: the one seam between the runtime and drivers (NNAPI HAL 1.3,
+spelled the Python way).
+
+``types`` holds the values that cross the seam, ``interface`` the abstract
+``Device`` / ``PreparedModel`` / ``BurstSession`` / ``Buffer`` a driver
+implements, ``validate`` the checks of models and requests every side runs
+(ValidateHal), ``fenced`` the fenced-execution engine.
+"""
+from .types import (NO_TIMING, UINT64_MAX, Capabilities, DeviceType, ExecutionPreference,
+                    ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
+                    Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
+from .interface import Buffer, BurstSession, Device, PreparedModel
+from ..errors import ErrorStatus
+
+__all__ = ["Buffer", "BurstSession", "Capabilities", "Device", "DeviceType", "ErrorStatus",
+           "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
+           "PerformanceInfo", "PreparedModel", "Priority", "Request", "RequestArgument", "Timing",
+           "UINT64_MAX", "check_deadline", "check_priority", "deadline_in"]

@@ -1,0 +1,132 @@
+"""The HAL's value types: what crosses the seam between the runtime and a
+driver (requests, results, timing, output shapes, capabilities, priorities
+and deadlines). Plain data, importing nothing above the model; the fence
+engine, bursts and the service protocol all speak in these."""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ErrorStatus, invalid
+from ..model.graph import DataLocation
+from ..model.types import OperandType
+
+
+class Priority(enum.IntEnum):
+    """Relative priority among one app's models (NeuralNetworks.h values)."""
+
+    LOW = 90
+    MEDIUM = 100
+    HIGH = 110
+    DEFAULT = 100
+
+
+def check_priority(priority) -> Priority:
+    try:
+        return Priority(priority)
+    except ValueError:
+        raise invalid(f"priority {priority!r} is not LOW, MEDIUM or HIGH") from None
+
+
+def check_deadline(deadline) -> float | None:
+    """A deadline is None or an absolute ``time.monotonic()`` value in seconds."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
+            or math.isnan(deadline):
+        raise invalid(f"deadline {deadline!r} is not a monotonic-clock time in seconds")
+    return float(deadline)
+
+
+def deadline_in(ms: float = 0.0, *, s: float = 0.0) -> float:
+    """The absolute deadline ``ms`` milliseconds (plus ``s`` seconds) from
+    now, on the monotonic clock that every ``deadline=`` takes:
+    ``compiled.execute(x, deadline=nnrt.deadline_in(ms=33))``."""
+    for name, value in (("ms", ms), ("s", s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise invalid(f"deadline_in({name}={value!r}): expected a finite number")
+    return time.monotonic() + ms / 1000.0 + s
+
+
+UINT64_MAX = 2**64 - 1  # "not measured" in Timing
+
+
+class DeviceType(enum.IntEnum):
+    OTHER = 1
+    CPU = 2
+    GPU = 3
+    ACCELERATOR = 4
+
+
+class ExecutionPreference(enum.IntEnum):
+    LOW_POWER = 0
+    FAST_SINGLE_ANSWER = 1
+    SUSTAINED_SPEED = 2
+
+
+class MeasureTiming(enum.IntEnum):
+    NO = 0
+    YES = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PerformanceInfo:
+    """Ratio of a device's time / power to the CPU reference's; lower is better."""
+
+    exec_time: float = 1.0
+    power_usage: float = 1.0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    relaxed_float32_to_float16_scalar: PerformanceInfo = PerformanceInfo()
+    relaxed_float32_to_float16_tensor: PerformanceInfo = PerformanceInfo()
+    operand_performance: dict[OperandType, PerformanceInfo] = field(default_factory=dict)
+    if_performance: PerformanceInfo = PerformanceInfo()
+    while_performance: PerformanceInfo = PerformanceInfo()
+
+    def performance(self, type: OperandType) -> PerformanceInfo:
+        # The HAL says a type missing from the table performs as badly as possible.
+        return self.operand_performance.get(type, PerformanceInfo(float("inf"), float("inf")))
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Microseconds; UINT64_MAX means not measured. in_driver >= on_device."""
+
+    on_device: int = UINT64_MAX
+    in_driver: int = UINT64_MAX
+
+
+NO_TIMING = Timing()
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShape:
+    dimensions: tuple[int, ...]
+    is_sufficient: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArgument:
+    has_no_value: bool = False
+    location: DataLocation | None = None
+    dimensions: tuple[int, ...] = ()  # () = as declared by the operand
+
+
+@dataclass(frozen=True)
+class Request:
+    inputs: tuple[RequestArgument, ...]
+    outputs: tuple[RequestArgument, ...]
+    pools: tuple  # buffer-protocol objects the driver reads inputs from and writes outputs to
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionResult:
+    status: ErrorStatus
+    output_shapes: tuple[OutputShape, ...] = ()
+    timing: Timing = NO_TIMING
+    message: str = ""
