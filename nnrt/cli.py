@@ -30,10 +30,11 @@ def _devices(args) -> int:
 def _driver_serve(args) -> int:
     from .drivers.sample import DRIVERS, make_driver
     from .drivers.service.server import default_socket_path, serve
+    from .qos import ScheduledDevice
 
     kind = args.driver or (args.name if args.name in DRIVERS else "reference")
-    device = make_driver(kind, args.name, slots=args.slots, queue_limit=args.queue_limit,
-                         memory_limit=args.memory_limit)
+    device = ScheduledDevice(make_driver(kind, args.name), slots=args.slots,
+                             queue_limit=args.queue_limit, memory_limit=args.memory_limit)
     path = args.socket or default_socket_path(args.name)
 
     async def main():

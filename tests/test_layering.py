@@ -22,7 +22,10 @@ RANKS = [
     {"qos"},                                 # the scheduler that wraps any hal.Device
     {"drivers"},                             # reference, samples, litert, services
     {"runtime"},                             # discovery, compilation, executions
-    {"nnrt", "cli", "demo", "testing", "__main__"},   # the facade and the tools
+    {"nnrt"},                                # the facade: the public API
+    {"demo", "testing"},                     # the camera-loop demo, the CTS runner
+    {"cli"},                                 # the command line
+    {"__main__"},
 ]
 RANK = {name: k for k, names in enumerate(RANKS) for name in names}
 
@@ -53,6 +56,12 @@ def _resolve(name: str) -> str | None:
     return None
 
 
+def _is_native(package: str, name: str) -> bool:
+    """``package.name`` is a C extension built from ``name.c`` beside it."""
+    folder = ROOT.parent.joinpath(*package.split("."))
+    return (folder / f"{name}.c").exists()
+
+
 def _imports(module: str, path: Path) -> set[str]:
     """The nnrt modules ``module`` imports, lazy imports included."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -66,6 +75,8 @@ def _imports(module: str, path: Path) -> set[str]:
             else:
                 target = node.module or ""
             for alias in node.names:
+                if _is_native(target, alias.name):
+                    continue   # a C extension module: a leaf
                 # `from pkg import submodule` imports the submodule.
                 hit = _resolve(f"{target}.{alias.name}") if f"{target}.{alias.name}" in MODULES \
                     else _resolve(target)

@@ -25,8 +25,8 @@ One execution at a time per session (a lock): the ring carries one request
 and one result in flight, as HAL bursts do, and results are matched by order.
 
 Slots. The server maps each slot once. When it meets an unknown one it asks
-with ``GET_MEMORIES``; the channel's reader thread answers from this
-controller's table (``answer_get_memories``: a duplicate of the Memory's fd),
+with ``GET_MEMORIES``; the connection's reader thread answers from this
+controller's table (``grant_memories``: a duplicate of the Memory's fd),
 so the answer never waits for the app's event loop, which is parked in
 ``execute`` at that moment. A slot is freed (``FREE_BURST_SLOTS``) when its
 Memory is closed (noticed at the next execution) or garbage collected (a
@@ -55,8 +55,9 @@ from dataclasses import dataclass
 
 import anyio
 
+import abc
+
 from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
-from ..drivers.service import protocol as p
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
@@ -76,14 +77,49 @@ class BurstControllerStatistics:
     bytes_staged: int        # bytes copied through the arena (in and out), in total
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryGrant:
+    """A memory slot as the controller hands it to the server: a duplicate
+    fd (the caller closes it once sent) and the region of it the slot is."""
+
+    slot: int
+    fd: int
+    writable: bool
+    offset: int
+    size: int
+
+
+class BurstLink(abc.ABC):
+    """What a controller needs of the control connection it was configured
+    over. The connection (``nnrt.drivers.service.client``) owns the control
+    messages; the controller never builds one."""
+
+    @abc.abstractmethod
+    async def configure(self, fds: list[int]) -> int:
+        """Send the rings' fds to configure a burst; its id."""
+
+    @abc.abstractmethod
+    def register(self, burst_id: int, controller: "BurstController") -> None:
+        """Route the server's memory requests for ``burst_id`` to ``controller``
+        (or tell it at once that the connection is dead)."""
+
+    @abc.abstractmethod
+    def free_slots(self, burst_id: int, slots: tuple[int, ...]) -> None:
+        """Tell the server it may unmap ``slots``; no reply awaited."""
+
+    @abc.abstractmethod
+    def release(self, burst_id: int) -> None:
+        """End the burst on the server; no reply awaited."""
+
+
 class BurstController(BurstSession):
     """A burst session on a driver service; make one with
     ``await service_prepared_model.configure_burst()``."""
 
-    def __init__(self, prepared, burst_id: int, requests: Ring, results: Ring):
+    def __init__(self, prepared, link: BurstLink, burst_id: int, requests: Ring, results: Ring):
         # Private: use open().
         self.prepared = prepared
-        self._channel = prepared._channel
+        self._link = link
         self.burst_id = burst_id
         self._requests = requests
         self._results = results
@@ -104,9 +140,8 @@ class BurstController(BurstSession):
         self._executions = self._slots_freed = self._bytes_staged = 0
 
     @classmethod
-    async def open(cls, prepared) -> "BurstController":
-        """Configure a burst of ``prepared`` (a ServicePreparedModel)."""
-        channel = prepared._channel
+    async def open(cls, prepared, link: BurstLink) -> "BurstController":
+        """Configure a burst of ``prepared`` (a service's prepared model) over ``link``."""
         requests = Ring.create(REQUEST_RING_SIZE, name="nnrt-burst-requests")
         try:
             results = Ring.create(RESULT_RING_SIZE, name="nnrt-burst-results")
@@ -114,17 +149,13 @@ class BurstController(BurstSession):
             requests.close()
             raise
         try:
-            fds = requests.fds() + results.fds()
-            reply = await channel.call(
-                lambda cid: p.ConfigureBurst(cid, prepared.model_id, fds))
-            if reply.status != ErrorStatus.NONE:
-                raise NnrtError(reply.status, reply.message or "configure_burst failed")
+            burst_id = await link.configure(requests.fds() + results.fds())
         except BaseException:
             requests.close()
             results.close()
             raise
-        controller = cls(prepared, reply.value, requests, results)
-        channel.register_burst(controller.burst_id, controller)
+        controller = cls(prepared, link, burst_id, requests, results)
+        link.register(burst_id, controller)
         return controller
 
     def statistics(self) -> BurstControllerStatistics:
@@ -392,36 +423,34 @@ class BurstController(BurstSession):
             if mem is not None:
                 self._slot_of.pop(mem, None)
         self._slots_freed += len(freed)
-        slots = tuple(sorted(freed))
-        for start in range(0, len(slots), p.MAX_BURST_SLOTS):
-            chunk = slots[start:start + p.MAX_BURST_SLOTS]
-            self._channel.send_only(lambda cid, c=chunk: p.FreeBurstSlots(cid, self.burst_id, c))
+        self._link.free_slots(self.burst_id, tuple(sorted(freed)))
 
     # -- called from the channel's reader thread ----------------------------------
 
-    def answer_get_memories(self, call: p.GetMemories) -> tuple[p.Reply, list[int]]:
-        """The reply to the server's GET_MEMORIES and the fds to close once
-        it is sent (duplicates: the app may close a Memory meanwhile)."""
-        pools, fds = [], []
+    def grant_memories(self, slots) -> list[MemoryGrant]:
+        """The memories of ``slots``, for the server that asked for them,
+        each with a duplicate fd the caller closes once sent (the app may
+        close a Memory meanwhile); NnrtError naming a slot that has none."""
+        grants: list[MemoryGrant] = []
         try:
-            for slot in call.slots:
+            for slot in slots:
                 ref = self._memory_of.get(slot)
                 mem = ref() if ref is not None else None
                 if mem is None or mem.closed:
                     raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                     f"slot {slot} names no open memory of burst {self.burst_id}")
-                fd = os.dup(mem.fileno())
-                fds.append(fd)
-                pools.append(p.WirePool(slot, fd, mem.writable, mem.fd_offset, mem.size, 0,
-                                        mem.size))
-        except (NnrtError, OSError) as e:
-            for fd in fds:
-                os.close(fd)
-            if isinstance(e, NnrtError):
-                return p.Reply(call.call_id, call.method, e.status, e.message), []
-            return p.Reply(call.call_id, call.method, ErrorStatus.GENERAL_FAILURE,
-                           f"cannot pass the memory of burst {self.burst_id}: {e}"), []
-        return p.Reply(call.call_id, call.method, value=tuple(pools)), fds
+                grants.append(MemoryGrant(slot, os.dup(mem.fileno()), mem.writable,
+                                          mem.fd_offset, mem.size))
+        except OSError as e:
+            for g in grants:
+                os.close(g.fd)
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"cannot pass the memory of burst {self.burst_id}: {e}") from None
+        except BaseException:
+            for g in grants:
+                os.close(g.fd)
+            raise
+        return grants
 
     def on_burst_ended(self, reason: str) -> None:
         """The service ended the burst (BURST_ENDED): fail what waits."""
@@ -454,8 +483,7 @@ class BurstController(BurstSession):
             self._close_rings()
 
     def _release_on_service(self) -> None:
-        self._channel.unregister_burst(self.burst_id)
-        self._channel.send_only(lambda cid: p.ReleaseBurst(cid, self.burst_id))
+        self._link.release(self.burst_id)
 
     def _close_rings(self) -> None:
         self._requests.close()
@@ -484,5 +512,5 @@ class _Plan:
         self.arena = arena
 
 
-__all__ = ["BurstController", "BurstControllerStatistics", "REQUEST_RING_SIZE",
-           "RESULT_RING_SIZE"]
+__all__ = ["BurstController", "BurstControllerStatistics", "BurstLink", "MemoryGrant",
+           "REQUEST_RING_SIZE", "RESULT_RING_SIZE"]

@@ -35,17 +35,18 @@ class SampleDevice(ReferenceDevice):
         perf = self.performance
         return Capabilities(perf, perf, {t: perf for t in T}, perf, perf)
 
-    def supported_operations(self, model: HalModel) -> list[bool]:
+    async def supported_operations(self, model: HalModel) -> list[bool]:
         return [ok and self.claims(model, op)
-                for ok, op in zip(super().supported_operations(model), model.main.operations)]
+                for ok, op in zip(await super().supported_operations(model),
+                                  model.main.operations)]
 
-    def prepare_model_synchronously(self, model: HalModel, *args, **kwargs):
+    async def prepare_model(self, model: HalModel, *args, **kwargs):
         if model.referenced:  # IF/WHILE bodies are never claimed by a sample driver
             raise invalid(f"{self.name} does not run control flow")
         for k, op in enumerate(model.main.operations):
             if not self.claims(model, op):
                 raise invalid(f"{self.name} does not support operation {k} ({op.type.name})")
-        return super().prepare_model_synchronously(model, *args, **kwargs)
+        return await super().prepare_model(model, *args, **kwargs)
 
 
 def _tensor_types(model: HalModel, op: Operation) -> tuple[set, set]:
@@ -118,12 +119,10 @@ DRIVERS: dict[str, Callable[[str], Device]] = {
 }
 
 
-def make_driver(kind: str, name: str | None = None, **settings) -> Device:
-    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``).
-    ``settings`` go to the reference driver's scheduler (``slots``,
-    ``queue_limit``, ``memory_limit``)."""
+def make_driver(kind: str, name: str | None = None) -> Device:
+    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``)."""
     try:
         factory = DRIVERS[kind]
     except KeyError:
         raise invalid(f"no driver {kind!r}; drivers: {', '.join(DRIVERS)}") from None
-    return factory(name or kind, **settings)
+    return factory(name or kind)

@@ -9,10 +9,11 @@ implements, ``validate`` the checks of models and requests every side runs
 from .types import (NO_TIMING, UINT64_MAX, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
-from .interface import Buffer, BurstSession, Device, PreparedModel
+from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device,
+                        FencedCallback, PreparedModel, Scheduling)
 from ..errors import ErrorStatus
 
-__all__ = ["Buffer", "BurstSession", "Capabilities", "Device", "DeviceType", "ErrorStatus",
+__all__ = ["AppKey", "Boundaries", "Buffer", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
-           "PerformanceInfo", "PreparedModel", "Priority", "Request", "RequestArgument", "Timing",
+           "FencedCallback", "PerformanceInfo", "PreparedModel", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
            "UINT64_MAX", "check_deadline", "check_priority", "deadline_in"]

@@ -1,6 +1,18 @@
-"""The HAL: the interface between the runtime and a driver (NNAPI HAL 1.3,
-spelled the Python way). The runtime talks to drivers only through these
-classes; an in-process driver and a proxy to a driver service look the same.
+"""The HAL interfaces: what a driver implements and what the runtime and the
+driver service call (NNAPI HAL 1.3, spelled the Python way). Nothing above
+the seam probes a driver with ``hasattr``, ``inspect`` or a class check:
+whatever the runtime or the service needs to ask is declared here, with a
+default where one is right for most drivers.
+
+A driver writes the queries of :class:`Device`, ``prepare_model`` and
+:meth:`PreparedModel.execute_synchronously`; that is all (see
+docs/adding-a-driver.md). It does not schedule: the QoS front
+(:class:`nnrt.qos.ScheduledDevice`) wraps every device, in process and inside
+every driver service, and calls ``execute_synchronously`` on a thread it
+owns, passing a ``checkpoint`` the driver calls at the boundaries it
+declared in :meth:`Device.scheduling`. The front and the proxy of a driver
+service (``nnrt.drivers.service.client.ServiceDevice``) implement the
+asynchronous executions (``execute``, bursts, fenced) the runtime uses.
 
 Status conventions: preparation and queries raise :class:`NnrtError`
 carrying an :class:`ErrorStatus`; executions return an
@@ -11,12 +23,68 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+import anyio
 
 from ..errors import ErrorStatus, NnrtError
+from ..handoff import Waiter, run_soon
 from ..model.graph import HalModel
 from .types import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, Priority,
-                    Request)
+                    Request, Timing)
+
+
+class Boundaries(enum.Enum):
+    """Where a driver lets the scheduler stop a running execution."""
+
+    NONE = "none"             # never: a whole run is the preemption granularity
+    OPERATION = "operation"   # between any two operations (the reference driver)
+    SEGMENT = "segment"       # between segments of bounded run time (the LiteRT driver)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduling:
+    """What a device lets the scheduler do with it.
+
+    ``boundaries``: where ``execute_synchronously`` calls its ``checkpoint``.
+    ``slots``: how many executions it runs at once. ``fronted``: a scheduler
+    already sits in front of this device (the QoS front itself, a driver
+    service's proxy), so the runtime must not put another one there."""
+
+    boundaries: Boundaries = Boundaries.NONE
+    slots: int = 1
+    fronted: bool = False
+
+
+Checkpoint = Callable[[], None]
+"""Called by a driver at each declared boundary. Returns to go on (maybe
+after a while: the execution was preempted and resumed), or raises
+``NnrtError`` to stop it (deadline missed, cancelled); the driver then
+returns that error as its result."""
+
+AppKey = Hashable
+"""Who asks: the key of an app's queue (``("uid", 1000)`` in a service)."""
+
+
+class FencedCallback(abc.ABC):
+    """What a fenced execution reports once its fence is signaled (HAL
+    ``IFencedExecutionCallback``). Nothing is available before."""
+
+    @abc.abstractmethod
+    def get_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
+        """``(status, timing_launched, timing_fenced)``; BAD_STATE before the
+        fence is signaled."""
+
+    @abc.abstractmethod
+    def get_result(self) -> ExecutionResult:
+        """The execution's result with its message; BAD_STATE before the fence
+        is signaled."""
+
+    @abc.abstractmethod
+    async def wait_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
+        """Wait until the execution settles, then :meth:`get_execution_info`."""
+
 
 class BurstSession(abc.ABC):
     """A sequence of executions of one prepared model (HAL ``IBurstContext``):
@@ -66,15 +134,41 @@ class PreparedModel(abc.ABC):
     @abc.abstractmethod
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
-                              loop_timeout: float | None = None) -> ExecutionResult:
-        """Run ``request`` and return when done (HAL ``executeSynchronously_1_3``)."""
+                              loop_timeout: float | None = None, *,
+                              checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        """Run ``request`` and return when done (HAL ``executeSynchronously_1_3``),
+        calling ``checkpoint`` (when given) at every boundary the device
+        declared in :meth:`Device.scheduling`."""
 
-    @abc.abstractmethod
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
         """Run ``request`` without blocking the caller's event loop (HAL
-        ``execute_1_3`` + ``IExecutionCallback``)."""
+        ``execute_1_3`` + ``IExecutionCallback``). This default runs
+        :meth:`execute_synchronously` on a worker thread, unscheduled; the QoS
+        front and the service proxy replace it. A cancelled caller returns
+        only once the thread let go of the request's pools."""
+        waiter = Waiter()
+
+        def work() -> None:
+            try:
+                result = self.execute_synchronously(request, measure, deadline, loop_timeout)
+            except Exception as e:  # a driver bug still answers its caller
+                result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                         message=f"the driver raised {e!r}")
+            waiter.deliver(result)
+
+        run_soon(work)
+        try:
+            return await waiter.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await waiter.wait()
+            raise
+
+    def release(self) -> None:
+        """Free what the driver holds for this model (a service's proxy
+        releases it in the service). Idempotent."""
 
     async def configure_burst(self) -> BurstSession:
         """Open a burst session (HAL ``configureExecutionBurst``). This
@@ -136,24 +230,41 @@ class Device(abc.ABC):
         """(model cache files, data cache files); (0, 0) = no compilation caching."""
         return (0, 0)
 
+    def scheduling(self) -> Scheduling:
+        """What the scheduler may do with this device; the default is a
+        device it can never interrupt, running one execution at a time."""
+        return Scheduling()
+
     @abc.abstractmethod
-    def supported_operations(self, model: HalModel) -> list[bool]:
+    async def supported_operations(self, model: HalModel) -> list[bool]:
         """One flag per operation of the main subgraph; INVALID_ARGUMENT for an
-        invalid model."""
+        invalid model. Awaited: a service's proxy asks over its socket."""
 
     @abc.abstractmethod
     async def prepare_model(self, model: HalModel, preference: ExecutionPreference,
                             priority: Priority, deadline: float | None = None,
-                            cache=None) -> PreparedModel: ...
+                            cache=None, *, app: AppKey = None) -> PreparedModel:
+        """Prepare ``model``. ``app`` is the calling app (the scheduler's
+        queue key; a driver may use it to own what it allocates); None means
+        the device's own process."""
 
-    def statistics(self):
-        """The counters of the scheduler in front of this driver
-        (``nnrt.qos.scheduler.SchedulerStatistics``), None without one."""
+    async def statistics(self):
+        """The counters of the scheduler in front of this device
+        (``nnrt.qos.SchedulerStatistics``), None when none is."""
         return None
 
-    def finished_jobs(self) -> tuple:
+    async def finished_jobs(self) -> tuple:
         """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
         return ()
+
+    @property
+    def alive(self) -> bool:
+        """False once the device is gone for good (a service that died: the
+        HAL's DEAD_OBJECT); the runtime then stops offering it."""
+        return True
+
+    def close(self) -> None:
+        """Let go of the device (a service's connection). Idempotent."""
 
     def allocate(self, desc, roles) -> tuple[Buffer, int]:
         """Allocate a driver-managed buffer; a driver without memory domains

@@ -67,7 +67,6 @@ import anyio.lowlevel
 import numpy as np
 
 from ..hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
-from ..drivers.service.client import ServicePreparedModel
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..hal.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
 from ..fence.sync_fence import SyncFence
@@ -75,7 +74,7 @@ from ..memory import Memory, Region
 from ..model.graph import DataLocation
 from ..hal.types import check_deadline
 from ..vlog import vlog
-from .runtime import ExecutionTiming, Result, _copy_into
+from .results import ExecutionTiming, Result, copy_into
 
 # As in runtime.py: retries with larger outputs of an awaited stage.
 _MAX_RESIZE_RETRIES = 2
@@ -378,7 +377,6 @@ class _Chain:
                         "the deadline passed before the wait_for fences were signaled")
 
     def _request(self, step, out_bufs: list[_Buffer]) -> Request:
-        service = isinstance(step.prepared, ServicePreparedModel)
         pools, in_args, out_args = [], [], []
 
         def pool(buf: _Buffer):
@@ -387,7 +385,7 @@ class _Chain:
                     break
             else:
                 memories.append(buf.memory)
-                pools.append(buf.memory if service else buf.memory.view())
+                pools.append(buf.memory)   # a service passes its fd, a driver in process maps it
                 k = len(pools) - 1
             return DataLocation(k, buf.offset, buf.location_length)
 
@@ -482,7 +480,7 @@ class _Chain:
         # Memory's fd, which _release closes, for as long as a view exists.
         outputs = [self.values[index].array() for index in self.output_indexes]
         if self.user_outputs is not None:
-            outputs = _copy_into(self.user_outputs, outputs)
+            outputs = copy_into(self.user_outputs, outputs)
         timing = None
         if self.measure:
             on_device = in_driver = 0

@@ -39,10 +39,10 @@ def _operation_type(model: HalModel, op: Operation) -> OperandType:
     return model.main.operands[op.outputs[0]].type
 
 
-def assign_devices(model: HalModel, devices: list[Device],
+def assign_devices(model: HalModel, devices: list[Device], supported: list[list[bool]],
                    preference: ExecutionPreference) -> list[Device]:
-    """The device for each operation of the main subgraph (in order)."""
-    supported = [d.supported_operations(model) for d in devices]
+    """The device for each operation of the main subgraph (in order), given
+    each device's ``supported_operations`` answer."""
     relaxed = model.relax_computation_float32_to_float16
     chosen = []
     for k, op in enumerate(model.main.operations):

@@ -16,36 +16,24 @@ from typing import Any, Sequence
 import anyio
 import numpy as np
 
-from ..hal import (UINT64_MAX, Device, ExecutionPreference, PreparedModel, Request,
+from ..hal import (UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel, Request,
                            RequestArgument)
 from ..drivers.reference import ReferenceDevice
+from ..qos import ScheduledDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import DataLocation, Operand
 from ..hal.validate import ValidatedModel, validate_model
 from . import partition
+from .fenced import execute_fenced
+from .results import ExecutionTiming, Result, copy_into
 from ..hal.types import Priority, check_deadline, check_priority
 from ..vlog import vlog
 
 # How many times an execution is retried with larger output buffers after
 # OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
 _MAX_RESIZE_RETRIES = 2
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionTiming:
-    """Microseconds, None when not measured (the HAL's UINT64_MAX)."""
-
-    on_device: int | None
-    in_driver: int | None
-
-
-@dataclass(frozen=True)
-class Result:
-    outputs: list[np.ndarray]
-    output_shapes: list[tuple[int, ...]]
-    timing: ExecutionTiming | None  # None when timing was not asked for
 
 
 class Runtime:
@@ -62,6 +50,7 @@ class Runtime:
         self._spawn = list(spawn)
         self._discover = discover
         self._devices: list[Device] | None = None
+        self._cpu: Device | None = None
         self._services: list = []
         self._folder = None
 
@@ -76,7 +65,11 @@ class Runtime:
         if self._devices is not None:
             return
         if self._given_devices is not None:
-            self._devices = list(self._given_devices)
+            # QoS in front of every driver: a device without a scheduler of
+            # its own gets one (a service's proxy has one in the service).
+            self._devices = [d if d.scheduling().fronted else ScheduledDevice(d)
+                             for d in self._given_devices]
+            self._cpu = next((d for d in self._devices if d.type == DeviceType.CPU), None)
         else:
             found: list[Device] = []
             if self._discover or self._spawn:
@@ -88,7 +81,8 @@ class Runtime:
                     self._services, spawned = await discovery.spawn(self._spawn,
                                                                     self._folder.name)
                     found += spawned
-            self._devices = found + [ReferenceDevice()]
+            self._cpu = ScheduledDevice(ReferenceDevice())
+            self._devices = found + [self._cpu]
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
     def close(self) -> None:
@@ -96,8 +90,7 @@ class Runtime:
             return
         if self._given_devices is None:
             for d in self._devices:
-                if hasattr(d, "close"):
-                    d.close()
+                d.close()
         for service in self._services:
             service.stop()
         self._services = []
@@ -105,13 +98,14 @@ class Runtime:
             self._folder.cleanup()
             self._folder = None
         self._devices = None
+        self._cpu = None
 
     @property
     def devices(self) -> list[Device]:
         if self._devices is None:
             raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
         # A service that died leaves the list (the HAL's DEAD_OBJECT).
-        self._devices = [d for d in self._devices if getattr(d, "alive", True)]
+        self._devices = [d for d in self._devices if d.alive]
         return list(self._devices)
 
     def device(self, name: str) -> Device:
@@ -120,27 +114,27 @@ class Runtime:
                 return d
         raise invalid(f"no device named {name!r}; devices: {[d.name for d in self.devices]}")
 
-    def supported_operations(self, model: Model,
-                             devices: Sequence[str | Device] | None = None) -> list[bool]:
+    async def supported_operations(self, model: Model,
+                                   devices: Sequence[str | Device] | None = None) -> list[bool]:
         """Which operations of ``model`` the given devices (default: every
         device) can run together."""
         hal = _finished(model).hal_model
         devices = [self._resolve(d) for d in devices] if devices is not None else self.devices
         flags = [False] * len(hal.main.operations)
         for d in devices:
-            flags = [a or b for a, b in zip(flags, d.supported_operations(hal))]
+            flags = [a or b for a, b in zip(flags, await d.supported_operations(hal))]
         return flags
 
     async def statistics(self, device: str | Device):
         """The counters of the scheduler in front of ``device`` (per app and
         priority: queued, running, completed, preempted, deadline misses,
         queue-wait p50/p99, device time), None when it has none."""
-        return await anyio.to_thread.run_sync(self._resolve(device).statistics)
+        return await self._resolve(device).statistics()
 
     async def finished_jobs(self, device: str | Device) -> tuple:
         """The recent executions the scheduler of ``device`` finished, with
         its own timestamps (submitted, started, finished, longest step)."""
-        return await anyio.to_thread.run_sync(self._resolve(device).finished_jobs)
+        return await self._resolve(device).finished_jobs()
 
     def _resolve(self, device: str | Device) -> Device:
         return self.device(device) if isinstance(device, str) else device
@@ -169,7 +163,9 @@ class Runtime:
         candidates = [self._resolve(d) for d in devices] if explicit else self.devices
         if explicit and not candidates:
             raise invalid("devices=[] names no device")
-        plans = partition.split(hal, partition.assign_devices(hal, candidates, preference))
+        supported = [await d.supported_operations(hal) for d in candidates]
+        plans = partition.split(hal, partition.assign_devices(hal, candidates, supported,
+                                                              preference))
         steps = []
         for plan in plans:
             start = time.perf_counter()
@@ -193,11 +189,12 @@ class Runtime:
 
     @property
     def cpu(self) -> Device:
-        """The reference CPU device every runtime has (the fallback)."""
-        for d in self.devices:
-            if type(d) is ReferenceDevice:  # sample drivers subclass it; they are not the CPU
-                return d
-        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "the runtime has no CPU device")
+        """The CPU device work falls back to: the runtime's own reference
+        device, or with ``devices=`` the first given device of type CPU."""
+        self.devices   # BAD_STATE when not open
+        if self._cpu is None:
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "the runtime has no CPU device")
+        return self._cpu
 
     def _forget(self, device: Device) -> None:
         """A device whose service died leaves the device list."""
@@ -420,7 +417,7 @@ class CompiledModel:
                 in_driver += t.in_driver
         outputs = [values[i] for i in hal.main.output_indexes]
         if user_outputs is not None and not single:
-            outputs = _copy_into(user_outputs, outputs)
+            outputs = copy_into(user_outputs, outputs)
         shapes = [tuple(np.shape(o)) for o in outputs]
         timing = None
         if measure:
@@ -446,7 +443,6 @@ class CompiledModel:
         execution ends; ``callback.get_result()`` / ``await callback.result()``
         give the outputs after that (see docs/fences.md). Steps on several
         devices are chained by fences, not by waiting in the app."""
-        from .fenced import execute_fenced  # fenced.py builds on this module
         return await execute_fenced(self, inputs, outputs, wait_for, measure_timing, deadline,
                                     loop_timeout, timeout_after_fence)
 
@@ -486,12 +482,10 @@ class CompiledModel:
 
 def _release(prepared_models: list) -> None:
     for prepared in prepared_models:
-        release = getattr(prepared, "release", None)
-        if release is not None:
-            try:
-                release()
-            except NnrtError:  # the service is gone: nothing left to release
-                pass
+        try:
+            prepared.release()
+        except NnrtError:  # the service is gone: nothing left to release
+            pass
     prepared_models.clear()
 
 
@@ -502,21 +496,6 @@ class _DriverFailure(Exception):
         super().__init__(str(error))
         self.device = device
         self.error = error
-
-
-def _copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:
-    too_small = [r.nbytes > (u.length if isinstance(u, Region) else u.nbytes)
-                 for u, r in zip(user_outputs, results)]
-    if any(too_small):
-        raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
-                        output_shapes=[tuple(r.shape) for r in results])
-    views = []
-    for u, r in zip(user_outputs, results):
-        view = u.array(r.dtype, r.shape) if isinstance(u, Region) \
-            else u.reshape(-1)[:r.size].reshape(r.shape)
-        view[...] = r
-        views.append(view)
-    return views
 
 
 def _writable_bytes(arr: np.ndarray):

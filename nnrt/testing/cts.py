@@ -228,7 +228,7 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
         return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
     except NnrtError as e:
         return Outcome(name, suite, "failed", f"model building refused: {e}")
-    unsupported = _unsupported(rt, model, device)
+    unsupported = await _unsupported(rt, model, device)
     if unsupported:
         return Outcome(name, suite, "skipped", unsupported)
     try:
@@ -251,7 +251,7 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
     for variant in (case, to_signed(case)):
         try:
             model = build_model(variant)
-            unsupported = _unsupported(rt, model, device)
+            unsupported = await _unsupported(rt, model, device)
             if unsupported:
                 return Outcome(name, suite, "skipped", unsupported)
             compiled = await rt.compile(model, devices=None if device is None else [device])
@@ -278,9 +278,9 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
     return Outcome(name, suite, "passed")
 
 
-def _unsupported(rt: nnrt.Runtime, model: nnrt.Model, device: str | None) -> str | None:
+async def _unsupported(rt: nnrt.Runtime, model: nnrt.Model, device: str | None) -> str | None:
     """The skip reason when the device reports an operation unsupported."""
-    flags = rt.supported_operations(model, None if device is None else [device])
+    flags = await rt.supported_operations(model, None if device is None else [device])
     if all(flags):
         return None
     ops = model.hal_model.main.operations

@@ -11,6 +11,7 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
+from nnrt.qos import ScheduledDevice
 from nnrt.model.graph import DataLocation
 
 HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
@@ -70,7 +71,7 @@ async def wait_until(predicate, what: str):
 
 
 async def test_high_starts_within_one_low_operation_under_a_low_flood():
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     app = device.app
     x = np.zeros(DIMS, np.float32)
     async with nnrt.Runtime(devices=[device]) as rt:
@@ -87,7 +88,7 @@ async def test_high_starts_within_one_low_operation_under_a_low_flood():
             for _ in range(3):
                 tg.start_soon(flood)
             for k in range(5):
-                await wait_until(lambda: device.statistics().of(app, LOW).running == 1,
+                await wait_until(lambda: device.gate.statistics().of(app, LOW).running == 1,
                                  "a LOW execution running")
                 await anyio.sleep(0.002 * (k + 1))    # land somewhere inside a LOW run
                 r = await high.execute([np.full(16, k, np.float32)])
@@ -102,7 +103,7 @@ async def test_high_starts_within_one_low_operation_under_a_low_flood():
     for h in highs:
         assert h.status == ErrorStatus.NONE
         assert h.wait <= longest_low_op, (h.wait, longest_low_op)
-    stats = device.statistics()
+    stats = device.gate.statistics()
     assert stats.of(app, LOW).preempted >= 1
     assert stats.of(app, HIGH).completed == 5
     # Preempted LOW runs resumed and computed exactly what a plain run computes.
@@ -110,16 +111,16 @@ async def test_high_starts_within_one_low_operation_under_a_low_flood():
 
 
 async def test_cancelling_the_awaiting_task_stops_the_execution_and_frees_the_slot():
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     app = device.app
     async with nnrt.Runtime(devices=[device]) as rt:
         endless = await rt.compile(endless_model(), priority=LOW)
         quick = await rt.compile(chain_model(1, (4,)), priority=LOW)
         running = asyncio.create_task(endless.execute([np.ones(1, np.float32)],
                                                       loop_timeout=10.0))
-        await wait_until(lambda: device.statistics().of(app, LOW).running == 1, "running")
+        await wait_until(lambda: device.gate.statistics().of(app, LOW).running == 1, "running")
         queued = asyncio.create_task(endless.execute([np.ones(1, np.float32)]))
-        await wait_until(lambda: device.statistics().of(app, LOW).queued == 1, "queued")
+        await wait_until(lambda: device.gate.statistics().of(app, LOW).queued == 1, "queued")
         queued.cancel()
         running.cancel()
         for task in (queued, running):
@@ -128,31 +129,31 @@ async def test_cancelling_the_awaiting_task_stops_the_execution_and_frees_the_sl
         # The cancellation reaches the caller only once the worker thread has
         # stopped (at its next boundary): the slot is free and the request's
         # buffers are the caller's again.
-        assert device.statistics().busy == 0
-        stats = device.statistics().of(app, LOW)
+        assert device.gate.statistics().busy == 0
+        stats = device.gate.statistics().of(app, LOW)
         assert (stats.cancelled, stats.running, stats.queued) == (2, 0, 0)
         r = await quick.execute([np.zeros(4, np.float32)])
         assert r.outputs[0].tolist() == [1.0] * 4
 
 
 async def test_anyio_cancel_scope_cancels_a_queued_execution():
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     app = device.app
     async with nnrt.Runtime(devices=[device]) as rt:
         endless = await rt.compile(endless_model(), priority=MEDIUM)
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: endless.execute([np.ones(1, np.float32)], loop_timeout=10.0))
-            await wait_until(lambda: device.statistics().busy == 1, "running")
+            await wait_until(lambda: device.gate.statistics().busy == 1, "running")
             with anyio.move_on_after(0.01):
                 await endless.execute([np.ones(1, np.float32)])
-            assert device.statistics().of(app, MEDIUM).queued == 0
+            assert device.gate.statistics().of(app, MEDIUM).queued == 0
             tg.cancel_scope.cancel()
-        assert device.statistics().busy == 0
-        assert device.statistics().of(app, MEDIUM).cancelled == 2
+        assert device.gate.statistics().busy == 0
+        assert device.gate.statistics().of(app, MEDIUM).cancelled == 2
 
 
 async def test_missed_deadlines_are_transient_when_busy_and_persistent_when_too_slow():
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     async with nnrt.Runtime(devices=[device]) as rt:
         endless = await rt.compile(endless_model(), priority=LOW)
         chain = await rt.compile(chain_model(30), priority=LOW)
@@ -161,7 +162,7 @@ async def test_missed_deadlines_are_transient_when_busy_and_persistent_when_too_
         run_time = device.gate.finished_jobs()[-1].ran
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: endless.execute([np.ones(1, np.float32)], loop_timeout=10.0))
-            await wait_until(lambda: device.statistics().busy == 1, "the device busy")
+            await wait_until(lambda: device.gate.statistics().busy == 1, "the device busy")
             # Time enough on an idle device, but the device stays busy.
             with pytest.raises(NnrtError) as e:
                 await chain.execute([x], deadline=nnrt.deadline_in(s=3 * run_time + 0.02))
@@ -176,7 +177,7 @@ async def test_missed_deadlines_are_transient_when_busy_and_persistent_when_too_
 
 
 async def test_two_apps_flooding_one_device_share_it():
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     hal = chain_model(10).hal_model
     x = np.zeros(DIMS, np.float32)
     prepared = {app: await device.prepare_model(hal, priority=LOW, app=app)
@@ -199,22 +200,22 @@ async def test_two_apps_flooding_one_device_share_it():
             tg.start_soon(flood, app)
         await wait_until(lambda: min(counts.values()) >= 15, "15 runs each")
         stop.set()
-    stats = device.statistics()
+    stats = device.gate.statistics()
     share = stats.run_time_of("a") / (stats.run_time_of("a") + stats.run_time_of("b"))
     assert 0.4 <= share <= 0.6, share
 
 
 def test_memory_limit_refuses_big_models_persistently():
-    device = ReferenceDevice(memory_limit=1 << 20)
+    device = ScheduledDevice(ReferenceDevice(), memory_limit=1 << 20)
     with pytest.raises(NnrtError) as e:
-        device.prepare_model_synchronously(chain_model(2).hal_model)
+        anyio.run(device.prepare_model, chain_model(2).hal_model)
     assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT
-    device.prepare_model_synchronously(chain_model(2, (16,)).hal_model)
+    anyio.run(device.prepare_model, chain_model(2, (16,)).hal_model)
 
 
 def test_queue_limit_through_the_driver():
-    device = ReferenceDevice(slots=1, queue_limit=1)
-    prepared = device.prepare_model_synchronously(chain_model(1, (4,)).hal_model)
+    device = ScheduledDevice(ReferenceDevice(), slots=1, queue_limit=1)
+    prepared = anyio.run(device.prepare_model, chain_model(1, (4,)).hal_model)
     job = device.gate.submit(device.app, LOW)           # holds the only slot
     x = np.zeros(4, np.float32)
     request = Request((RequestArgument(False, DataLocation(0, 0, 16)),),
@@ -232,13 +233,13 @@ def test_cancellation_on_trio():
     import trio
 
     async def main():
-        device = ReferenceDevice(slots=1)
+        device = ScheduledDevice(ReferenceDevice(), slots=1)
         async with nnrt.Runtime(devices=[device]) as rt:
             endless = await rt.compile(endless_model(), priority=LOW)
             with trio.move_on_after(0.05):
                 await endless.execute([np.ones(1, np.float32)], loop_timeout=10.0)
-            assert device.statistics().busy == 0
-            assert device.statistics().of(device.app, LOW).cancelled == 1
+            assert device.gate.statistics().busy == 0
+            assert device.gate.statistics().of(device.app, LOW).cancelled == 1
             quick = await rt.compile(chain_model(1, (4,)), priority=LOW)
             return (await quick.execute([np.zeros(4, np.float32)])).outputs[0].tolist()
 

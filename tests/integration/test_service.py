@@ -122,7 +122,7 @@ async def test_every_hal_call_over_the_socket(reference_service):
         assert dev.supported_extensions() == local.supported_extensions()
         assert dev.number_of_cache_files_needed() == local.number_of_cache_files_needed()
         model = add_model()
-        assert dev.supported_operations(model) == [True]
+        assert await dev.supported_operations(model) == [True]
 
         prepared = await dev.prepare_model(model)
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
@@ -213,7 +213,8 @@ async def test_sample_driver_claims_and_refuses(tmp_path):
         m.add_operation(Op.SOFTMAX, [s, beta], [out])
         m.identify_inputs_and_outputs([a, b], [out])
         hal = m.finish().hal_model
-        assert dev.supported_operations(hal) == local.supported_operations(hal) == [True, False]
+        assert await dev.supported_operations(hal) == await local.supported_operations(hal) \
+            == [True, False]
         with pytest.raises(NnrtError) as e:
             await dev.prepare_model(hal)
         assert e.value.status == ErrorStatus.INVALID_ARGUMENT and "SOFTMAX" in e.value.message
@@ -282,7 +283,7 @@ async def test_sigkill_mid_execution_fails_every_pending_call_with_dead_object(t
         late = await prepared.execute(numpy_request([x, x], [np.zeros(n, np.float32)]))
         assert late.status == ErrorStatus.DEAD_OBJECT
         with pytest.raises(NnrtError) as e:
-            dev.supported_operations(add_model())
+            await dev.supported_operations(add_model())
         assert e.value.status == ErrorStatus.DEAD_OBJECT
         dev.close()
     finally:
@@ -529,10 +530,12 @@ def _one_op_model(op, type_, **quant):
 def test_sample_drivers_claim_what_their_table_says(kind, float_add, quant_add, float_sub):
     dev = make_driver(kind)
     quant = {"scale": 0.5, "zero_point": 0}
-    assert dev.supported_operations(_one_op_model(Op.ADD, T.TENSOR_FLOAT32)) == [float_add]
-    assert dev.supported_operations(_one_op_model(Op.ADD, T.TENSOR_QUANT8_ASYMM, **quant)) == \
-        [quant_add]
-    assert dev.supported_operations(_one_op_model(Op.SUB, T.TENSOR_FLOAT32)) == [float_sub]
+
+    def supported(model):
+        return anyio.run(dev.supported_operations, model)
+    assert supported(_one_op_model(Op.ADD, T.TENSOR_FLOAT32)) == [float_add]
+    assert supported(_one_op_model(Op.ADD, T.TENSOR_QUANT8_ASYMM, **quant)) == [quant_add]
+    assert supported(_one_op_model(Op.SUB, T.TENSOR_FLOAT32)) == [float_sub]
     perf = dev.capabilities().performance(T.TENSOR_FLOAT32)
     assert perf.exec_time == {"sample-float-fast": 0.5, "sample-float-slow": 2.0}.get(
         kind, perf.exec_time)

@@ -19,7 +19,7 @@ from .test_runtime import add_model
 
 
 class CountingDevice(OnlyDevice):
-    """Counts the executions that reached the driver's ``execute``."""
+    """Counts the executions that reached the driver."""
 
     def __init__(self, name, ops):
         super().__init__(name, ops)
@@ -30,9 +30,9 @@ class CountingDevice(OnlyDevice):
         device = self
 
         class Counting(type(prepared)):
-            async def execute(self, *a, **k):
+            def execute_synchronously(self, *a, **k):
                 device.executions += 1
-                return await super().execute(*a, **k)
+                return super().execute_synchronously(*a, **k)
         prepared.__class__ = Counting
         return prepared
 

@@ -1,5 +1,6 @@
 """The builder and model/request validation refuse bad input with errors that
 name the problem, and nothing crashes."""
+import anyio
 import numpy as np
 import pytest
 
@@ -91,7 +92,7 @@ def test_request_outside_its_pool_is_refused():
     with pytest.raises(NnrtError, match=r"request input 0 .*outside pool 0 of 16 bytes"):
         validate_request(model, bad)
     # The driver answers the same request with INVALID_ARGUMENT and keeps serving.
-    prepared = ReferenceDevice().prepare_model_synchronously(model)
+    prepared = anyio.run(ReferenceDevice().prepare_model, model)
     result = prepared.execute_synchronously(bad)
     assert result.status == ErrorStatus.INVALID_ARGUMENT
     good = Request(inputs=(RequestArgument(False, DataLocation(0, 0, 16)),

@@ -5,12 +5,15 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.hal import Capabilities, ExecutionResult, PerformanceInfo
+from nnrt.hal import Capabilities, DeviceType, ExecutionResult, PerformanceInfo
 from nnrt.drivers.reference import ReferenceDevice
 
 
 class OnlyDevice(ReferenceDevice):
-    """Supports only ``ops`` and reports itself faster than the CPU for them."""
+    """An accelerator that supports only ``ops`` and reports itself faster
+    than the CPU for them."""
+
+    type = DeviceType.ACCELERATOR
 
     def __init__(self, name, ops, exec_time=0.1):
         super().__init__(name)
@@ -22,9 +25,9 @@ class OnlyDevice(ReferenceDevice):
         fast = PerformanceInfo(self.exec_time, self.exec_time)
         return Capabilities(fast, fast, {t: fast for t in T}, fast, fast)
 
-    def supported_operations(self, model):
+    async def supported_operations(self, model):
         return [op.type in self.ops and ok
-                for op, ok in zip(model.main.operations, super().supported_operations(model))]
+                for op, ok in zip(model.main.operations, await super().supported_operations(model))]
 
     async def prepare_model(self, model, *args, **kwargs):
         self.prepared_ops.append([op.type for op in model.main.operations])
@@ -48,7 +51,7 @@ class FailsAtRun(OnlyDevice):
         status = self.status
 
         class Failing(type(prepared)):
-            async def execute(self, request, *a, **k):
+            def execute_synchronously(self, request, *a, **k):
                 return ExecutionResult(status, message="the accelerator fell over")
         prepared.__class__ = Failing
         return prepared

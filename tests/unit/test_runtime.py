@@ -2,6 +2,7 @@
 import re
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -74,7 +75,7 @@ async def test_too_small_output_buffer_reports_the_needed_shape():
 def test_driver_reports_insufficient_size_per_output():
     from nnrt.drivers.reference import ReferenceDevice
     hal = add_model(dims=(0, 2), out_dims=(0, 0)).hal_model
-    prepared = ReferenceDevice().prepare_model_synchronously(hal)
+    prepared = anyio.run(ReferenceDevice().prepare_model, hal)
     x = np.ones((3, 2), np.float32)
     request = Request((RequestArgument(False, DataLocation(0, 0, 24), (3, 2)),) * 2,
                       (RequestArgument(False, DataLocation(1, 0, 8)),), (x.tobytes(), bytearray(8)))

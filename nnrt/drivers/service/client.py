@@ -64,9 +64,10 @@ from ...memory import Memory
 from ...model.graph import HalModel
 from ...hal.types import Priority
 from ...vlog import vlog
+from ...burst.controller import BurstController, BurstLink
 from ...handoff import Waiter
 from ...hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
-                   PreparedModel, Request, Timing)
+                   PreparedModel, Request, Scheduling, Timing)
 from . import protocol as p
 
 _RECV_SIZE = 1 << 16
@@ -288,7 +289,15 @@ class _Channel:
             reply = p.Reply(call.call_id, call.method, ErrorStatus.INVALID_ARGUMENT,
                             f"burst {call.burst_id} is not open on this client")
         else:
-            reply, fds = controller.answer_get_memories(call)
+            try:
+                grants = controller.grant_memories(call.slots)
+            except NnrtError as e:
+                reply = p.Reply(call.call_id, call.method, e.status, e.message)
+            else:
+                fds = [g.fd for g in grants]
+                reply = p.Reply(call.call_id, call.method, value=tuple(
+                    p.WirePool(g.slot, g.fd, g.writable, g.offset, g.size, 0, g.size)
+                    for g in grants))
         try:
             with self._send_lock:
                 data, send_fds = self.proto.send(reply)
@@ -382,24 +391,25 @@ class ServiceDevice(Device):
     def number_of_cache_files_needed(self) -> tuple[int, int]:
         return self._cache_files
 
-    def statistics(self):
-        return self._statistics().statistics
+    def scheduling(self) -> Scheduling:
+        # The service runs its own scheduler in front of its driver.
+        return Scheduling(fronted=True)
 
-    def finished_jobs(self) -> tuple:
-        return self._statistics().jobs
+    async def statistics(self):
+        return (await self._statistics()).statistics
 
-    def _statistics(self) -> p.StatisticsValue:
-        # A blocking round trip like supported_operations (the HAL query is
-        # synchronous); the runtime calls it from a worker thread.
-        return _value(self._channel.call_blocking(lambda cid: p.Query(cid, p.Method.STATISTICS)),
+    async def finished_jobs(self) -> tuple:
+        return (await self._statistics()).jobs
+
+    async def _statistics(self) -> p.StatisticsValue:
+        return _value(await self._channel.call(lambda cid: p.Query(cid, p.Method.STATISTICS)),
                       "statistics")
 
-    def supported_operations(self, model: HalModel) -> list[bool]:
-        """Asks the service (a blocking round trip: the HAL method is
-        synchronous). Never call it on the loop that runs the service itself."""
+    async def supported_operations(self, model: HalModel) -> list[bool]:
+        """Asks the service."""
         wire, staged = _stage_model(model)
         try:
-            reply = self._channel.call_blocking(lambda cid: p.SupportedOperations(cid, wire))
+            reply = await self._channel.call(lambda cid: p.SupportedOperations(cid, wire))
         finally:
             for m in staged:
                 m.close()
@@ -413,7 +423,9 @@ class ServiceDevice(Device):
     async def prepare_model(self, model: HalModel,
                             preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                            cache=None) -> "ServicePreparedModel":
+                            cache=None, *, app=None) -> "ServicePreparedModel":
+        """Prepare ``model`` in the service. ``app`` is not sent: the service
+        knows the caller from its socket's peer credentials, not from a claim."""
         try:
             preference = ExecutionPreference(preference)
             priority = Priority(priority)
@@ -463,6 +475,30 @@ def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
                  model.relax_computation_float32_to_float16, model.extension_prefixes), staged
 
 
+class _BurstLink(BurstLink):
+    """The control messages of a burst, for its controller."""
+
+    def __init__(self, channel: "_Channel", model_id: int):
+        self._channel = channel
+        self._model_id = model_id
+
+    async def configure(self, fds: list[int]) -> int:
+        reply = await self._channel.call(lambda cid: p.ConfigureBurst(cid, self._model_id, fds))
+        return _value(reply, "configure_burst")
+
+    def register(self, burst_id: int, controller: BurstController) -> None:
+        self._channel.register_burst(burst_id, controller)
+
+    def free_slots(self, burst_id: int, slots: tuple[int, ...]) -> None:
+        for start in range(0, len(slots), p.MAX_BURST_SLOTS):
+            chunk = slots[start:start + p.MAX_BURST_SLOTS]
+            self._channel.send_only(lambda cid, c=chunk: p.FreeBurstSlots(cid, burst_id, c))
+
+    def release(self, burst_id: int) -> None:
+        self._channel.unregister_burst(burst_id)
+        self._channel.send_only(lambda cid: p.ReleaseBurst(cid, burst_id))
+
+
 class ServicePreparedModel(PreparedModel):
     """A model prepared in a driver service. ``execute`` is awaitable and
     many may be in flight; ``execute_synchronously`` blocks the calling
@@ -505,7 +541,13 @@ class ServicePreparedModel(PreparedModel):
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
-                              loop_timeout: float | None = None) -> ExecutionResult:
+                              loop_timeout: float | None = None, *,
+                              checkpoint=None) -> ExecutionResult:
+        """A blocking round trip. ``checkpoint`` is not taken: the service's
+        own scheduler decides where the execution stops."""
+        if checkpoint is not None:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="a service execution takes no outside checkpoint")
         plan = self._plan(request)
         if isinstance(plan, ExecutionResult):
             return plan
@@ -579,11 +621,9 @@ class ServicePreparedModel(PreparedModel):
     async def configure_burst(self):
         """A burst session over two shared-memory rings (nnrt.burst.controller):
         after this one round trip, each execution is a ring hand-off."""
-        from ...burst.controller import BurstController  # here: nnrt.burst imports this package
-
         if self._released:
             raise invalid("the prepared model was released")
-        return await BurstController.open(self)
+        return await BurstController.open(self, _BurstLink(self._channel, self.model_id))
 
     def release(self) -> None:
         """Tell the service to drop this prepared model (and its pools)."""

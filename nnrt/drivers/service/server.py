@@ -50,7 +50,6 @@ socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
 from __future__ import annotations
 
 import array
-import inspect
 import itertools
 import os
 import socket
@@ -69,6 +68,7 @@ from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ...hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
+from ...qos import ScheduledDevice
 from . import protocol as p
 
 _RECV_SIZE = 1 << 16
@@ -128,11 +128,9 @@ class DriverService:
     def __init__(self, device: Device, app_key: str = "uid"):
         if app_key not in ("uid", "pid"):
             raise invalid(f"app key {app_key!r} is neither 'uid' nor 'pid'")
-        self.device = device
+        # Every served driver sits behind the per-app scheduler.
+        self.device = device if device.scheduling().fronted else ScheduledDevice(device)
         self.app_key = app_key
-        # A driver with per-app queues (the reference driver's scheduler)
-        # takes the calling app's identity with each preparation.
-        self._takes_app = "app" in inspect.signature(device.prepare_model).parameters
         self.info = p.DeviceInfo(device.name, device.type, device.version_string,
                                  device.feature_level)
         self.answers = {
@@ -368,16 +366,13 @@ class ServiceConnection:
             return service.info
         if isinstance(call, p.Query):
             if call.method == p.Method.STATISTICS:  # live counters, not a fixed answer
-                return p.StatisticsValue(service.device.statistics(),
-                                         tuple(service.device.finished_jobs()))
+                return p.StatisticsValue(await service.device.statistics(),
+                                         tuple(await service.device.finished_jobs()))
             return service.answers[call.method]
         if isinstance(call, p.SupportedOperations):
             model, memories = _map_model(call.model)
             try:
-                # A driver's answer may take a while for a big model: keep the
-                # loop serving other connections meanwhile.
-                flags = [bool(x) for x in await anyio.to_thread.run_sync(
-                    service.device.supported_operations, model)]
+                flags = [bool(x) for x in await service.device.supported_operations(model)]
             finally:
                 for m in memories:
                     m.close()
@@ -392,11 +387,10 @@ class ServiceConnection:
                                 f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
                                 f"connection; release some")
             model, memories = _map_model(call.model)
-            kwargs = {"app": service.app_of(self.peer)} if service._takes_app else {}
             try:
-                prepared = await service.device.prepare_model(model, call.preference,
-                                                              call.priority, call.deadline,
-                                                              **kwargs)
+                prepared = await service.device.prepare_model(
+                    model, call.preference, call.priority, call.deadline,
+                    app=service.app_of(self.peer))
             except BaseException:
                 for m in memories:
                     m.close()

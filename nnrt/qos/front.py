@@ -1,0 +1,285 @@
+"""The QoS front: any :class:`~nnrt.hal.Device` behind the per-app scheduler.
+
+:class:`ScheduledDevice` wraps a driver from outside, so every driver — the
+reference one, the samples, the LiteRT one, a vendor's — gets per-app
+queues, priorities, deadlines, cancellation, statistics and preemption
+without writing any of it. The runtime puts one in front of every
+in-process device, and a driver service puts one in front of the device it
+serves; a device that already has one says so (``Scheduling.fronted``).
+
+An execution is a job of the :class:`~nnrt.qos.scheduler.Scheduler`, behind
+an :class:`~nnrt.qos.gate.ExecutionGate`: ``execute`` and
+``execute_synchronously`` (and so bursts and fenced executions, built on
+them) submit a job for the prepared model's app and priority, wait for a
+slot and call the driver's ``execute_synchronously`` with the gate's
+checkpoint, which the driver calls at every boundary it declared
+(``Device.scheduling().boundaries``): there a higher-priority job of the
+same app preempts it, a hopeless deadline aborts it and a cancellation
+stops it. A driver without boundaries is still queued, prioritised and
+deadline-checked; its whole runs are the preemption granularity.
+
+``execute`` runs the job on a worker thread — or, when it preempts a running
+job on a one-slot device, on that job's thread (donation, see
+:mod:`nnrt.qos.gate`) — and the result goes straight from whichever thread
+ran it to the awaiting task. Cancelling the awaiting task withdraws or stops
+the job and returns only once the thread running it let go of the request's
+buffers.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Callable
+
+import anyio
+
+from ..errors import ErrorStatus, NnrtError
+from ..handoff import Waiter, run_soon
+from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference,
+                   ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
+                   check_deadline, check_priority)
+from ..memory import as_buffer
+from ..model.graph import HalModel
+from ..vlog import vlog
+from .gate import ExecutionGate
+from .scheduler import (DEFAULT_QUEUE_LIMIT, Job, JobRecord, JobState, Scheduler,
+                        SchedulerStatistics, check_key)
+
+_PREPARED_IDS = itertools.count(1)
+
+# Longest a donor thread waits for the donated job's result to be taken by
+# its task before resuming its own job (a loop hop is ~0.1-0.3 ms).
+_DONOR_LINGER = 0.002
+
+
+class ScheduledDevice(Device):
+    """``device`` behind a per-app priority scheduler with deadlines."""
+
+    def __init__(self, device: Device, *, app: AppKey = None, slots: int | None = None,
+                 queue_limit: int = DEFAULT_QUEUE_LIMIT, memory_limit: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """``app`` keys the queue of models prepared without an explicit
+        ``app=`` (default: this process's pid); ``slots`` is how many
+        executions run at once (default: as many as the device says it
+        runs); ``memory_limit`` (bytes) refuses bigger models with
+        RESOURCE_EXHAUSTED_PERSISTENT."""
+        declared = device.scheduling()
+        if declared.fronted:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"device {device.name} already has a scheduler in front of it")
+        self.device = device
+        self.name = device.name
+        self.type = device.type
+        self.version_string = device.version_string
+        self.feature_level = device.feature_level
+        self.app = os.getpid() if app is None else check_key(app, "app key")
+        self._boundaries = declared.boundaries
+        self.scheduler = Scheduler(slots=declared.slots if slots is None else slots,
+                                   queue_limit=queue_limit, memory_limit=memory_limit,
+                                   clock=clock, name=device.name)
+        self.gate = ExecutionGate(self.scheduler, spawn=run_soon)
+
+    # -- queries: the driver's own answers ---------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        return self.device.capabilities()
+
+    def supported_extensions(self) -> list[str]:
+        return self.device.supported_extensions()
+
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        return self.device.number_of_cache_files_needed()
+
+    def scheduling(self) -> Scheduling:
+        return Scheduling(self._boundaries, self.scheduler.slots, fronted=True)
+
+    async def supported_operations(self, model: HalModel) -> list[bool]:
+        return await self.device.supported_operations(model)
+
+    @property
+    def alive(self) -> bool:
+        return self.device.alive
+
+    def close(self) -> None:
+        self.device.close()
+
+    def allocate(self, desc, roles):
+        return self.device.allocate(desc, roles)
+
+    async def statistics(self) -> SchedulerStatistics:
+        """The scheduler's counters per app and priority."""
+        return self.gate.statistics()
+
+    async def finished_jobs(self) -> tuple[JobRecord, ...]:
+        return self.gate.finished_jobs()
+
+    # -- preparation ---------------------------------------------------------------
+
+    async def prepare_model(self, model: HalModel,
+                            preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
+                            priority: Priority = Priority.MEDIUM, deadline: float | None = None,
+                            cache=None, *, app: AppKey = None) -> "ScheduledPreparedModel":
+        """Prepare ``model`` on the driver; its executions run at ``priority``
+        in the queue of ``app`` (default: the front's ``app``)."""
+        try:
+            preference = ExecutionPreference(preference)
+        except ValueError:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"execution preference {preference!r} is not valid") from None
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        app = self.app if app is None else check_key(app, "app key")
+        clock = self.scheduler.clock
+        if deadline is not None and clock() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                            "the preparation deadline had passed before preparation began")
+        self.scheduler.check_memory(model_bytes(model), "the model")
+        prepared = await self.device.prepare_model(model, preference, priority, deadline, cache,
+                                                   app=app)
+        if deadline is not None and clock() > deadline:
+            prepared.release()
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                            "the model was prepared after its preparation deadline")
+        vlog("driver", "%s: prepared %d operations behind the scheduler (app %r, %s)",
+             self.name, len(model.main.operations), app, priority.name)
+        return ScheduledPreparedModel(prepared, self.gate, priority, app,
+                                      self._boundaries is not Boundaries.NONE)
+
+    def __repr__(self) -> str:
+        return f"<ScheduledDevice {self.name} ({self.scheduler.slots} slot(s))>"
+
+
+def model_bytes(model: HalModel) -> int:
+    """Memory a model needs to run: its constants plus every operand whose
+    size is known (an upper bound: the executor frees nothing mid-run)."""
+    total = len(model.operand_values)
+    total += sum(as_buffer(pool).nbytes for pool in model.pools)
+    for sub in (model.main, *model.referenced):
+        total += sum(o.byte_size for o in sub.operands if o.location is None)
+    return total
+
+
+class ScheduledPreparedModel(PreparedModel):
+    """A driver's prepared model whose executions are scheduler jobs."""
+
+    def __init__(self, prepared: PreparedModel, gate: ExecutionGate,
+                 priority: Priority = Priority.MEDIUM, app: AppKey = None,
+                 stops: bool = True):
+        self.prepared = prepared
+        self.priority = Priority(priority)
+        self.app = app
+        self._gate = gate
+        self._stops = stops   # the driver calls the checkpoint at its boundaries
+        # The scheduler's run-time estimate is kept per prepared model.
+        self.key = f"prepared-{next(_PREPARED_IDS)}"
+
+    def release(self) -> None:
+        self.prepared.release()
+
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        started = time.perf_counter_ns()
+        waiter = Waiter()
+
+        def work(job: Job) -> None:
+            # Called by the gate once: on a thread that owns the job (its own,
+            # or a preempted job's: donation), or with the job already ended.
+            if job.state is JobState.DONE:
+                result = ExecutionResult(job.status or ErrorStatus.GENERAL_FAILURE,
+                                         message=job.message)
+            else:
+                try:
+                    result = self._run_claimed(job, request, measure, loop_timeout, started)
+                except BaseException as e:   # SystemExit and the like: still answer
+                    waiter.deliver(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                                   message=f"the execution was interrupted: {e!r}"))
+                    raise
+            waiter.deliver(result)
+            if self._gate.running_donated():
+                # This thread's own job, preempted by this one, resumes next:
+                # let the awaiting task take the result first, rather than
+                # compete with it for the CPU and the GIL (bounded).
+                waiter.wait_taken(_DONOR_LINGER)
+
+        try:
+            job = self._submit(deadline, work)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        try:
+            return await waiter.wait()
+        except BaseException:
+            # Cancelled: withdraw the job, or stop it at its next boundary
+            # (which gives the slot back), and wait, shielded, until the
+            # thread running it lets go of the request's pools, which the
+            # caller may free as soon as this returns: at most one boundary.
+            if self._gate.cancel(job):
+                with anyio.CancelScope(shield=True):
+                    await waiter.wait()
+            raise
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None,
+                              loop_timeout: float | None = None, *,
+                              checkpoint=None) -> ExecutionResult:
+        """Queue, wait for a slot on this thread, run. ``checkpoint`` is not
+        taken: this is the scheduler's own."""
+        if checkpoint is not None:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            "a scheduled execution takes no outside checkpoint")
+        started = time.perf_counter_ns()
+        try:
+            job = self._submit(deadline)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        try:
+            self._gate.claim(job)     # no work offered: only this thread runs it
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        except BaseException:
+            self._gate.cancel(job)
+            raise
+        return self._run_claimed(job, request, measure, loop_timeout, started)
+
+    def _submit(self, deadline, work=None) -> Job:
+        deadline = check_deadline(deadline)
+        return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
+                                 work=work)
+
+    def _run_claimed(self, job: Job, request: Request, measure: bool,
+                     loop_timeout: float | None, started: int) -> ExecutionResult:
+        """Run a job this thread owns on the driver, with the gate's
+        checkpoint at every boundary, and give the slot back. A failure is a
+        result; only what is not an Exception (KeyboardInterrupt) propagates,
+        after the slot is given back."""
+        gate = self._gate
+        checkpoint = (lambda: gate.checkpoint(job)) if self._stops else None
+        try:
+            result = self.prepared.execute_synchronously(
+                request, measure, job.deadline, loop_timeout, checkpoint=checkpoint)
+        except NnrtError as e:
+            result = ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
+        except Exception as e:
+            result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                     message=f"the driver raised {e!r}")
+        except BaseException:   # KeyboardInterrupt in a synchronous caller: free the slot
+            gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the execution was interrupted")
+            raise
+        final = gate.finish(job, result.status, result.message)
+        if final != result.status:
+            # Never report success for work that finished after its deadline.
+            return ExecutionResult(final, result.output_shapes, message=job.message)
+        if measure and result.status == ErrorStatus.NONE:
+            # On the device: the scheduler's account of the job's run time,
+            # preempted spells excluded (a driver timing itself across a
+            # preemption would count the time it sat parked). In the driver:
+            # from the call to now, queue waiting included.
+            on_device = int(job.ran * 1_000_000)
+            in_driver = max((time.perf_counter_ns() - started) // 1000, on_device)
+            result = ExecutionResult(result.status, result.output_shapes,
+                                     Timing(on_device, in_driver), result.message)
+        return result
+
+    def __repr__(self) -> str:
+        return f"<ScheduledPreparedModel {self.key} app={self.app!r} {self.priority.name}>"

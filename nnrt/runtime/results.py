@@ -1,0 +1,40 @@
+"""What an execution gives the app: its outputs, their shapes and timing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ErrorStatus, NnrtError
+from ..memory import Region
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionTiming:
+    """Microseconds, None when not measured (the HAL's UINT64_MAX)."""
+
+    on_device: int | None
+    in_driver: int | None
+
+
+@dataclass(frozen=True)
+class Result:
+    outputs: list[np.ndarray]
+    output_shapes: list[tuple[int, ...]]
+    timing: ExecutionTiming | None  # None when timing was not asked for
+
+
+def copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:
+    """Copy ``results`` into the app's output buffers; views of them, shaped."""
+    too_small = [r.nbytes > (u.length if isinstance(u, Region) else u.nbytes)
+                 for u, r in zip(user_outputs, results)]
+    if any(too_small):
+        raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
+                        output_shapes=[tuple(r.shape) for r in results])
+    views = []
+    for u, r in zip(user_outputs, results):
+        view = u.array(r.dtype, r.shape) if isinstance(u, Region) \
+            else u.reshape(-1)[:r.size].reshape(r.shape)
+        view[...] = r
+        views.append(view)
+    return views
