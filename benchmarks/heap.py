@@ -29,11 +29,13 @@ def child(ops: int, size: int, runs: int) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from qos_priority import chain
 
-    from nnrt.hal import DataLocation, Request, RequestArgument
+    from nnrt.hal import Request, RequestArgument
+    from nnrt.model.graph import DataLocation
     from nnrt.drivers.heap import keep_freed_memory
     from nnrt.drivers.reference import ReferenceDevice
 
-    prepared = ReferenceDevice().prepare_model_synchronously(chain(ops, (size, size)).hal_model)
+    import anyio
+    prepared = anyio.run(ReferenceDevice().prepare_model, chain(ops, (size, size)).hal_model)
     x = np.ones((size, size), np.float32)
     out = bytearray(x.nbytes)
     request = Request((RequestArgument(False, DataLocation(0, 0, x.nbytes)),),

@@ -30,6 +30,7 @@ import numpy as np
 import nnrt
 from nnrt import OperandType as T, OperationType as Op, Priority
 from nnrt.drivers.reference import ReferenceDevice
+from nnrt.qos import ScheduledDevice
 
 
 def chain(n: int, dims: tuple[int, ...]) -> nnrt.Model:
@@ -54,7 +55,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def main(args) -> dict:
-    device = ReferenceDevice(slots=1)
+    device = ScheduledDevice(ReferenceDevice(), slots=1)
     async with nnrt.Runtime(devices=[device]) as rt:
         low = await rt.compile(chain(args.ops, (args.size, args.size)), priority=Priority.LOW)
         high = await rt.compile(chain(4, (64, 64)), priority=Priority.HIGH)
@@ -112,7 +113,7 @@ async def main(args) -> dict:
                     high_waits.append(last_high_wait())
                 stop.set()
 
-        stats = device.statistics().of(device.app, Priority.LOW)
+        stats = (await device.statistics()).of(device.app, Priority.LOW)
         return {"alone": alone, "flooded": flooded, "low_op": low_op,
                 "low_run": statistics.median(low_runs), "high_waits": high_waits,
                 "preempted": stats.preempted, "low_completed": stats.completed}

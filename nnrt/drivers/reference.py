@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from .. import ops
 from .._version import __version__
 from ..errors import ErrorStatus, NnrtError
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
+from ..hal.request import output_shapes, read_inputs, write_outputs
 from ..hal.validate import validate_model, validate_request
-from ..memory import as_buffer
-from ..model.graph import HalModel, decode_value
+from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
 from .executor import Executor
@@ -84,17 +82,15 @@ class ReferencePreparedModel(PreparedModel):
         shapes: tuple[OutputShape, ...] = ()
         try:
             validate_request(self.model, request)
-            inputs = self._read_inputs(request)
+            inputs = read_inputs(self.model, request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
             outputs = self.executor.run(inputs, loop_timeout=loop_timeout, deadline=deadline,
                                         checkpoint=stop)
-            shapes = tuple(OutputShape(tuple(np.shape(o)),
-                                       np.asarray(o).nbytes <= arg.location.length)
-                           for o, arg in zip(outputs, request.outputs))
+            shapes = output_shapes(request, outputs)
             if not all(s.is_sufficient for s in shapes):
                 return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
                                        message="an output buffer is too small")
-            self._write_outputs(request, outputs)
+            write_outputs(self.model, request, outputs)
         except NnrtError as e:
             return ExecutionResult(e.status, tuple(e.output_shapes or ()) or shapes,
                                    message=e.message)
@@ -106,34 +102,3 @@ class ReferencePreparedModel(PreparedModel):
             elapsed = (time.perf_counter_ns() - started) // 1000
             timing = Timing(elapsed, elapsed)
         return ExecutionResult(ErrorStatus.NONE, shapes, timing)
-
-    def _read_inputs(self, request: Request) -> list:
-        sub = self.model.main
-        inputs = []
-        for arg, index in zip(request.inputs, sub.input_indexes):
-            if arg.has_no_value:
-                inputs.append(None)
-                continue
-            operand = sub.operands[index]
-            loc = arg.location
-            raw = as_buffer(request.pools[loc.pool_index])[loc.offset:loc.offset + loc.length]
-            if operand.type.is_tensor:
-                dims = tuple(arg.dimensions) or operand.dimensions
-                inputs.append(np.frombuffer(raw, dtype=operand.type.dtype).reshape(dims))
-            else:
-                inputs.append(decode_value(operand, raw))
-        return inputs
-
-    def _write_outputs(self, request: Request, outputs: list) -> None:
-        sub = self.model.main
-        for arg, index, value in zip(request.outputs, sub.output_indexes, outputs):
-            operand = sub.operands[index]
-            arr = np.ascontiguousarray(value, dtype=operand.type.dtype)
-            if arr.nbytes == 0:
-                continue
-            loc = arg.location
-            pool = as_buffer(request.pools[loc.pool_index])
-            if pool.readonly:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"output operand {index}: pool {loc.pool_index} is read-only")
-            pool[loc.offset:loc.offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)

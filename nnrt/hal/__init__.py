@@ -11,9 +11,11 @@ from .types import (NO_TIMING, UINT64_MAX, Capabilities, DeviceType, ExecutionPr
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
 from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device,
                         FencedCallback, PreparedModel, Scheduling)
+from .request import output_shapes, read_inputs, write_outputs
 from ..errors import ErrorStatus
 
 __all__ = ["AppKey", "Boundaries", "Buffer", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
            "FencedCallback", "PerformanceInfo", "PreparedModel", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
-           "UINT64_MAX", "check_deadline", "check_priority", "deadline_in"]
+           "UINT64_MAX", "check_deadline", "check_priority", "deadline_in", "output_shapes",
+           "read_inputs", "write_outputs"]
