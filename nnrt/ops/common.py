@@ -39,8 +39,11 @@ def scalar_float(arg: Arg) -> float:
 
 
 def dequantize(arg: Arg) -> np.ndarray:
-    """The real values of a tensor argument, as float32 (float64 is not needed:
-    quantized inputs carry at most 16 bits)."""
+    """The real values of a tensor argument: float32 for float and integer
+    tensors, float64 for quantized ones. ``(q - zero_point) * scale`` is exact
+    in float64 (at most 17 by 24 significant bits) but not in float32, where
+    an exact tie such as 18.5 can arrive as 18.4999998 and round the wrong
+    way once a kernel requantizes it."""
     v = arg.value
     t = arg.type
     if t in FLOAT_TENSORS:
@@ -49,9 +52,9 @@ def dequantize(arg: Arg) -> np.ndarray:
         cq = arg.channel_quant
         shape = [1] * v.ndim
         shape[cq.channel_dim] = -1
-        return v.astype(np.float32) * np.asarray(cq.scales, np.float32).reshape(shape)
+        return v.astype(np.float64) * np.asarray(cq.scales, np.float32).astype(np.float64).reshape(shape)
     if t.is_quantized:
-        return (v.astype(np.float32) - np.float32(arg.zero_point)) * np.float32(arg.scale)
+        return (v.astype(np.float64) - arg.zero_point) * np.float64(np.float32(arg.scale))
     return v.astype(np.float32)
 
 
