@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import invalid
+from ..errors import NnrtError, invalid
 from ..model.builder import Model
 from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
 from ..model.types import OperandType as T, OperationType as Op
@@ -263,7 +263,16 @@ class Lowering:
                                     f"device offers it as a vendor extension; the model "
                                     f"cannot be imported")
             raise self.fail(op, "this TFLite operator has no NNAPI lowering")
-        handler(self, op)
+        try:
+            handler(self, op)
+        except NnrtError as e:
+            if e.message.startswith(self.file.name + ":"):
+                raise
+            raise self.fail(op, e.message) from None
+        except (IndexError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            # A handler reads inputs, options and shapes the file declares;
+            # a file that declares them wrongly is malformed, not a bug here.
+            raise self.fail(op, f"malformed operator ({type(e).__name__}: {e})") from None
         for kind, src, dst in self._pending:
             self.emit(kind, [src], [dst])
         self._pending.clear()
@@ -345,7 +354,10 @@ def _fold(c: Lowering, op: Operator) -> list[np.ndarray] | None:
     args = [c.value(t) for t in op.inputs]
     if any(a is None for t, a in zip(op.inputs, args) if t >= 0) or not args:
         return None
-    result = _FOLDERS[name](c, op, args)
+    try:
+        result = _FOLDERS[name](c, op, args)
+    except (IndexError, ValueError, TypeError, KeyError) as e:
+        raise c.fail(op, f"malformed operator ({type(e).__name__}: {e})") from None
     if result is None:
         return None
     return [np.asarray(r).astype(c.tensor(t).dtype) for r, t in zip(result, op.outputs)]

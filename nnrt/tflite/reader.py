@@ -9,6 +9,7 @@ INVALID_ARGUMENT naming what could not be read.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,7 +112,8 @@ def read(data: bytes, name: str) -> TfliteFile:
         graphs = [_graph(model.Subgraphs(g), g, buffers, opcodes, name)
                   for g in range(model.SubgraphsLength())]
         signatures = [_signature(model.SignatureDefs(i)) for i in range(model.SignatureDefsLength())]
-    except (IndexError, ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+    except (IndexError, ValueError, TypeError, AttributeError, UnicodeDecodeError,
+            struct.error, OverflowError, MemoryError) as e:
         # flatbuffers raises these on offsets pointing outside the file.
         raise invalid(f"{name}: malformed TFLite flatbuffer ({type(e).__name__}: {e})") from None
     if not graphs:
@@ -155,10 +157,17 @@ def _graph(sg, g: int, buffers, opcodes, name: str) -> Graph:
             options=_options(op),
             custom_options=op.CustomOptionsAsNumpy().tobytes() if op.CustomOptionsLength() else b""))
     for op in operators:
+        if any(t < 0 for t in op.outputs):
+            raise ValueError(f"operator {op.index} ({op.name}) has an omitted output")
         for t in op.inputs + op.outputs:
             if not -1 <= t < len(tensors):
                 raise ValueError(f"operator {op.index} ({op.name}) names tensor {t} "
                                  f"of {len(tensors)}")
+    graph_io = tuple(int(i) for i in sg.InputsAsNumpy()) if sg.InputsLength() else ()
+    graph_io += tuple(int(i) for i in sg.OutputsAsNumpy()) if sg.OutputsLength() else ()
+    if any(not 0 <= t < len(tensors) for t in graph_io):
+        raise ValueError(f"subgraph {g} names an input or output tensor outside its "
+                         f"{len(tensors)} tensors")
     return Graph(g, (sg.Name() or b"").decode(), tensors, operators,
                  tuple(int(i) for i in sg.InputsAsNumpy()) if sg.InputsLength() else (),
                  tuple(int(i) for i in sg.OutputsAsNumpy()) if sg.OutputsLength() else ())
