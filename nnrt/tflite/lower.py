@@ -283,8 +283,9 @@ class Lowering:
         def info(t: int, sig_names: dict, suffix: str = "") -> TensorInfo:
             tensor = self.tensor(t)
             q = tensor.quantization
-            shape = tuple(None if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature)) \
-                if len(tensor.shape_signature) == len(tensor.shape) else tensor.shape
+            # What the model accepts: an unknown batch is fixed at import (see
+            # static_shape), other unknown sizes stay unknown.
+            shape = tuple(None if d == 0 else d for d in self.dims(tensor))
             return TensorInfo(tensor.name + suffix, tensor.dtype, shape,
                               MetaQuant(q.scales, q.zero_points, q.dimension) if q else None,
                               sig_names.get(t))
