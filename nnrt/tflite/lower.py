@@ -506,6 +506,8 @@ def _fully_connected(c: Lowering, op: Operator) -> None:
         x4 = c.temp_like(x, (batch, 1, 1, depth))
         c.emit(Op.RESHAPE, [_input(c, op, x), c.i32_tensor((batch, 1, 1, depth))], [x4])
         w_q = w_t.quantization
+        if c.value(w) is None:
+            raise c.fail(op, "per-channel weights must be constant")
         w4 = c.const(c.value(w).reshape(units, 1, 1, depth), T.TENSOR_QUANT8_SYMM_PER_CHANNEL,
                      channel_quant=(0, w_q.scales))
         act, out = c.fused(op, op.outputs[0])
