@@ -33,9 +33,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..model.types import FusedActivation, HalVersion, OperandType as T, OperationType, PaddingScheme
-from .common import (apply_activation, check_quant_params, implicit_padding, qrange,
-                     quantized_activation_range, round_half_away)
-from .qlstm import _mbqm as multiply_by_quantized_multiplier, quantize_multiplier
+from .common import (apply_activation, check_quant_params, implicit_padding,
+                     multiply_by_quantized_multiplier, qrange, quantize_multiplier,
+                     quantized_activation_range)
 from .registry import Call, OpView, register
 
 _QUANT = (T.TENSOR_QUANT8_ASYMM, T.TENSOR_QUANT8_ASYMM_SIGNED)

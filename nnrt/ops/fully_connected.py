@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import FusedActivation, HalVersion as V, OperandType as T, OperationType
-from .common import check_quant_params, dequantize, finish_output, quantized_activation_range
-from .qlstm import _mbqm as multiply_by_quantized_multiplier, quantize_multiplier
+from .common import (check_quant_params, dequantize, finish_output, multiply_by_quantized_multiplier,
+                     quantize_multiplier, quantized_activation_range)
 from .registry import Call, OpView, register
 
 _VERSION_OF_TYPE = {T.TENSOR_FLOAT32: V.V1_0, T.TENSOR_QUANT8_ASYMM: V.V1_0,

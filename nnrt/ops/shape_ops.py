@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import HalVersion as V, OperandType as T, OperationType
-from .common import check_quant_params, dequantize, qrange, quantize
-from .qlstm import quantize_multiplier, _mbqm as multiply_by_quantized_multiplier
+from .common import (check_quant_params, dequantize, multiply_by_quantized_multiplier, qrange,
+                     quantize, quantize_multiplier)
 from .registry import Arg, Call, OpView, register
 
 # Operand types accepted for the data tensor, with the HAL version that added them.
