@@ -62,20 +62,23 @@ async def run_model(model: nnrt.Model, inputs: list[np.ndarray], repeat: int):
 
 
 def compare(stem: Path, outputs: list[np.ndarray]) -> tuple[list, bool]:
-    """Per output: (error, allowed); float errors relative to max |ref|,
-    quantized in units."""
+    """Per output: (error, allowed, what it was compared with); float errors
+    relative to max |ref|, quantized in units."""
     rows, ok = [], True
     for k, out in enumerate(outputs):
         ref = expected(stem, k, "ref_out")
         xnn = expected(stem, k, "out")
+        what = "XNNPACK"
         if ref is None:
-            ref, xnn = xnn, None  # conv/ keeps only the XNNPACK outputs
+            # conv/ keeps only the XNNPACK outputs: compare with those, one
+            # unit allowed (the single-operation criterion).
+            ref, xnn, what = xnn, None, "vs XNNPACK, allowed"
         if ref is None:
-            rows.append((float("nan"), "no reference"))
+            rows.append((float("nan"), None, "no reference output"))
             ok = False
             continue
         if out.shape != ref.shape:
-            rows.append((float("inf"), f"shape {out.shape} != {ref.shape}"))
+            rows.append((float("inf"), None, f"shape {out.shape} != {ref.shape}"))
             ok = False
             continue
         if ref.dtype.kind == "f":
@@ -84,7 +87,7 @@ def compare(stem: Path, outputs: list[np.ndarray]) -> tuple[list, bool]:
         else:
             err = int(np.abs(out.astype(np.int64) - ref).max())
             allowed = int(np.abs(xnn.astype(np.int64) - ref).max()) if xnn is not None else 1
-        rows.append((err, allowed))
+        rows.append((err, allowed, what))
         ok = ok and err <= allowed
     return rows, ok
 
@@ -173,8 +176,8 @@ def main(argv=None) -> int:
                     note += "; " + "; ".join(failures[:3])
             else:
                 note = "per-op check skipped (ai-edge-litert not installed)"
-        shown = ", ".join(f"{e:.2e}" if isinstance(e, float) else f"{e} (XNNPACK {a})"
-                          for e, a in errors)
+        shown = ", ".join(f"{e:.2e}" if isinstance(e, float) else f"{e} ({what} {a})"
+                          for e, a, what in errors)
         rows.append((path.name, str(ops), shown, f"{seconds * 1e3:.1f}", "ok" if ok else "FAIL",
                      note))
         failed += not ok
