@@ -6,8 +6,9 @@ and record LiteRT's outputs for them, under tests/data/tflite/.
 TensorFlow is not a dependency, so the files are written with the
 flatbuffers builder functions of the ``tflite`` package (the generated TFLite
 schema). Expected outputs come from LiteRT (``ai-edge-litert``) with its
-reference kernels (``OpResolverType.BUILTIN_REF``), one fresh interpreter per
-case, on inputs drawn from a fixed seed. Each model gets:
+reference kernels (``OpResolverType.BUILTIN_REF``; ``OPTIMIZED_KERNELS`` names
+the exceptions and says why), one fresh interpreter per case, on inputs drawn
+from a fixed seed. Each model gets:
 
 * ``<name>.tflite``
 * ``<name>.case<k>.in<i>.npy`` and ``<name>.case<k>.out<j>.npy``
@@ -187,6 +188,11 @@ def _vector_of_tables(b: flatbuffers.Builder, table: str, field_name: str, offse
 
 # --- the models ------------------------------------------------------------------
 
+# Models whose expected outputs come from LiteRT's optimized builtin kernels
+# (BUILTIN_WITHOUT_DEFAULT_DELEGATES) instead of the reference ones.
+OPTIMIZED_KERNELS: set[str] = set()
+
+
 def _rng(name: str) -> np.random.Generator:
     return np.random.default_rng(sum(map(ord, name)))
 
@@ -301,6 +307,65 @@ def models() -> dict[str, tuple[list[Graph], list[list[np.ndarray]]]]:
     out["int8_chain"] = ([Graph(tensors, ops, [0], [8, 2])],
                          [[rng.integers(-128, 128, (1, 4, 4, 3)).astype(np.int8)]])
 
+    # More float operators with an NNAPI counterpart.
+    rng = _rng("more")
+    tensors = [
+        T("x", (1, 4, 4, 4)),                                                     # 0
+        T("out_shape", (4,), "int32", np.array([1, 8, 8, 3])),                   # 1
+        T("tw", (3, 2, 2, 4), data=_f((3, 2, 2, 4), rng)),                       # 2
+        T("tb", (3,), data=_f((3,), rng)),                                       # 3
+        T("upsampled", (1, 8, 8, 3)),                                            # 4
+        T("block", (2,), "int32", np.array([2, 2])),                             # 5
+        T("pads", (2, 2), "int32", np.array([[0, 0], [0, 0]])),                  # 6
+        T("batched", (4, 2, 2, 4)),                                              # 7
+        T("log_softmax", (4, 2, 2, 4)),                                          # 8
+        T("unbatched", (1, 4, 4, 4)),                                            # 9
+        T("relu6", (1, 4, 4, 4)),                                                # 10
+        T("sizes", (2,), "int32", np.array([1, -1])),                            # 11
+        T("axis3", (1,), "int32", np.array([3])),                                # 12
+        T("part0", (1, 4, 4, 1)),                                                # 13
+        T("part1", (1, 4, 4, 3)),                                                # 14
+        T("leaky", (1, 4, 4, 3)),                                                # 15
+        T("sqdiff", (1, 4, 4, 4)),                                               # 16
+        T("argmax", (1, 4, 4), "int32"),                                         # 17
+        T("k", (1,), "int32", np.array([2])),                                    # 18
+        T("top_values", (1, 4, 4, 2)),                                           # 19
+        T("top_indices", (1, 4, 4, 2), "int32"),                                 # 20
+        T("multiples", (4,), "int32", np.array([1, 1, 1, 2])),                   # 21
+        T("tiled", (1, 4, 4, 2)),                                                # 22
+        T("ids", (2,), "int32", np.array([3, 1])),                               # 23
+        T("table", (5, 3), data=_f((5, 3), rng)),                                # 24
+        T("rows", (2, 3)),                                                       # 25
+    ]
+    ops = [
+        Op("TRANSPOSE_CONV", [1, 2, 0, 3], [4], "TransposeConvOptions",
+           {"Padding": 0, "StrideW": 2, "StrideH": 2}),
+        Op("SPACE_TO_BATCH_ND", [0, 5, 6], [7]),
+        Op("LOG_SOFTMAX", [7], [8]),
+        Op("BATCH_TO_SPACE_ND", [8, 5, 6], [9]),
+        Op("RELU6", [0], [10]),
+        Op("SPLIT_V", [0, 11, 12], [13, 14], "SplitVOptions", {"NumSplits": 2}),
+        Op("LEAKY_RELU", [14], [15], "LeakyReluOptions", {"Alpha": 0.1}),
+        Op("SQUARED_DIFFERENCE", [9, 10], [16]),
+        Op("ARG_MAX", [0, 12], [17], "ArgMaxOptions", {"OutputType": tflite.TensorType.INT32}),
+        Op("TOPK_V2", [0, 18], [19, 20]),
+        Op("TILE", [13, 21], [22]),
+        Op("EMBEDDING_LOOKUP", [23, 24], [25]),
+    ]
+    out["more_float_ops"] = ([Graph(tensors, ops, [0], [4, 9, 15, 16, 17, 19, 20, 22, 25])],
+                             [[_f((1, 4, 4, 4), rng)]])
+
+    # LOCAL_RESPONSE_NORMALIZATION: TFLite's reference kernel sums the window
+    # [c - radius, c + radius) — one channel short of the op's definition,
+    # which NNAPI and TFLite's optimized kernel follow ([c - r, c + r]) — so
+    # its expected output comes from the optimized kernels.
+    rng = _rng("lrn")
+    tensors = [T("x", (1, 2, 2, 6)), T("y", (1, 2, 2, 6))]
+    ops = [Op("LOCAL_RESPONSE_NORMALIZATION", [0], [1], "LocalResponseNormalizationOptions",
+              {"Radius": 2, "Bias": 1.0, "Alpha": 0.5, "Beta": 0.75})]
+    out["lrn"] = ([Graph(tensors, ops, [0], [1])], [[_f((1, 2, 2, 6), rng, -2, 2)]])
+    OPTIMIZED_KERNELS.add("lrn")
+
     # A custom operator no device offers: the import must refuse it by name.
     tensors = [T("x", (1, 4)), T("y", (1, 4)), T("z", (1, 4))]
     ops = [Op("RELU", [0], [1]), Op("CUSTOM:MyVendorOp", [1], [2])]
@@ -315,9 +380,10 @@ def main() -> int:
     for name, (graphs, cases) in models().items():
         data = build(graphs)
         (OUT / f"{name}.tflite").write_bytes(data)
+        resolver = (OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES if name in OPTIMIZED_KERNELS
+                    else OpResolverType.BUILTIN_REF)
         for k, inputs in enumerate(cases):
-            interp = Interpreter(model_content=data,
-                                 experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+            interp = Interpreter(model_content=data, experimental_op_resolver_type=resolver)
             interp.allocate_tensors()
             for i, (detail, value) in enumerate(zip(interp.get_input_details(), inputs)):
                 interp.set_tensor(detail["index"], value)

@@ -286,7 +286,10 @@ class Lowering:
             # What the model accepts: an unknown batch is fixed at import (see
             # static_shape), other unknown sizes stay unknown.
             shape = tuple(None if d == 0 else d for d in self.dims(tensor))
-            return TensorInfo(tensor.name + suffix, tensor.dtype, shape,
+            # The dtype the compiled model takes and gives (int64 indices come
+            # back as int32, NNAPI's only index type).
+            dtype = self.operand_type(tensor)[0].dtype
+            return TensorInfo(tensor.name + suffix, dtype, shape,
                               MetaQuant(q.scales, q.zero_points, q.dimension) if q else None,
                               sig_names.get(t))
         ins = [info(t, sig.inputs if sig else {}) for t in inputs]
@@ -876,6 +879,111 @@ def _if(c: Lowering, op: Operator) -> None:
            [c.output(t, op) for t in op.outputs])
 
 
+def _constant_input(c: Lowering, op: Operator, k: int, what: str) -> np.ndarray:
+    value = c.value(op.inputs[k]) if k < len(op.inputs) else None
+    if value is None:
+        raise c.fail(op, f"the {what} must be constant")
+    return value
+
+
+def _transpose_conv(c: Lowering, op: Operator) -> None:
+    # TFLite: (output_shape, weights [O, H, W, I], input[, bias]); NNAPI:
+    # (input, filter [O, H, W, I], bias, output_shape, padding, strides, act, layout).
+    o = op.options
+    shape = _constant_input(c, op, 0, "output shape")
+    w, x = op.inputs[1], op.inputs[2]
+    b = op.inputs[3] if len(op.inputs) > 3 else -1
+    units = c.tensor(w).shape[0]
+    ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units), c.i32_tensor(shape),
+           c.i32(_PADDING[o.get("Padding", 0)]), c.i32(o.get("StrideW", 1)),
+           c.i32(o.get("StrideH", 1))]
+    act, out = c.fused(op, op.outputs[0])
+    c.emit(Op.TRANSPOSE_CONV_2D, ins + [c.i32(act), c.boolean(False)], [out])
+
+
+def _space_to_batch(c: Lowering, op: Operator) -> None:
+    block = _constant_input(c, op, 1, "block shape")
+    pads = _constant_input(c, op, 2, "paddings")
+    c.emit(Op.SPACE_TO_BATCH_ND, [_input(c, op, op.inputs[0]), c.i32_tensor(block),
+                                  c.const(np.asarray(pads, np.int32), T.TENSOR_INT32)],
+           [c.output(op.outputs[0], op)])
+
+
+def _batch_to_space(c: Lowering, op: Operator) -> None:
+    block = _constant_input(c, op, 1, "block shape")
+    crops = _constant_input(c, op, 2, "crops")
+    if np.any(crops):
+        raise c.fail(op, "non-zero crops have no NNAPI equivalent")
+    c.emit(Op.BATCH_TO_SPACE_ND, [_input(c, op, op.inputs[0]), c.i32_tensor(block)],
+           [c.output(op.outputs[0], op)])
+
+
+def _log_softmax(c: Lowering, op: Operator) -> None:
+    c.emit(Op.LOG_SOFTMAX, [_input(c, op, op.inputs[0]), c.f32(1.0), c.i32(-1)],
+           [c.output(op.outputs[0], op)])
+
+
+def _lrn(c: Lowering, op: Operator) -> None:
+    o = op.options
+    c.emit(Op.LOCAL_RESPONSE_NORMALIZATION,
+           [_input(c, op, op.inputs[0]), c.i32(o.get("Radius", 5)), c.f32(o.get("Bias", 1.0)),
+            c.f32(o.get("Alpha", 1.0)), c.f32(o.get("Beta", 0.5))],
+           [c.output(op.outputs[0], op)])
+
+
+def _split_v(c: Lowering, op: Operator) -> None:
+    # NNAPI's SPLIT cuts equal parts only: one SLICE per output.
+    sizes = [int(v) for v in _constant_input(c, op, 1, "split sizes").reshape(-1)]
+    x_t = c.tensor(op.inputs[0])
+    axis = int(_constant_input(c, op, 2, "axis").reshape(-1)[0]) % len(x_t.shape)
+    if sizes.count(-1) == 1:
+        sizes[sizes.index(-1)] = x_t.shape[axis] - (sum(sizes) + 1)
+    x = _input(c, op, op.inputs[0])
+    start = 0
+    for size, t in zip(sizes, op.outputs):
+        begin = [0] * len(x_t.shape)
+        begin[axis] = start
+        extent = [-1] * len(x_t.shape)
+        extent[axis] = size
+        c.emit(Op.SLICE, [x, c.i32_tensor(begin), c.i32_tensor(extent)], [c.output(t, op)])
+        start += size
+
+
+def _leaky_relu(c: Lowering, op: Operator) -> None:
+    x_t = c.tensor(op.inputs[0])
+    if x_t.dtype != np.float32:
+        raise c.fail(op, "only float32 LEAKY_RELU is supported")
+    alpha = c.const(np.array([op.options.get("Alpha", 0.2)], np.float32), T.TENSOR_FLOAT32)
+    c.emit(Op.PRELU, [_input(c, op, op.inputs[0]), alpha], [c.output(op.outputs[0], op)])
+
+
+def _squared_difference(c: Lowering, op: Operator) -> None:
+    if c.tensor(op.inputs[0]).dtype != np.float32:
+        raise c.fail(op, "only float32 SQUARED_DIFFERENCE is supported")
+    diff = c.temp_like(op.outputs[0])
+    c.emit(Op.SUB, [_input(c, op, op.inputs[0]), _input(c, op, op.inputs[1]), c.i32(0)], [diff])
+    c.emit(Op.MUL, [diff, diff, c.i32(0)], [c.output(op.outputs[0], op)])
+
+
+def _arg(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        axis = int(_constant_input(c, op, 1, "axis").reshape(-1)[0])
+        c.emit(kind, [_input(c, op, op.inputs[0]), c.i32(axis)], [c.output(op.outputs[0], op)])
+    return handler
+
+
+def _topk(c: Lowering, op: Operator) -> None:
+    k = int(_constant_input(c, op, 1, "k").reshape(-1)[0])
+    c.emit(Op.TOPK_V2, [_input(c, op, op.inputs[0]), c.i32(k)],
+           [c.output(t, op) for t in op.outputs[:2]])
+
+
+def _tile(c: Lowering, op: Operator) -> None:
+    multiples = _constant_input(c, op, 1, "multiples")
+    c.emit(Op.TILE, [_input(c, op, op.inputs[0]), c.i32_tensor(multiples)],
+           [c.output(op.outputs[0], op)])
+
+
 _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "ADD": _binary_with_activation(Op.ADD),
     "SUB": _binary_with_activation(Op.SUB),
@@ -895,6 +1003,20 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "REDUCE_MAX": _reduce(Op.REDUCE_MAX),
     "REDUCE_MIN": _reduce(Op.REDUCE_MIN),
     "REDUCE_PROD": _reduce(Op.REDUCE_PROD),
+    "REDUCE_ANY": _reduce(Op.REDUCE_ANY),
+    "TRANSPOSE_CONV": _transpose_conv,
+    "SPACE_TO_BATCH_ND": _space_to_batch,
+    "BATCH_TO_SPACE_ND": _batch_to_space,
+    "LOG_SOFTMAX": _log_softmax,
+    "LOCAL_RESPONSE_NORMALIZATION": _lrn,
+    "SPLIT_V": _split_v,
+    "LEAKY_RELU": _leaky_relu,
+    "SQUARED_DIFFERENCE": _squared_difference,
+    "ARG_MAX": _arg(Op.ARGMAX),
+    "ARG_MIN": _arg(Op.ARGMIN),
+    "TOPK_V2": _topk,
+    "TILE": _tile,
+    "EMBEDDING_LOOKUP": _plain(Op.EMBEDDING_LOOKUP, 2),
     "PAD": _pad,
     "PADV2": _pad,
     "RESIZE_BILINEAR": _resize(Op.RESIZE_BILINEAR),

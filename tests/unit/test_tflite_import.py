@@ -35,7 +35,7 @@ def _op_counts(model: nnrt.Model, referenced: bool = False) -> Counter:
     return Counter(op.type for s in subgraphs for op in s.operations)
 
 
-@pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain"])
+@pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn"])
 def test_generated_models_match_litert_reference_kernels(stem):
     model = nnrt.tflite.load(DATA / f"{stem}.tflite")
     cases = list(_cases(stem))
@@ -133,3 +133,11 @@ def test_the_imported_model_is_finished_and_immutable():
     assert model.finished
     with pytest.raises(nnrt.NnrtError):
         model.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1])
+
+
+def test_operators_without_a_one_to_one_nnapi_operation_are_lowered():
+    counts = _op_counts(nnrt.tflite.load(DATA / "more_float_ops.tflite"))
+    assert counts[OperationType.SLICE] == 2            # SPLIT_V: one SLICE per part
+    assert counts[OperationType.PRELU] == 1            # LEAKY_RELU
+    assert counts[OperationType.SUB] == 1 and counts[OperationType.MUL] == 1  # SQUARED_DIFFERENCE
+    assert counts[OperationType.TRANSPOSE_CONV_2D] == 1
