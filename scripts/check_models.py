@@ -21,6 +21,7 @@ when any model fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -147,11 +148,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dirs = args.dirs or [d for d in DEFAULT_DIRS if d.is_dir()][:1]
     files = sorted(p for d in dirs for p in d.rglob("*.tflite"))
-    try:
-        import ai_edge_litert  # noqa: F401
-        have_litert = True
-    except ImportError:
-        have_litert = False
+    have_litert = importlib.util.find_spec("ai_edge_litert") is not None
     rows, failed = [], 0
     for path in files:
         stem = path.with_suffix("")
