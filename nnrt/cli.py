@@ -1,6 +1,7 @@
 """The ``nnrt`` command line: ``nnrt devices`` lists the devices a runtime
 finds; ``nnrt driver serve NAME`` runs a driver service; ``nnrt demo`` runs
-the simulated camera loop."""
+the simulated camera loop; ``nnrt inspect MODEL.tflite`` shows a model's
+operations and where they would run; ``nnrt run MODEL.tflite`` runs one."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,184 @@ def _driver_serve(args) -> int:
     return 1 if failed else 0
 
 
+def _load(path: str, command: str):
+    import nnrt.tflite
+    try:
+        return nnrt.tflite.load(path)
+    except nnrt.NnrtError as e:
+        print(f"nnrt {command}: {e.message}", file=sys.stderr)
+        return None
+
+
+def _describe_tensor(info) -> str:
+    shape = "x".join("?" if d is None else str(d) for d in info.shape) or "scalar"
+    text = f"{info.name}  {info.dtype}  [{shape}]"
+    if info.signature_name and info.signature_name != info.name:
+        text = f"{info.signature_name} ({info.name})  {info.dtype}  [{shape}]"
+    q = info.quantization
+    if q is not None:
+        text += (f"  scale={q.scales[0]:.6g} zero_point={q.zero_points[0]}" if len(q.scales) == 1
+                 else f"  per-channel ({len(q.scales)} scales, dim {q.dimension})")
+    return text
+
+
+def _inspect(args) -> int:
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .tflite import read
+    model = _load(args.model, "inspect")
+    if model is None:
+        return 1
+    with open(args.model, "rb") as f:
+        source = read(f.read(), args.model)
+    console = Console()
+    meta = model.metadata
+    tflite_ops = Counter(op.name for g in source.graphs for op in g.operators)
+    console.print(f"[bold]{args.model}[/bold]: {len(source.graphs)} subgraph(s), "
+                  f"TFLite operators: " + ", ".join(f"{n}x{k}" for k, n in tflite_ops.most_common()))
+    if meta.signature:
+        console.print(f"signature: {meta.signature}")
+    state_in = {i for i, _ in meta.states}
+    state_out = {o for _, o in meta.states}
+    for k, info in enumerate(meta.inputs):
+        console.print(f"input {k}: {_describe_tensor(info)}" + ("  (state)" if k in state_in else ""))
+    for k, info in enumerate(meta.outputs):
+        console.print(f"output {k}: {_describe_tensor(info)}" + ("  (state)" if k in state_out else ""))
+
+    async def placement():
+        async with nnrt.Runtime(discover=not args.no_discover) as rt:
+            devices = rt.devices
+            flags = [await rt.supported_operations(model, [d]) for d in devices]
+            return [d.name for d in devices], flags
+    names, flags = anyio.run(placement)
+    main = model.hal_model.main
+    table = Table("#", "NNAPI operation", "input", "output", "device")
+    unsupported = []
+
+    def dims(indexes) -> str:
+        tensors = [i for i in indexes if main.operands[i].type.is_tensor]
+        return "x".join(map(str, main.operands[tensors[0]].dimensions)) or "?" if tensors else "-"
+    for n, op in enumerate(main.operations):
+        device = next((name for name, f in zip(names, flags) if f[n]), None)
+        if device is None:
+            unsupported.append(n)
+        table.add_row(str(n), op.type.name, dims(op.inputs), dims(op.outputs),
+                      device or "[red]none[/red]")
+    console.print(table)
+    referenced = model.hal_model.referenced
+    if referenced:
+        console.print(f"{len(referenced)} referenced subgraph(s) (IF/WHILE bodies) with "
+                      f"{sum(len(s.operations) for s in referenced)} operations")
+    if unsupported:
+        console.print(f"[red]not supported by any device: operations {unsupported}[/red]")
+        return 1
+    console.print(f"every operation is supported (devices: {', '.join(names)})")
+    return 0
+
+
+def _parse_inputs(specs: list[str], signature) -> dict:
+    import numpy as np
+    names = {key: k for k, info in enumerate(signature)
+             for key in (info.name, info.signature_name) if key}
+    given = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--input {spec!r}: expected NAME=FILE.npy")
+        if name not in names:
+            if name.isdigit() and int(name) < len(signature):
+                names[name] = int(name)
+            else:
+                raise ValueError(f"--input {name!r}: the model has no input of that name; inputs: "
+                                 f"{[i.signature_name or i.name for i in signature]}")
+        try:
+            given[names[name]] = np.load(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--input {name}: cannot read {path!r}: {e}") from None
+    return given
+
+
+def _random_input(info, rng):
+    import numpy as np
+    shape = tuple(1 if d is None else d for d in info.shape)
+    if info.dtype.kind == "f":
+        return rng.uniform(-1, 1, shape).astype(info.dtype)
+    if info.dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(info.dtype)
+    limits = np.iinfo(info.dtype)
+    return rng.integers(max(limits.min, -128), min(limits.max, 255) + 1, shape).astype(info.dtype)
+
+
+def _run(args) -> int:
+    import statistics
+    import time
+
+    import numpy as np
+    model = _load(args.model, "run")
+    if model is None:
+        return 1
+    if args.repeat < 1:
+        print("nnrt run: --repeat must be at least 1", file=sys.stderr)
+        return 2
+
+    async def main():
+        async with nnrt.Runtime(discover=not args.no_discover) as rt:
+            compiled = await rt.compile(model, devices=[args.device] if args.device else None)
+            given = _parse_inputs(args.input, compiled.inputs)
+            rng = np.random.default_rng(args.seed)
+            inputs = []
+            for k, info in enumerate(compiled.inputs):
+                if k in given:
+                    inputs.append(given[k])
+                elif args.random:
+                    inputs.append(_random_input(info, rng))
+                else:
+                    raise ValueError(f"no value for input {info.signature_name or info.name!r}: "
+                                     f"give --input NAME=FILE.npy or --random")
+            result = await compiled.execute(inputs, measure_timing=True)
+            times = []
+            for _ in range(args.repeat - 1):
+                start = time.perf_counter()
+                await compiled.execute(inputs)
+                times.append(time.perf_counter() - start)
+            return compiled, result, times
+
+    try:
+        compiled, result, times = anyio.run(main)
+    except nnrt.NnrtError as e:
+        print(f"nnrt run: {e.message}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"nnrt run: {e}", file=sys.stderr)
+        return 2
+    devices = sorted({d.name for d in compiled.devices})
+    print(f"ran on: {', '.join(devices)} ({len(compiled.devices)} step(s))")
+    named = {}
+    for info, out in zip(compiled.outputs, result.outputs):
+        key = info.signature_name or info.name
+        named[key] = out
+        summary = ""
+        if out.size and out.dtype.kind in "fiu":
+            summary = (f"min {out.min():.6g}  max {out.max():.6g}  mean {out.mean():.6g}  "
+                       f"argmax {int(out.argmax())}")
+        print(f"{key}: shape {list(out.shape)} {out.dtype}  {summary}")
+    t = result.timing
+    if t is not None and t.on_device is not None:
+        print(f"first execution: {t.on_device / 1e3:.3f} ms on device, "
+              f"{t.in_driver / 1e3:.3f} ms in driver")
+    if times:
+        ms = sorted(x * 1e3 for x in times)
+        print(f"{len(ms)} more executions: median {statistics.median(ms):.3f} ms, "
+              f"min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    if args.output:
+        np.savez(args.output, **named)
+        print(f"outputs written to {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nnrt", description="nnrt neural-network runtime")
     parser.add_argument("--version", action="version", version=f"nnrt {nnrt.__version__}")
@@ -86,6 +265,26 @@ def main(argv: list[str] | None = None) -> int:
                        help="refuse models with more constant bytes than this "
                             "(RESOURCE_EXHAUSTED_PERSISTENT)")
     serve.set_defaults(func=_driver_serve)
+    inspect = sub.add_parser("inspect", help="show a .tflite model's inputs, outputs, "
+                             "operations and the device that would run each")
+    inspect.add_argument("model", help="path of a .tflite file")
+    inspect.add_argument("--no-discover", action="store_true",
+                         help="only the in-process reference device (skip configured services)")
+    inspect.set_defaults(func=_inspect)
+    run = sub.add_parser("run", help="import a .tflite model and run it")
+    run.add_argument("model", help="path of a .tflite file")
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                     help="value of input NAME (tensor or signature name, or index); repeatable")
+    run.add_argument("--random", action="store_true",
+                     help="fill inputs not given with --input with random values")
+    run.add_argument("--seed", type=int, default=0, help="seed for --random (default: 0)")
+    run.add_argument("--device", help="run only on this device (see 'nnrt devices')")
+    run.add_argument("--output", metavar="OUT.npz", help="save the outputs, keyed by name")
+    run.add_argument("--repeat", type=int, default=1, metavar="N",
+                     help="execute N times and report timing (default: 1)")
+    run.add_argument("--no-discover", action="store_true",
+                     help="only the in-process reference device (skip configured services)")
+    run.set_defaults(func=_run)
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

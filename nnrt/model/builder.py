@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import bad_state, invalid
 from .graph import ChannelQuant, DataLocation, HalModel, Operand, Operation, Subgraph
 from ..memory import Memory
+from .metadata import ModelMetadata
 from .types import OperandLifeTime as L, OperandType, OperationType
 
 # Values up to this size are copied at set_operand_value; larger ones are kept
@@ -41,6 +42,7 @@ class Model:
         self._models: dict[int, "Model"] = {}  # SUBGRAPH operand -> referenced model
         self._memories: dict[int, tuple] = {}  # operand -> (Memory, offset, length)
         self._hal: HalModel | None = None
+        self._metadata: ModelMetadata | None = None
 
     # --- state ---------------------------------------------------------------
     @property
@@ -266,6 +268,26 @@ class Model:
             raise invalid(f"identify_inputs_and_outputs: operand {min(both)} is both an input "
                           f"and an output")
         self._inputs, self._outputs = ins, outs
+
+    def set_metadata(self, metadata: ModelMetadata) -> None:
+        """Describe the model's inputs and outputs (names, app-side shapes,
+        state pairs); one entry per input and output identified."""
+        self._check_mutable("set_metadata")
+        if self._inputs is None:
+            raise invalid("set_metadata: call identify_inputs_and_outputs first")
+        if len(metadata.inputs) != len(self._inputs) or len(metadata.outputs) != len(self._outputs):
+            raise invalid(f"set_metadata: {len(metadata.inputs)} inputs and "
+                          f"{len(metadata.outputs)} outputs described, the model has "
+                          f"{len(self._inputs)} and {len(self._outputs)}")
+        for i, o in metadata.states:
+            if not (0 <= i < len(self._inputs) and 0 <= o < len(self._outputs)):
+                raise invalid(f"set_metadata: state pair ({i}, {o}) names no input/output")
+        self._metadata = metadata
+
+    @property
+    def metadata(self) -> ModelMetadata | None:
+        """Names and state pairs of the inputs and outputs, None if not given."""
+        return self._metadata
 
     def relax_computation_float32_to_float16(self, allow: bool = True) -> None:
         self._check_mutable("relax_computation_float32_to_float16")

@@ -80,7 +80,7 @@ def _elementwise_validator(versions: dict, fixed_quant: dict | None, max_rank: i
 
 
 def _real_kernel(fn):
-    """Kernel applying ``fn`` to the real values (float32) of input 0."""
+    """Kernel applying ``fn`` to the real values of input 0 (see ``dequantize``)."""
     def kernel(call: Call) -> list[np.ndarray]:
         return [to_output(fn(dequantize(call.ins[0])), call.outs[0])]
     return kernel

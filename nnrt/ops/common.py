@@ -2,6 +2,7 @@
 activations, padding arithmetic, broadcasting. No operation is registered here."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -39,8 +40,11 @@ def scalar_float(arg: Arg) -> float:
 
 
 def dequantize(arg: Arg) -> np.ndarray:
-    """The real values of a tensor argument, as float32 (float64 is not needed:
-    quantized inputs carry at most 16 bits)."""
+    """The real values of a tensor argument: float32 for float and integer
+    tensors, float64 for quantized ones. ``(q - zero_point) * scale`` is exact
+    in float64 (at most 17 by 24 significant bits) but not in float32, where
+    an exact tie such as 18.5 can arrive as 18.4999998 and round the wrong
+    way once a kernel requantizes it."""
     v = arg.value
     t = arg.type
     if t in FLOAT_TENSORS:
@@ -49,9 +53,9 @@ def dequantize(arg: Arg) -> np.ndarray:
         cq = arg.channel_quant
         shape = [1] * v.ndim
         shape[cq.channel_dim] = -1
-        return v.astype(np.float32) * np.asarray(cq.scales, np.float32).reshape(shape)
+        return v.astype(np.float64) * np.asarray(cq.scales, np.float32).astype(np.float64).reshape(shape)
     if t.is_quantized:
-        return (v.astype(np.float32) - np.float32(arg.zero_point)) * np.float32(arg.scale)
+        return (v.astype(np.float64) - arg.zero_point) * np.float64(np.float32(arg.scale))
     return v.astype(np.float32)
 
 
@@ -205,3 +209,50 @@ def check_quant_params(op: OpView) -> None:
                 if not lo <= o.zero_point <= hi:
                     raise op.fail(f"{which} {pos} (operand {idx}) zero point {o.zero_point} "
                                   f"outside [{lo}, {hi}]")
+
+
+def multiply_by_quantized_multiplier(x: np.ndarray, multiplier, shift) -> np.ndarray:
+    """TFLite's MultiplyByQuantizedMultiplier (gemmlowp's rounding doubling
+    high multiply, then a rounding right shift) on int64 arrays holding int32
+    values; ``multiplier`` and ``shift`` are scalars or broadcast along the
+    last axis (per output channel). This is the rescale NNAPI's and TFLite's
+    reference kernels use: two roundings, so results differ from a single
+    round(x * real_multiplier) by one unit now and then, and deep quantized
+    networks drift when they do. Written with in-place integer steps: the
+    array is as large as a layer's output."""
+    multiplier = np.asarray(multiplier, np.int64)
+    shift = np.asarray(shift, np.int64)
+    x = np.asarray(x, np.int64)
+    if np.any(shift > 0):
+        x = np.clip(x << np.maximum(shift, 0), -(1 << 31), (1 << 31) - 1)
+    right = np.maximum(-shift, 0)
+    ab = x * multiplier
+    negative = ab < 0
+    # (ab + nudge) / 2^31 truncated toward zero; nudge = 2^30 or 1 - 2^30.
+    ab += 1 << 30
+    np.subtract(ab, (1 << 31) - 1, out=ab, where=negative)
+    high = ab >> 31
+    high += negative & ((ab & ((1 << 31) - 1)) != 0)
+    # The only saturating case, INT32_MIN * INT32_MIN, cannot occur: a Q31
+    # multiplier is positive.
+    mask = (np.int64(1) << right) - 1
+    threshold = (mask >> 1) + (high < 0)
+    remainder = high & mask
+    high >>= right
+    high += remainder > threshold
+    return high
+
+
+def quantize_multiplier(real: float) -> tuple[int, int]:
+    """TFLite's QuantizeMultiplier: ``real`` as a Q31 mantissa and a
+    power-of-two exponent (0, 0 below 2^-31)."""
+    if real == 0:
+        return 0, 0
+    mantissa, shift = math.frexp(real)
+    q = int(math.copysign(math.floor(abs(mantissa) * (1 << 31) + 0.5), mantissa))
+    if q == 1 << 31:
+        q //= 2
+        shift += 1
+    if shift < -31:
+        return 0, 0
+    return q, shift

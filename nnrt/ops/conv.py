@@ -20,9 +20,10 @@ Quantized kernels reproduce NNAPI's integer pipeline: the int32 accumulator
 sum((x - x_zero) * (w - w_zero)) + bias is computed exactly (on integer-valued
 floats: float32 while every partial sum stays below 2**24, float64 otherwise)
 and then requantized with multiplier input_scale * filter_scale / output_scale
-(per output channel for TENSOR_QUANT8_SYMM_PER_CHANNEL filters), rounding half
-away from zero, as the reference's fixed-point multiplier does to within one
-unit.
+(per output channel for TENSOR_QUANT8_SYMM_PER_CHANNEL filters) in TFLite's
+fixed point (a Q31 multiplier and a rounding shift), so the result is the
+reference kernels' bit for bit: a one-unit rounding difference per layer
+grows across a deep quantized network.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..model.types import FusedActivation, HalVersion, OperandType as T, OperationType, PaddingScheme
-from .common import (apply_activation, check_quant_params, implicit_padding, qrange,
-                     quantized_activation_range, round_half_away)
+from .common import (apply_activation, check_quant_params, implicit_padding,
+                     multiply_by_quantized_multiplier, qrange, quantize_multiplier,
+                     quantized_activation_range)
 from .registry import Call, OpView, register
 
 _QUANT = (T.TENSOR_QUANT8_ASYMM, T.TENSOR_QUANT8_ASYMM_SIGNED)
@@ -478,15 +480,10 @@ def _kernel(kind: _Kind):
 
         act = p["activation"]
         if quantized:
-            if f_arg.type == _PER_CHANNEL:
-                f_scale = np.asarray(f_arg.channel_quant.scales, np.float32)
-            else:
-                f_scale = np.float32(f_arg.scale)
-            # float32 product as the reference computes it, then double.
-            multiplier = (np.float32(x_arg.scale) * f_scale).astype(np.float64) / out.scale
-            total = acc.astype(np.float64) + b_arg.value
+            total = np.rint(acc).astype(np.int64) + b_arg.value.astype(np.int64)
+            multipliers, shifts = _channel_multipliers(x_arg, f_arg, out, g.out_c)
             lo, hi = quantized_activation_range(act, out)
-            q = round_half_away(total * multiplier) + out.zero_point
+            q = multiply_by_quantized_multiplier(total, multipliers, shifts) + out.zero_point
             result = np.clip(q, lo, hi).astype(out.type.dtype)
         else:
             result = apply_activation(acc + b_arg.value.astype(np.float32), act)
@@ -495,6 +492,24 @@ def _kernel(kind: _Kind):
             result = result.transpose(0, 3, 1, 2)
         return [np.ascontiguousarray(result)]
     return kernel
+
+
+def _channel_multipliers(x_arg, f_arg, out, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per output channel, the fixed-point multiplier and shift of
+    input_scale * filter_scale / output_scale, computed as TFLite's kernels
+    compute them (a float32 product for per-tensor uint8, doubles otherwise),
+    so results match its reference bit for bit, not just within one unit."""
+    if f_arg.type == _PER_CHANNEL:
+        reals = [float(np.float64(np.float32(x_arg.scale)) * np.float64(np.float32(s))
+                       / np.float64(np.float32(out.scale))) for s in f_arg.channel_quant.scales]
+    elif x_arg.type == T.TENSOR_QUANT8_ASYMM:
+        reals = [float(np.float64(np.float32(x_arg.scale) * np.float32(f_arg.scale))
+                       / np.float64(np.float32(out.scale)))] * channels
+    else:
+        reals = [float(np.float64(np.float32(x_arg.scale)) * np.float64(np.float32(f_arg.scale))
+                       / np.float64(np.float32(out.scale)))] * channels
+    pairs = [quantize_multiplier(r) for r in reals]
+    return (np.array([m for m, _ in pairs], np.int64), np.array([s for _, s in pairs], np.int64))
 
 
 for _kind in (_CONV, _DEPTHWISE, _GROUPED, _TRANSPOSE):

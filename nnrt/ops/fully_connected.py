@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import FusedActivation, HalVersion as V, OperandType as T, OperationType
-from .common import check_quant_params, dequantize, finish_output
+from .common import (check_quant_params, dequantize, finish_output, multiply_by_quantized_multiplier,
+                     quantize_multiplier, quantized_activation_range)
 from .registry import Call, OpView, register
 
 _VERSION_OF_TYPE = {T.TENSOR_FLOAT32: V.V1_0, T.TENSOR_QUANT8_ASYMM: V.V1_0,
@@ -72,16 +73,20 @@ def _kernel(call: Call) -> list[np.ndarray]:
         raise call.fail(f"input of {x.value.size} elements is not a multiple of input_size "
                         f"{input_size}")
     if x.type.is_quantized:
-        # Exact integer accumulation, then one rescale by input_scale * weights_scale
-        # (the reference does the same with a fixed-point multiplier).
+        # Exact integer accumulation, then one rescale by input_scale * weights_scale.
         xq = x.value.reshape(-1, input_size).astype(np.int64) - x.zero_point
         wq = w.value.astype(np.int64) - w.zero_point
         acc = xq @ wq.T + b.value.astype(np.int64)
-        real = acc * (np.float64(np.float32(x.scale) * np.float32(w.scale)))
-    else:
-        # float64 accumulation: closest to the exact values the CTS expects.
-        xf = dequantize(x).reshape(-1, input_size).astype(np.float64)
-        real = xf @ dequantize(w).astype(np.float64).T + dequantize(b).astype(np.float64)
+        # TFLite's fixed-point requantization (float32 scale product, Q31
+        # multiplier, rounding shift): the reference kernels' result exactly.
+        multiplier, shift = quantize_multiplier(
+            float(np.float64(np.float32(x.scale) * np.float32(w.scale)) / np.float32(out.scale)))
+        q = multiply_by_quantized_multiplier(acc, multiplier, shift) + out.zero_point
+        lo, hi = quantized_activation_range(act.value, out)
+        return [np.clip(q, lo, hi).astype(out.type.dtype)]
+    # float64 accumulation: closest to the exact values the CTS expects.
+    xf = dequantize(x).reshape(-1, input_size).astype(np.float64)
+    real = xf @ dequantize(w).astype(np.float64).T + dequantize(b).astype(np.float64)
     return [finish_output(real, act.value, out)]
 
 

@@ -26,7 +26,8 @@ def _same_quant_copy(x: np.ndarray, src, out) -> np.ndarray:
     """Gathered stored values -> output array (requantized if the output's
     quantization differs; NNAPI requires it to be the same)."""
     if out.type.is_quantized and (src.scale != out.scale or src.zero_point != out.zero_point):
-        real = (x.astype(np.float32) - np.float32(src.zero_point)) * np.float32(src.scale)
+        # float64: exact, so a tie stays a tie when it is requantized.
+        real = (x.astype(np.float64) - src.zero_point) * np.float64(np.float32(src.scale))
         return quantize(real, out)
     return np.array(x, dtype=out.type.dtype, copy=True)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import HalVersion as V, OperandType as T, OperationType
-from .common import check_quant_params, dequantize, qrange, quantize
+from .common import (check_quant_params, dequantize, multiply_by_quantized_multiplier, qrange,
+                     quantize, quantize_multiplier)
 from .registry import Arg, Call, OpView, register
 
 # Operand types accepted for the data tensor, with the HAL version that added them.
@@ -46,7 +47,8 @@ def _norm_axis(axis: int, rank: int, fail, what: str = "axis") -> int:
 def _emit(x: np.ndarray, src: Arg, out) -> np.ndarray:
     """Stored values of ``src``'s type -> a fresh array for output ``out``."""
     if out.type.is_quantized and (src.scale != out.scale or src.zero_point != out.zero_point):
-        real = (x.astype(np.float32) - np.float32(src.zero_point)) * np.float32(src.scale)
+        # float64: exact, so a tie stays a tie when it is requantized.
+        real = (x.astype(np.float64) - src.zero_point) * np.float64(np.float32(src.scale))
         return quantize(real, out)
     return np.array(x, dtype=out.type.dtype, copy=True)
 
@@ -648,14 +650,31 @@ def _mean_kernel(call: Call) -> list[np.ndarray]:
     out = call.outs[0]
     axes = _mean_axes(_int_list(axes.value), x.value.ndim, call.fail)
     keep = keep.value > 0  # keep_dims is an INT32: positive means keep
-    # Averaging real values and requantizing also covers an output whose
-    # quantization differs from the input's (NNAPI's reference averages the
-    # stored integers, which agrees within one step when they are equal).
+    if x.type.is_quantized:
+        return [_quantized_mean(x, out, axes, keep)]
     mean = dequantize(x).mean(axis=axes, keepdims=keep, dtype=np.float64)
     mean = np.asarray(mean).reshape(_mean_dims(x.value.shape, axes, keep))
-    if out.type.is_quantized:
-        return [quantize(mean, out)]
     return [mean.astype(out.type.dtype)]
+
+
+def _quantized_mean(x, out, axes: tuple[int, ...], keep: bool) -> np.ndarray:
+    """The mean as TFLite's reference kernel (QuantizedMeanOrSum) computes
+    it, in integers: an exact sum of ``q - zero_point``, times the fixed-point
+    multiplier of input_scale / output_scale with 1/count folded in. An exact
+    mean of 18.5 gives 19, where a float32 dequantize first would make it
+    18.4999998 and round it to 18."""
+    count = int(np.prod([x.value.shape[a] for a in axes]))
+    total = (x.value.astype(np.int64) - x.zero_point).sum(axis=axes, keepdims=keep)
+    total = np.asarray(total).reshape(_mean_dims(x.value.shape, axes, keep))
+    multiplier, shift = quantize_multiplier(
+        float(np.float64(np.float32(x.scale)) / np.float64(np.float32(out.scale))))
+    # Fold 1/count into the multiplier as TFLite does (shift bounded so the
+    # multiplier stays in 32 bits).
+    extra = min(count.bit_length() - 1, 32, 31 + shift)
+    multiplier = (multiplier << extra) // count
+    q = multiply_by_quantized_multiplier(total, multiplier, shift - extra)
+    lo, hi = qrange(out.type)
+    return np.clip(q + out.zero_point, lo, hi).astype(out.type.dtype)
 
 
 register(OperationType.MEAN, validate=_mean_validate, shape=_mean_shape, kernel=_mean_kernel)

@@ -25,7 +25,7 @@ from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import DataLocation, Operand
 from ..hal.validate import ValidatedModel, validate_model
-from . import partition
+from . import partition, signature
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from ..hal.types import Priority, check_deadline, check_priority
@@ -330,6 +330,20 @@ class CompiledModel:
         hal = model.hal_model
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
+        self._signature = signature.Signature(model)
+
+    @property
+    def inputs(self) -> list[signature.TensorInfo]:
+        """The inputs an app passes: name, dtype, shape (None = unknown), quantization."""
+        return self._signature.inputs
+
+    @property
+    def outputs(self) -> list[signature.TensorInfo]:
+        return self._signature.outputs
+
+    def reset_state(self) -> None:
+        """Zero the state a stateful model carries between executions."""
+        self._signature.reset_state()
 
     @property
     def devices(self) -> list[Device]:
@@ -350,8 +364,12 @@ class CompiledModel:
                       loop_timeout: float | None = None) -> Result:
         """Run the model once. ``inputs`` are numpy arrays (or values numpy can
         convert), None for an omitted optional input. ``outputs`` may give
-        the arrays to write results into; otherwise the runtime allocates them."""
-        return await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None)
+        the arrays to write results into; otherwise the runtime allocates them.
+        ``inputs`` may also be a dict keyed by input name; a stateful model's
+        state inputs and outputs are carried by the runtime, not passed."""
+        inputs, outputs = self._signature.order_inputs(inputs), self._signature.order_outputs(outputs)
+        return self._signature.carry_state(
+            await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
 
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
                        sessions: dict | None) -> Result:
@@ -559,9 +577,11 @@ class Burst:
                       deadline: float | None = None, loop_timeout: float | None = None) -> Result:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
+        sig = self._compiled._signature
         async with self._lock:  # a burst runs its requests in order, one at a time
-            return await self._compiled._execute(inputs, outputs, measure_timing, deadline,
-                                                 loop_timeout, self._sessions)
+            return sig.carry_state(await self._compiled._execute(
+                sig.order_inputs(inputs), sig.order_outputs(outputs), measure_timing, deadline,
+                loop_timeout, self._sessions))
 
 
 def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:

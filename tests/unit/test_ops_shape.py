@@ -229,6 +229,21 @@ def test_mean_keep_dims_and_full_reduction():
     assert q.tolist() == [3]  # reals 0, .5, 1.5, 2 -> mean 1.0 -> 2 + 1
 
 
+@pytest.mark.parametrize("scale", [0.7, 0.0235, 0.0039215689, 0.02, 0.17])
+@pytest.mark.parametrize("zero_point", [0, -3, 5])
+def test_quantized_mean_rounds_an_exact_tie_as_the_reference_kernels_do(scale, zero_point):
+    # The exact mean of 18 and 19 steps is 18.5 -> 19. A float32 dequantize
+    # first made it 18.4999998 -> 18 with these scales (issue 13). The
+    # reference's fixed-point rounding (gemmlowp) takes a tie upwards, so
+    # -18.5 -> -18, as LiteRT's reference kernels give.
+    x = arr([[18 + zero_point, 19 + zero_point]], Q8S, scale, zero_point)
+    (q,) = run(Op.MEAN, [x, arr([1], I32), sc(0)], [(Q8S, scale, zero_point)])
+    assert q.tolist() == [19 + zero_point]
+    x = arr([[-18 + zero_point, -19 + zero_point]], Q8S, scale, zero_point)
+    (q,) = run(Op.MEAN, [x, arr([1], I32), sc(0)], [(Q8S, scale, zero_point)])
+    assert q.tolist() == [-18 + zero_point]
+
+
 # --- lookups -------------------------------------------------------------------------
 
 def test_embedding_lookup_rows():

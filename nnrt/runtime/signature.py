@@ -1,0 +1,140 @@
+"""A compiled model's inputs and outputs as the app sees them.
+
+Pure bookkeeping, no I/O and no devices: :class:`Signature` describes the
+inputs and outputs (names, dtypes, shapes, quantization — from the model's
+metadata, or from its operands when it was built by hand), turns inputs given
+as a dict keyed by name into the ordered list the HAL request needs, and
+carries the state of a stateful model between executions.
+
+State: a model whose metadata pairs state inputs with state outputs (an
+imported LSTM's variable tensors) takes its state inputs from here, not from
+the app. Execution k's state outputs become execution k + 1's state inputs;
+the app sees neither, and ``reset_state`` zeros them. The state lives in
+numpy arrays on the app side and crosses to the driver with each request:
+memory domains (a driver-managed buffer the state would stay in) do not exist
+yet. Executions of one stateful model must run one after another — two at
+once would both read the same state.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import invalid
+from ..model.builder import Model
+from ..model.metadata import ModelMetadata, Quantization, TensorInfo
+
+
+def describe(model: Model) -> ModelMetadata:
+    """The model's metadata, or a description of its operands when it has
+    none (names ``input<k>`` / ``output<k>``)."""
+    if model.metadata is not None:
+        return model.metadata
+    main = model.hal_model.main
+
+    def info(prefix: str, k: int, index: int) -> TensorInfo:
+        operand = main.operands[index]
+        q = None
+        if operand.channel_quant is not None:
+            q = Quantization(operand.channel_quant.scales, (0,) * len(operand.channel_quant.scales),
+                             operand.channel_quant.channel_dim)
+        elif operand.type.is_quantized:
+            q = Quantization((operand.scale,), (operand.zero_point,))
+        shape = tuple(d or None for d in operand.dimensions)
+        return TensorInfo(f"{prefix}{k}", operand.type.dtype, shape, q)
+    return ModelMetadata(tuple(info("input", k, i) for k, i in enumerate(main.input_indexes)),
+                         tuple(info("output", k, i) for k, i in enumerate(main.output_indexes)))
+
+
+class Signature:
+    """Inputs and outputs of one compiled model, and its carried state."""
+
+    def __init__(self, model: Model):
+        meta = describe(model)
+        self._total_inputs = len(meta.inputs)
+        self._total_outputs = len(meta.outputs)
+        self._state_pairs = list(meta.states)
+        state_in = {i for i, _ in meta.states}
+        state_out = {o for _, o in meta.states}
+        self._input_positions = [k for k in range(len(meta.inputs)) if k not in state_in]
+        self._output_positions = [k for k in range(len(meta.outputs)) if k not in state_out]
+        self.inputs: list[TensorInfo] = [meta.inputs[k] for k in self._input_positions]
+        self.outputs: list[TensorInfo] = [meta.outputs[k] for k in self._output_positions]
+        self._state_info = [meta.inputs[i] for i, _ in meta.states]
+        for info in self._state_info:
+            if any(d is None for d in info.shape):
+                raise invalid(f"state input {info.name!r} has unknown dimensions {info.shape}")
+        self._positions_by_name: dict[str, int] = {}
+        for k, info in enumerate(self.inputs):
+            for key in (info.name, info.signature_name):
+                if key:
+                    self._positions_by_name.setdefault(key, k)
+        self.reset_state()
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self._state_pairs)
+
+    def reset_state(self) -> None:
+        """Zero the state the next execution starts from."""
+        self._state = [np.zeros(info.shape, info.dtype) for info in self._state_info]
+
+    def state(self) -> list[np.ndarray]:
+        """The state the next execution starts from (copies)."""
+        return [s.copy() for s in self._state]
+
+    def order_inputs(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list:
+        """The app's inputs (a list in order, or a dict keyed by tensor or
+        signature name) as the list of every model input, state included."""
+        if isinstance(inputs, Mapping):
+            ordered: list = [_MISSING] * len(self.inputs)
+            for key, value in inputs.items():
+                if key not in self._positions_by_name:
+                    raise invalid(f"no input named {key!r}; inputs: "
+                                  f"{[i.signature_name or i.name for i in self.inputs]}")
+                ordered[self._positions_by_name[key]] = value
+            missing = [self.inputs[k].name for k, v in enumerate(ordered) if v is _MISSING]
+            if missing:
+                raise invalid(f"missing inputs {missing}")
+        else:
+            ordered = list(inputs)
+        if not self._state_pairs:
+            return ordered
+        if len(ordered) != len(self.inputs):
+            raise invalid(f"the model takes {len(self.inputs)} inputs (its state is carried "
+                          f"by the runtime), got {len(ordered)}")
+        full: list = [None] * self._total_inputs
+        for k, value in zip(self._input_positions, ordered):
+            full[k] = value
+        for (i, _), value in zip(self._state_pairs, self._state):
+            full[i] = value
+        return full
+
+    def order_outputs(self, outputs: Sequence | None) -> Sequence | None:
+        """The app's output buffers plus buffers for the state outputs."""
+        if outputs is None or not self._state_pairs:
+            return outputs
+        if len(outputs) != len(self.outputs):
+            raise invalid(f"the model has {len(self.outputs)} outputs, got {len(outputs)} "
+                          f"output arrays")
+        full: list = [None] * self._total_outputs
+        for k, value in zip(self._output_positions, outputs):
+            full[k] = value
+        for (_, o), info in zip(self._state_pairs, self._state_info):
+            full[o] = np.empty(info.shape, info.dtype)
+        return full
+
+    def carry_state(self, result):
+        """Keep the state outputs of ``result`` for the next execution and
+        return the result without them."""
+        if not self._state_pairs:
+            return result
+        self._state = [np.array(result.outputs[o], copy=True) for _, o in self._state_pairs]
+        keep = self._output_positions
+        return replace(result, outputs=[result.outputs[k] for k in keep],
+                       output_shapes=[result.output_shapes[k] for k in keep])
+
+
+_MISSING = object()

@@ -1,0 +1,1061 @@
+"""Lower a TFLite subgraph to an ``nnrt.Model``.
+
+Operators are taken in file order. One whose inputs are all known at import
+(constants, or the static shape a SHAPE reads) is evaluated here with numpy
+and its output becomes a constant: that folds float16 weights behind
+DEQUANTIZE, sparse weights behind DENSIFY (densified by the reader) and shape
+arithmetic such as SHAPE -> STRIDED_SLICE -> PACK -> RESHAPE. Every other
+operator goes through one handler from ``_HANDLERS``, which emits the NNAPI
+operation(s) that compute the same thing:
+
+* most builtins map one to one, with options turned into NNAPI's scalar
+  operands (padding codes SAME=0/VALID=1 become 1/2, fused activations keep
+  their codes, a fused TANH becomes a TANH operation);
+* PACK is a RESHAPE per input and a CONCATENATION, UNPACK a SPLIT and a
+  RESHAPE per output (NNAPI has no UNPACK, and PACK only from feature level 6);
+* QUANTIZE between two quantized types is DEQUANTIZE + QUANTIZE (NNAPI's
+  QUANTIZE takes only float input);
+* FULLY_CONNECTED with per-channel weights, which NNAPI's FULLY_CONNECTED
+  cannot take, is a 1x1 CONV_2D between two RESHAPEs — the same sums, the
+  same per-channel requantization;
+* STRIDED_SLICE gets ``end = begin + 1`` on shrink axes (TFLite ignores
+  ``end`` there, NNAPI does not);
+* WHILE and IF become NNAPI control flow whose condition, body and branches
+  are referenced models (``set_operand_value_from_model``);
+* UNIDIRECTIONAL_SEQUENCE_LSTM reads its state from TFLite *variable*
+  tensors, which persist between invokes. NNAPI has no variables, so each
+  variable becomes a model input and the op's state output a model output,
+  paired in the model's metadata; the runtime feeds one execution's state
+  outputs to the next one's state inputs.
+
+Rank-0 tensors: NNAPI has no rank-0 constant, so scalar constants become
+shape [1] and scalar temporaries have unknown rank; elementwise results are
+the same values, and GATHER with a scalar index is reshaped back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..errors import NnrtError, invalid
+from ..model.builder import Model
+from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
+from ..model.types import OperandType as T, OperationType as Op
+from .reader import Graph, Operator, Tensor, TfliteFile
+
+_PADDING = {0: 1, 1: 2}  # TFLite Padding SAME/VALID -> NNAPI PaddingScheme
+_FUSED_TANH = 4
+_FLOAT_TYPES = {np.dtype(np.float32): T.TENSOR_FLOAT32, np.dtype(np.float16): T.TENSOR_FLOAT16,
+                np.dtype(np.int32): T.TENSOR_INT32, np.dtype(np.bool_): T.TENSOR_BOOL8}
+
+
+class Lowering:
+    """Lowers the operators ``ops`` of graph ``graph_index`` into a new
+    ``nnrt.Model`` whose inputs and outputs are the given tensors."""
+
+    def __init__(self, file: TfliteFile, graph_index: int, referenced: dict[int, Model],
+                 *, is_main: bool = True):
+        self.file = file
+        self.graph: Graph = file.graphs[graph_index]
+        self.referenced = referenced  # graph index -> finished Model (WHILE/IF bodies)
+        self.is_main = is_main
+        self.model = Model()
+        self.operands: dict[int, int] = {}
+        self.values: dict[int, np.ndarray] = {t.index: t.data for t in self.graph.tensors
+                                              if t.data is not None}
+        self.state_inputs: list[tuple[int, int]] = []   # (tensor, operand)
+        self.state_outputs: list[tuple[int, int]] = []  # (tensor of the state, operand)
+        self._pending: list[tuple[Op, int, int]] = []   # activations split off an operation
+
+    # --- messages ----------------------------------------------------------
+    def fail(self, op: Operator, message: str):
+        return invalid(f"{self.file.name}: operator {op.index} ({op.name}) of subgraph "
+                       f"{self.graph.index}: {message}")
+
+    # --- tensors and operands ------------------------------------------------
+    def tensor(self, t: int) -> Tensor:
+        return self.graph.tensors[t]
+
+    def value(self, t: int) -> np.ndarray | None:
+        return None if t < 0 else self.values.get(t)
+
+    def operand_type(self, tensor: Tensor, op: Operator | None = None) -> tuple[T, dict]:
+        q = tensor.quantization
+        dt = tensor.dtype
+        where = f"tensor {tensor.index} ({tensor.name!r}, {tensor.type_name})"
+        if dt == np.uint8:
+            if q is None:
+                raise self._refuse(op, f"{where} is UINT8 without quantization")
+            return T.TENSOR_QUANT8_ASYMM, dict(scale=q.scales[0], zero_point=q.zero_points[0])
+        if dt == np.int8:
+            if q is None:
+                raise self._refuse(op, f"{where} is INT8 without quantization")
+            if q.per_channel:
+                return T.TENSOR_QUANT8_SYMM_PER_CHANNEL, dict(channel_quant=(q.dimension, q.scales))
+            return T.TENSOR_QUANT8_ASYMM_SIGNED, dict(scale=q.scales[0], zero_point=q.zero_points[0])
+        if dt == np.int16 and q is not None:
+            return T.TENSOR_QUANT16_SYMM, dict(scale=q.scales[0])
+        if dt == np.int64:  # shape and index tensors: NNAPI takes them as int32
+            return T.TENSOR_INT32, {}
+        if dt in _FLOAT_TYPES:
+            return _FLOAT_TYPES[dt], {}
+        raise self._refuse(op, f"{where} has a type NNAPI has no operand for")
+
+    def _refuse(self, op: Operator | None, message: str):
+        if op is None:
+            return invalid(f"{self.file.name}: subgraph {self.graph.index}: {message}")
+        return self.fail(op, message)
+
+    def static_shape(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` always has the shape the file records. In the
+        main graph an unknown batch (dimension 0) is fixed by the model input
+        shapes the file records, as LiteRT fixes it at allocate_tensors; any
+        other unknown dimension depends on data (a loop, a dynamic slice)."""
+        unknown = [d for d, s in enumerate(tensor.shape_signature) if s < 0] \
+            if len(tensor.shape_signature) == len(tensor.shape) else []
+        return not unknown or (self.is_main and unknown == [0])
+
+    def dims(self, tensor: Tensor) -> tuple[int, ...]:
+        """NNAPI dimensions: 0 where the size is only known at execution."""
+        if self.static_shape(tensor):
+            return tensor.shape
+        return tuple(0 if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature))
+
+    def operand(self, t: int, op: Operator | None = None) -> int:
+        """The operand of tensor ``t`` (a constant operand when its value is known)."""
+        if t in self.operands:
+            return self.operands[t]
+        tensor = self.tensor(t)
+        value = self.values.get(t)
+        if value is None:
+            raise self._refuse(op, f"tensor {t} ({tensor.name!r}) is read before it is written")
+        kind, quant = self.operand_type(tensor, op)
+        if value.dtype == np.int64:
+            value = _to_int32(value, self._refuse(op, f"tensor {t} does not fit int32"))
+        index = self.model.add_operand(kind, value.shape or (1,), **quant)
+        self.model.set_operand_value(index, np.ascontiguousarray(value).reshape(value.shape or (1,)))
+        self.operands[t] = index
+        return index
+
+    def output(self, t: int, op: Operator | None = None) -> int:
+        """A new operand for tensor ``t`` written by an operation."""
+        tensor = self.tensor(t)
+        kind, quant = self.operand_type(tensor, op)
+        index = self.model.add_operand(kind, self.dims(tensor), **quant)
+        self.operands[t] = index
+        return index
+
+    def temp_like(self, t: int, dims: tuple[int, ...] | None = None, kind: T | None = None,
+                  **quant) -> int:
+        tensor = self.tensor(t)
+        k, q = self.operand_type(tensor)
+        return self.model.add_operand(kind or k, self.dims(tensor) if dims is None else dims,
+                                      **(quant if kind else q))
+
+    def const(self, value, kind: T, dims=None, **quant) -> int:
+        value = np.asarray(value)
+        index = self.model.add_operand(kind, value.shape if dims is None else dims, **quant)
+        self.model.set_operand_value(index, value)
+        return index
+
+    def i32(self, v: int) -> int:
+        return self.const(np.int32(v), T.INT32, ())
+
+    def f32(self, v: float) -> int:
+        return self.const(np.float32(v), T.FLOAT32, ())
+
+    def boolean(self, v: bool) -> int:
+        return self.const(np.bool_(v), T.BOOL, ())
+
+    def i32_tensor(self, values) -> int:
+        arr = np.asarray(values, np.int32).reshape(-1)
+        return self.const(arr, T.TENSOR_INT32, (len(arr),))
+
+    def omitted(self, kind: T = T.TENSOR_FLOAT32) -> int:
+        index = self.model.add_operand(kind)
+        self.model.set_operand_value(index, None)
+        return index
+
+    def emit(self, kind: Op, inputs: list[int], outputs: list[int]) -> None:
+        self.model.add_operation(kind, inputs, outputs)
+
+    def fused(self, op: Operator, out: int, key: str = "FusedActivationFunction") -> tuple[int, int]:
+        """(NNAPI fuse code, operand the operation should write) for ``op``'s
+        fused activation and output tensor ``out``."""
+        code = int(op.options.get(key, 0) or 0)
+        target = self.output(out, op)
+        if code in (0, 1, 2, 3):
+            return code, target
+        if code == _FUSED_TANH:
+            temp = self.temp_like(out)
+            self._pending.append((Op.TANH, temp, target))
+            return 0, temp
+        raise self.fail(op, f"fused activation {code} has no NNAPI equivalent")
+
+    def copy(self, src: int, tensor: Tensor) -> int:
+        """A new operand equal to ``src`` (NNAPI refuses an operand that is both
+        a model input and output, or a constant output)."""
+        kind, quant = self.operand_type(tensor)
+        dst = self.model.add_operand(kind, self.dims(tensor), **quant)
+        self.identity(src, dst, kind, tensor.shape)
+        return dst
+
+    def identity(self, src: int, dst: int, kind: T, shape: tuple[int, ...]) -> None:
+        """Emit ``dst = src`` reshaped to ``shape``. RESHAPE takes only float
+        and quantized tensors; an int32 or bool value of one element is
+        broadcast against a neutral constant instead (exact)."""
+        if kind == T.TENSOR_INT32:
+            if int(np.prod(shape)) != 1:
+                raise invalid(f"{self.file.name}: subgraph {self.graph.index}: cannot reshape "
+                              f"an int32 tensor of {int(np.prod(shape))} elements in NNAPI")
+            zero = self.const(np.zeros(shape or (1,), np.int32), T.TENSOR_INT32)
+            self.emit(Op.ADD, [src, zero, self.i32(0)], [dst])
+        elif kind == T.TENSOR_BOOL8:
+            if int(np.prod(shape)) != 1:
+                raise invalid(f"{self.file.name}: subgraph {self.graph.index}: cannot reshape "
+                              f"a bool tensor of {int(np.prod(shape))} elements in NNAPI")
+            self.emit(Op.LOGICAL_OR, [src, self.const(np.zeros(shape or (1,), np.bool_),
+                                                      T.TENSOR_BOOL8)], [dst])
+        else:
+            self.emit(Op.RESHAPE, [src, self.i32_tensor(shape or (1,))], [dst])
+
+    # --- the graph -------------------------------------------------------------
+    def lower(self, ops: list[Operator] | None = None, inputs: tuple[int, ...] | None = None,
+              outputs: tuple[int, ...] | None = None) -> Model:
+        g = self.graph
+        inputs = g.inputs if inputs is None else inputs
+        outputs = g.outputs if outputs is None else outputs
+        in_operands = []
+        for t in inputs:
+            self.values.pop(t, None)
+            in_operands.append(self.output(t))
+        for op in (g.operators if ops is None else ops):
+            self.lower_operator(op)
+        out_operands = []
+        for t in outputs:
+            if t in self.values and t not in self.operands:
+                self.operand(t)
+            o = self.operands.get(t)
+            if o is None:
+                raise self._refuse(None, f"output tensor {t} ({self.tensor(t).name!r}) is "
+                                         f"never written")
+            if o in in_operands or o in out_operands or t in self.values:
+                o = self.copy(o, self.tensor(t))
+            out_operands.append(o)
+        self.model.identify_inputs_and_outputs(
+            in_operands + [o for _, o in self.state_inputs],
+            out_operands + [o for _, o in self.state_outputs])
+        if self.is_main:
+            self.model.set_metadata(self.metadata(inputs, outputs))
+        return self.model.finish()
+
+    def lower_operator(self, op: Operator) -> None:
+        folded = _fold(self, op)
+        if folded is not None:
+            for t, v in zip(op.outputs, folded):
+                self.values[t] = v
+            return
+        handler = _HANDLERS.get(op.name)
+        if handler is None:
+            if op.name.startswith("CUSTOM:"):
+                raise self.fail(op, f"custom op {op.name[7:]!r} has no NNAPI operation and no "
+                                    f"device offers it as a vendor extension; the model "
+                                    f"cannot be imported")
+            raise self.fail(op, "this TFLite operator has no NNAPI lowering")
+        try:
+            handler(self, op)
+        except NnrtError as e:
+            if e.message.startswith(self.file.name + ":"):
+                raise
+            raise self.fail(op, e.message) from None
+        except (IndexError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            # A handler reads inputs, options and shapes the file declares;
+            # a file that declares them wrongly is malformed, not a bug here.
+            raise self.fail(op, f"malformed operator ({type(e).__name__}: {e})") from None
+        for kind, src, dst in self._pending:
+            self.emit(kind, [src], [dst])
+        self._pending.clear()
+
+    def metadata(self, inputs, outputs) -> ModelMetadata:
+        sig = next((s for s in self.file.signatures if s.subgraph == self.graph.index), None)
+
+        def info(t: int, sig_names: dict, suffix: str = "") -> TensorInfo:
+            tensor = self.tensor(t)
+            q = tensor.quantization
+            # What the model accepts: an unknown batch is fixed at import (see
+            # static_shape), other unknown sizes stay unknown.
+            shape = tuple(None if d == 0 else d for d in self.dims(tensor))
+            # The dtype the compiled model takes and gives (int64 indices come
+            # back as int32, NNAPI's only index type).
+            dtype = self.operand_type(tensor)[0].dtype
+            return TensorInfo(tensor.name + suffix, dtype, shape,
+                              MetaQuant(q.scales, q.zero_points, q.dimension) if q else None,
+                              sig_names.get(t))
+        ins = [info(t, sig.inputs if sig else {}) for t in inputs]
+        outs = [info(t, sig.outputs if sig else {}) for t in outputs]
+        states = []
+        for (t_in, _), (t_out, _) in zip(self.state_inputs, self.state_outputs):
+            states.append((len(ins), len(outs)))
+            ins.append(info(t_in, {}))
+            outs.append(info(t_out, {}, ":next"))
+        return ModelMetadata(tuple(ins), tuple(outs), tuple(states),
+                             sig.key if sig else None, self.file.name)
+
+    def submodel(self, graph_index: int, op: Operator) -> int:
+        """A SUBGRAPH operand referring to graph ``graph_index``, lowered once."""
+        if not 0 <= graph_index < len(self.file.graphs) or graph_index == self.graph.index:
+            raise self.fail(op, f"refers to subgraph {graph_index}, which is not a valid "
+                                f"body (the file has {len(self.file.graphs)})")
+        if graph_index not in self.referenced:
+            self.referenced[graph_index] = None  # a cycle would come back here
+            sub = Lowering(self.file, graph_index, self.referenced, is_main=False)
+            self.referenced[graph_index] = sub.lower()
+        model = self.referenced[graph_index]
+        if model is None:
+            raise self.fail(op, f"subgraph {graph_index} refers to itself")
+        index = self.model.add_operand(T.SUBGRAPH)
+        self.model.set_operand_value_from_model(index, model)
+        return index
+
+
+def _to_int32(value: np.ndarray, error) -> np.ndarray:
+    if value.size and (value.min() < np.iinfo(np.int32).min or value.max() > np.iinfo(np.int32).max):
+        raise error
+    return value.astype(np.int32)
+
+
+# --- constant folding -----------------------------------------------------------
+
+def _strided_slice_numpy(x: np.ndarray, begin, end, strides, o: dict) -> np.ndarray:
+    index = []
+    shrink = []
+    for d in range(x.ndim):
+        if d >= len(begin):
+            index.append(slice(None))
+            continue
+        b, e, s = int(begin[d]), int(end[d]), int(strides[d])
+        if o.get("ShrinkAxisMask", 0) >> d & 1:
+            index.append(b)
+            shrink.append(d)
+            continue
+        index.append(slice(None if o.get("BeginMask", 0) >> d & 1 else b,
+                           None if o.get("EndMask", 0) >> d & 1 else e, s))
+    return np.asarray(x[tuple(index)])
+
+
+def _fold(c: Lowering, op: Operator) -> list[np.ndarray] | None:
+    """The outputs of ``op`` computed now when its inputs are known, else None."""
+    name = op.name
+    if name == "SHAPE":
+        tensor = c.tensor(op.inputs[0])
+        if not c.static_shape(tensor):
+            return None
+        dtype = np.int64 if op.options.get("OutType") == 4 else np.int32
+        return [np.asarray(tensor.shape, dtype)]
+    if name not in _FOLDERS:
+        return None
+    args = [c.value(t) for t in op.inputs]
+    if any(a is None for t, a in zip(op.inputs, args) if t >= 0) or not args:
+        return None
+    try:
+        result = _FOLDERS[name](c, op, args)
+    except (IndexError, ValueError, TypeError, KeyError) as e:
+        raise c.fail(op, f"malformed operator ({type(e).__name__}: {e})") from None
+    if result is None:
+        return None
+    return [np.asarray(r).astype(c.tensor(t).dtype) for r, t in zip(result, op.outputs)]
+
+
+def _fold_dequantize(c: Lowering, op: Operator, args):
+    x = args[0]
+    tensor = c.tensor(op.inputs[0])
+    q = tensor.quantization
+    if x.dtype == np.float16 or q is None:
+        return [x.astype(np.float32)]
+    scales = np.asarray(q.scales, np.float64)
+    zps = np.asarray(q.zero_points, np.float64)
+    if q.per_channel:
+        shape = [1] * x.ndim
+        shape[q.dimension] = -1
+        scales, zps = scales.reshape(shape), zps.reshape(shape)
+    # TFLite's reference: static_cast<float>(scale * (q - zero_point)) with a double scale.
+    return [(scales * (x.astype(np.float64) - zps)).astype(np.float32)]
+
+
+def _fold_int(fn):
+    def fold(c, op, args):
+        if any(a.dtype.kind not in "iu" for a in args) or op.options.get("FusedActivationFunction"):
+            return None  # float arithmetic stays on the device
+        return [fn(*args)]
+    return fold
+
+
+def _fold_strided_slice(c, op, args):
+    o = op.options
+    if o.get("EllipsisMask") or o.get("NewAxisMask") or o.get("Offset"):
+        return None
+    return [_strided_slice_numpy(args[0], args[1], args[2], args[3], o)]
+
+
+def _fold_reshape(c, op, args):
+    out = c.tensor(op.outputs[0])
+    if not c.static_shape(out):
+        return None
+    return [args[0].reshape(out.shape)]
+
+
+_FOLDERS: dict[str, Callable] = {
+    "DEQUANTIZE": _fold_dequantize,
+    "DENSIFY": lambda c, op, a: [a[0]],
+    "STRIDED_SLICE": _fold_strided_slice,
+    "PACK": lambda c, op, a: [np.stack(a, axis=op.options.get("Axis", 0))],
+    "UNPACK": lambda c, op, a: [np.take(a[0], i, axis=op.options.get("Axis", 0))
+                                for i in range(a[0].shape[op.options.get("Axis", 0)])],
+    "RESHAPE": _fold_reshape,
+    "CONCATENATION": lambda c, op, a: None if op.options.get("FusedActivationFunction")
+    else [np.concatenate(a, axis=op.options.get("Axis", 0))],
+    "CAST": lambda c, op, a: [a[0].astype(c.tensor(op.outputs[0]).dtype)],
+    "SQUEEZE": _fold_reshape,
+    "EXPAND_DIMS": _fold_reshape,
+    "GATHER": lambda c, op, a: [np.take(a[0], a[1], axis=op.options.get("Axis", 0))]
+    if not op.options.get("BatchDims") else None,
+    "ADD": _fold_int(np.add),
+    "SUB": _fold_int(np.subtract),
+    "MUL": _fold_int(np.multiply),
+    "FLOOR_DIV": _fold_int(np.floor_divide),
+}
+
+
+# --- handlers ---------------------------------------------------------------------
+
+def _bias(c: Lowering, op: Operator, b: int, x: int, w: int, units: int) -> int:
+    """The bias operand of a convolution or fully-connected operation; a zero
+    bias when the TFLite op has none (NNAPI's bias is not optional)."""
+    x_t, w_t = c.tensor(x), c.tensor(w)
+    x_kind, x_q = c.operand_type(x_t, op)
+    if x_kind in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16):
+        if b >= 0:
+            return _input(c, op, b)
+        return c.const(np.zeros(units, x_t.dtype), x_kind)
+    w_kind, w_q = c.operand_type(w_t, op)
+    # NNAPI requires bias scale = input scale x filter scale, which TFLite's
+    # converter writes too (up to float rounding); per-channel biases carry 0.
+    scale = 0.0 if w_kind == T.TENSOR_QUANT8_SYMM_PER_CHANNEL \
+        else float(np.float32(x_q["scale"]) * np.float32(w_q["scale"]))
+    value = c.value(b) if b >= 0 else np.zeros(units, np.int32)
+    if value is None:
+        raise c.fail(op, "a quantized bias must be constant")
+    return c.const(value.astype(np.int32), T.TENSOR_INT32, scale=scale)
+
+
+def _input(c: Lowering, op: Operator, t: int) -> int:
+    if t < 0:
+        raise c.fail(op, "a required input is missing")
+    return c.operand(t, op)
+
+
+def _conv_2d(c: Lowering, op: Operator) -> None:
+    o = op.options
+    x, w = op.inputs[0], op.inputs[1]
+    b = op.inputs[2] if len(op.inputs) > 2 else -1
+    units = c.tensor(w).shape[0]
+    ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units),
+           c.i32(_PADDING[o.get("Padding", 0)]), c.i32(o.get("StrideW", 1)),
+           c.i32(o.get("StrideH", 1))]
+    act, out = c.fused(op, op.outputs[0])
+    ins.append(c.i32(act))
+    if (o.get("DilationWFactor", 1), o.get("DilationHFactor", 1)) != (1, 1):
+        ins += [c.boolean(False), c.i32(o["DilationWFactor"]), c.i32(o["DilationHFactor"])]
+    c.emit(Op.CONV_2D, ins, [out])
+
+
+def _depthwise_conv_2d(c: Lowering, op: Operator) -> None:
+    o = op.options
+    x, w = op.inputs[0], op.inputs[1]
+    b = op.inputs[2] if len(op.inputs) > 2 else -1
+    channels_in = c.tensor(x).shape[-1]
+    units = c.tensor(w).shape[-1]
+    # The option is unreliable in old files; the shapes decide (as TFLite does).
+    multiplier = units // channels_in if channels_in else int(o.get("DepthMultiplier", 1))
+    ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units),
+           c.i32(_PADDING[o.get("Padding", 0)]), c.i32(o.get("StrideW", 1)),
+           c.i32(o.get("StrideH", 1)), c.i32(multiplier)]
+    act, out = c.fused(op, op.outputs[0])
+    ins.append(c.i32(act))
+    if (o.get("DilationWFactor", 1), o.get("DilationHFactor", 1)) != (1, 1):
+        ins += [c.boolean(False), c.i32(o["DilationWFactor"]), c.i32(o["DilationHFactor"])]
+    c.emit(Op.DEPTHWISE_CONV_2D, ins, [out])
+
+
+def _fully_connected(c: Lowering, op: Operator) -> None:
+    o = op.options
+    if o.get("WeightsFormat", 0) != 0:
+        raise c.fail(op, "shuffled weights have no NNAPI equivalent")
+    x, w = op.inputs[0], op.inputs[1]
+    b = op.inputs[2] if len(op.inputs) > 2 else -1
+    x_t, w_t, out_t = c.tensor(x), c.tensor(w), c.tensor(op.outputs[0])
+    x_kind, _ = c.operand_type(x_t, op)
+    w_kind, _ = c.operand_type(w_t, op)
+    if x_kind in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16) and w_t.dtype != x_t.dtype:
+        raise c.fail(op, "hybrid (float input, quantized weights) FULLY_CONNECTED is not supported")
+    units, depth = w_t.shape
+    batch = int(np.prod(x_t.shape)) // depth if depth else 0
+    flat_out = (batch, units)
+    needs_reshape = tuple(out_t.shape) != flat_out
+    if w_kind == T.TENSOR_QUANT8_SYMM_PER_CHANNEL:
+        # NNAPI's FULLY_CONNECTED has no per-channel weights; CONV_2D has:
+        # [batch, depth] -> [batch, 1, 1, depth] (*) [units, 1, 1, depth].
+        x4 = c.temp_like(x, (batch, 1, 1, depth))
+        c.emit(Op.RESHAPE, [_input(c, op, x), c.i32_tensor((batch, 1, 1, depth))], [x4])
+        w_q = w_t.quantization
+        if c.value(w) is None:
+            raise c.fail(op, "per-channel weights must be constant")
+        w4 = c.const(c.value(w).reshape(units, 1, 1, depth), T.TENSOR_QUANT8_SYMM_PER_CHANNEL,
+                     channel_quant=(0, w_q.scales))
+        act, out = c.fused(op, op.outputs[0])
+        y4 = c.temp_like(op.outputs[0], (batch, 1, 1, units))
+        c.emit(Op.CONV_2D, [x4, w4, _bias(c, op, b, x, w, units), c.i32(2), c.i32(1), c.i32(1),
+                            c.i32(act)], [y4])
+        c.emit(Op.RESHAPE, [y4, c.i32_tensor(out_t.shape)], [out])
+        return
+    ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units)]
+    act, out = c.fused(op, op.outputs[0])
+    if needs_reshape:
+        flat = c.temp_like(op.outputs[0], flat_out)
+        c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [flat])
+        c.emit(Op.RESHAPE, [flat, c.i32_tensor(out_t.shape)], [out])
+    else:
+        c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [out])
+
+
+def _pool(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        o = op.options
+        ins = [_input(c, op, op.inputs[0]), c.i32(_PADDING[o.get("Padding", 0)]),
+               c.i32(o.get("StrideW", 1)), c.i32(o.get("StrideH", 1)),
+               c.i32(o.get("FilterWidth", 1)), c.i32(o.get("FilterHeight", 1))]
+        act, out = c.fused(op, op.outputs[0])
+        c.emit(kind, ins + [c.i32(act)], [out])
+    return handler
+
+
+def _binary_with_activation(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        a, b = (_input(c, op, t) for t in op.inputs[:2])
+        act, out = c.fused(op, op.outputs[0])
+        c.emit(kind, [a, b, c.i32(act)], [out])
+    return handler
+
+
+def _plain(kind: Op, count: int | None = None):
+    def handler(c: Lowering, op: Operator) -> None:
+        ins = [_input(c, op, t) for t in (op.inputs if count is None else op.inputs[:count])]
+        c.emit(kind, ins, [c.output(op.outputs[0], op)])
+    return handler
+
+
+_ACTIVATION_OPS = {1: Op.RELU, 2: Op.RELU1, 3: Op.RELU6, _FUSED_TANH: Op.TANH}
+
+
+def _concat_int32(c: Lowering, op: Operator) -> None:
+    """An int32 vector built from constants and one-element values (begin
+    indices computed in a loop body): NNAPI's CONCATENATION takes no int32,
+    so it is sum(value_k * one_hot_k) + constants — exact in int32."""
+    out_t = c.tensor(op.outputs[0])
+    if len(out_t.shape) != 1:
+        raise c.fail(op, "int32 CONCATENATION is only supported for vectors")
+    n = out_t.shape[0]
+    base = np.zeros(n, np.int32)
+    parts, offset = [], 0
+    for t in op.inputs:
+        tensor = c.tensor(t)
+        size = int(np.prod(tensor.shape))
+        v = c.value(t)
+        if v is not None:
+            base[offset:offset + size] = v.reshape(-1)
+        elif size == 1:
+            hot = np.zeros(n, np.int32)
+            hot[offset] = 1
+            parts.append((_input(c, op, t), hot))
+        else:
+            raise c.fail(op, "int32 CONCATENATION of a computed vector longer than one element "
+                             "has no NNAPI equivalent")
+        offset += size
+    acc = c.const(base, T.TENSOR_INT32)
+    for k, (value, hot) in enumerate(parts):
+        scaled = c.model.add_operand(T.TENSOR_INT32, (n,))
+        c.emit(Op.MUL, [value, c.const(hot, T.TENSOR_INT32), c.i32(0)], [scaled])
+        last = k == len(parts) - 1
+        total = c.output(op.outputs[0], op) if last else c.model.add_operand(T.TENSOR_INT32, (n,))
+        c.emit(Op.ADD, [acc, scaled, c.i32(0)], [total])
+        acc = total
+    if not parts:
+        c.identity(acc, c.output(op.outputs[0], op), T.TENSOR_INT32, out_t.shape)
+
+
+def _concatenation(c: Lowering, op: Operator) -> None:
+    if c.tensor(op.outputs[0]).dtype == np.int32:
+        return _concat_int32(c, op)
+    rank = len(c.tensor(op.outputs[0]).shape)
+    axis = op.options.get("Axis", 0) % max(rank, 1)
+    ins = [_input(c, op, t) for t in op.inputs] + [c.i32(axis)]
+    code = int(op.options.get("FusedActivationFunction", 0) or 0)
+    out = c.output(op.outputs[0], op)
+    if code:
+        if code not in _ACTIVATION_OPS:
+            raise c.fail(op, f"fused activation {code} has no NNAPI equivalent")
+        temp = c.temp_like(op.outputs[0])
+        c.emit(Op.CONCATENATION, ins, [temp])
+        c.emit(_ACTIVATION_OPS[code], [temp], [out])
+    else:
+        c.emit(Op.CONCATENATION, ins, [out])
+
+
+def _reshape(c: Lowering, op: Operator) -> None:
+    out_t = c.tensor(op.outputs[0])
+    kind, _ = c.operand_type(out_t, op)
+    if kind in (T.TENSOR_INT32, T.TENSOR_BOOL8):
+        if not c.static_shape(out_t):
+            raise c.fail(op, "an int32 or bool RESHAPE needs a static output shape")
+        c.identity(_input(c, op, op.inputs[0]), c.output(op.outputs[0], op), kind, out_t.shape)
+        return
+    if c.static_shape(out_t) and out_t.shape:
+        shape = c.i32_tensor(out_t.shape)
+    elif len(op.inputs) > 1 and op.inputs[1] >= 0:
+        shape = _input(c, op, op.inputs[1])
+    elif op.options.get("NewShape"):
+        shape = c.i32_tensor(op.options["NewShape"])
+    else:
+        shape = c.i32_tensor(out_t.shape or (1,))
+    c.emit(Op.RESHAPE, [_input(c, op, op.inputs[0]), shape], [c.output(op.outputs[0], op)])
+
+
+def _softmax(c: Lowering, op: Operator) -> None:
+    c.emit(Op.SOFTMAX, [_input(c, op, op.inputs[0]), c.f32(op.options.get("Beta", 1.0))],
+           [c.output(op.outputs[0], op)])
+
+
+def _mean(c: Lowering, op: Operator) -> None:
+    axes = c.value(op.inputs[1])
+    if axes is None:
+        raise c.fail(op, "the axes must be constant")
+    c.emit(Op.MEAN, [_input(c, op, op.inputs[0]), c.i32_tensor(axes),
+                     c.i32(1 if op.options.get("KeepDims") else 0)],
+           [c.output(op.outputs[0], op)])
+
+
+def _pad(c: Lowering, op: Operator) -> None:
+    pads = c.value(op.inputs[1])
+    pad_operand = c.const(np.asarray(pads, np.int32), T.TENSOR_INT32) if pads is not None \
+        else _input(c, op, op.inputs[1])
+    ins = [_input(c, op, op.inputs[0]), pad_operand]
+    kind = Op.PAD
+    if op.name == "PADV2" and len(op.inputs) > 2 and op.inputs[2] >= 0:
+        value = c.value(op.inputs[2])
+        if value is None:
+            raise c.fail(op, "the pad value must be constant")
+        x_kind, _ = c.operand_type(c.tensor(op.inputs[0]), op)
+        if x_kind == T.TENSOR_FLOAT32:
+            ins.append(c.f32(float(value.reshape(-1)[0])))
+        elif x_kind == T.TENSOR_FLOAT16:
+            ins.append(c.const(np.float16(value.reshape(-1)[0]), T.FLOAT16, ()))
+        else:
+            ins.append(c.i32(int(value.reshape(-1)[0])))
+        kind = Op.PAD_V2
+    c.emit(kind, ins, [c.output(op.outputs[0], op)])
+
+
+def _resize(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        out_t = c.tensor(op.outputs[0])
+        size = c.value(op.inputs[1])
+        h, w = (int(v) for v in size) if size is not None else out_t.shape[1:3]
+        c.emit(kind, [_input(c, op, op.inputs[0]), c.i32(w), c.i32(h), c.boolean(False),
+                      c.boolean(bool(op.options.get("AlignCorners"))),
+                      c.boolean(bool(op.options.get("HalfPixelCenters")))],
+               [c.output(op.outputs[0], op)])
+    return handler
+
+
+def _block(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        c.emit(kind, [_input(c, op, op.inputs[0]), c.i32(op.options.get("BlockSize", 1))],
+               [c.output(op.outputs[0], op)])
+    return handler
+
+
+def _dequantize(c: Lowering, op: Operator) -> None:
+    x_t = c.tensor(op.inputs[0])
+    kind = Op.CAST if x_t.dtype == np.float16 else Op.DEQUANTIZE
+    c.emit(kind, [_input(c, op, op.inputs[0])], [c.output(op.outputs[0], op)])
+
+
+def _quantize(c: Lowering, op: Operator) -> None:
+    x = op.inputs[0]
+    x_kind, _ = c.operand_type(c.tensor(x), op)
+    src = _input(c, op, x)
+    if x_kind not in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16):
+        # Requantize (e.g. uint8 <-> int8): NNAPI's QUANTIZE takes only float
+        # input. Equal scales (the converter's uint8 I/O) make it exact.
+        real = c.temp_like(x, kind=T.TENSOR_FLOAT32)
+        c.emit(Op.DEQUANTIZE, [src], [real])
+        src = real
+    c.emit(Op.QUANTIZE, [src], [c.output(op.outputs[0], op)])
+
+
+def _cast(c: Lowering, op: Operator) -> None:
+    c.emit(Op.CAST, [_input(c, op, op.inputs[0])], [c.output(op.outputs[0], op)])
+
+
+def _strided_slice(c: Lowering, op: Operator) -> None:
+    o = op.options
+    if o.get("EllipsisMask") or o.get("NewAxisMask"):
+        raise c.fail(op, "ellipsis and new-axis masks have no NNAPI equivalent")
+    if o.get("Offset"):
+        raise c.fail(op, "offset mode has no NNAPI equivalent")
+    begin, end, strides = (c.value(t) for t in op.inputs[1:4])
+    if begin is None or end is None or strides is None:
+        raise c.fail(op, "begin, end and strides must be constant")
+    x_t = c.tensor(op.inputs[0])
+    begin, end = np.array(begin, np.int64), np.array(end, np.int64)
+    shrink = int(o.get("ShrinkAxisMask", 0))
+    for d in range(len(begin)):
+        if shrink >> d & 1:
+            # TFLite takes one element at begin and ignores end; NNAPI reads end.
+            b = int(begin[d])
+            if b < 0 and d < len(x_t.shape):
+                b += x_t.shape[d]
+            begin[d], end[d] = b, b + 1
+    c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin), c.i32_tensor(end),
+                              c.i32_tensor(strides), c.i32(o.get("BeginMask", 0)),
+                              c.i32(o.get("EndMask", 0)), c.i32(shrink)],
+           [c.output(op.outputs[0], op)])
+
+
+def _slice(c: Lowering, op: Operator) -> None:
+    ins = [_input(c, op, op.inputs[0])]
+    for t in op.inputs[1:3]:
+        v = c.value(t)
+        ins.append(c.i32_tensor(v) if v is not None else _input(c, op, t))
+    c.emit(Op.SLICE, ins, [c.output(op.outputs[0], op)])
+
+
+def _split(c: Lowering, op: Operator) -> None:
+    axis = c.value(op.inputs[0])
+    if axis is None:
+        raise c.fail(op, "the axis must be constant")
+    c.emit(Op.SPLIT, [_input(c, op, op.inputs[1]), c.i32(int(axis.reshape(-1)[0])),
+                      c.i32(op.options.get("NumSplits", len(op.outputs)))],
+           [c.output(t, op) for t in op.outputs])
+
+
+def _unpack(c: Lowering, op: Operator) -> None:
+    x_t = c.tensor(op.inputs[0])
+    axis = op.options.get("Axis", 0) % len(x_t.shape)
+    pieces = []
+    for t in op.outputs:
+        dims = list(c.dims(x_t))
+        dims[axis] = 1
+        pieces.append(c.temp_like(op.inputs[0], tuple(dims)))
+    c.emit(Op.SPLIT, [_input(c, op, op.inputs[0]), c.i32(axis), c.i32(len(op.outputs))], pieces)
+    for piece, t in zip(pieces, op.outputs):
+        c.emit(Op.RESHAPE, [piece, c.i32_tensor(c.tensor(t).shape or (1,))], [c.output(t, op)])
+
+
+def _pack(c: Lowering, op: Operator) -> None:
+    out_t = c.tensor(op.outputs[0])
+    axis = op.options.get("Axis", 0) % len(out_t.shape)
+    pieces = []
+    for t in op.inputs:
+        dims = list(c.tensor(t).shape)
+        dims.insert(axis, 1)
+        piece = c.temp_like(t, tuple(dims))
+        c.emit(Op.RESHAPE, [_input(c, op, t), c.i32_tensor(dims)], [piece])
+        pieces.append(piece)
+    c.emit(Op.CONCATENATION, pieces + [c.i32(axis)], [c.output(op.outputs[0], op)])
+
+
+def _gather(c: Lowering, op: Operator) -> None:
+    if op.options.get("BatchDims"):
+        raise c.fail(op, "batch_dims has no NNAPI equivalent")
+    x, idx = op.inputs[0], op.inputs[1]
+    axis = op.options.get("Axis", 0)
+    indices = c.value(idx)
+    idx_operand = c.i32_tensor(indices) if indices is not None else _input(c, op, idx)
+    ins = [_input(c, op, x), c.i32(axis), idx_operand]
+    out_t = c.tensor(op.outputs[0])
+    if not c.tensor(idx).shape:
+        # A scalar index drops the axis; NNAPI's [1] index keeps it: reshape.
+        temp = c.temp_like(op.outputs[0], ())
+        c.emit(Op.GATHER, ins, [temp])
+        c.emit(Op.RESHAPE, [temp, c.i32_tensor(out_t.shape or (1,))],
+               [c.output(op.outputs[0], op)])
+    else:
+        c.emit(Op.GATHER, ins, [c.output(op.outputs[0], op)])
+
+
+def _squeeze(c: Lowering, op: Operator) -> None:
+    dims = op.options.get("SqueezeDims") or []
+    ins = [_input(c, op, op.inputs[0])]
+    if dims:
+        ins.append(c.i32_tensor(dims))
+    c.emit(Op.SQUEEZE, ins, [c.output(op.outputs[0], op)])
+
+
+def _expand_dims(c: Lowering, op: Operator) -> None:
+    axis = c.value(op.inputs[1])
+    if axis is None:
+        raise c.fail(op, "the axis must be constant")
+    c.emit(Op.EXPAND_DIMS, [_input(c, op, op.inputs[0]), c.i32(int(axis.reshape(-1)[0]))],
+           [c.output(op.outputs[0], op)])
+
+
+def _transpose(c: Lowering, op: Operator) -> None:
+    perm = c.value(op.inputs[1])
+    ins = [_input(c, op, op.inputs[0]),
+           c.i32_tensor(perm) if perm is not None else _input(c, op, op.inputs[1])]
+    c.emit(Op.TRANSPOSE, ins, [c.output(op.outputs[0], op)])
+
+
+def _reduce(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        axes = c.value(op.inputs[1])
+        if axes is None:
+            raise c.fail(op, "the axes must be constant")
+        c.emit(kind, [_input(c, op, op.inputs[0]), c.i32_tensor(axes),
+                      c.boolean(bool(op.options.get("KeepDims")))],
+               [c.output(op.outputs[0], op)])
+    return handler
+
+
+def _lstm(c: Lowering, op: Operator) -> None:
+    o = op.options
+    ins = list(op.inputs) + [-1] * (24 - len(op.inputs))
+    x_t = c.tensor(ins[0])
+    if x_t.dtype != np.float32 or any(c.tensor(t).dtype != np.float32
+                                      for t in ins[1:18] if t >= 0):
+        raise c.fail(op, "only float32 LSTMs are supported (no hybrid or quantized weights)")
+    if not c.is_main:
+        raise c.fail(op, "a stateful LSTM inside a control-flow body is not supported")
+    nn = [_input(c, op, ins[0])]
+    for t in ins[1:18]:
+        nn.append(c.operand(t, op) if t >= 0 else c.omitted())
+    states = []
+    for t in ins[18:20]:
+        tensor = c.tensor(t)
+        if t < 0 or not tensor.is_variable:
+            raise c.fail(op, "the state inputs must be variable tensors")
+        if t in c.operands:
+            raise c.fail(op, f"variable tensor {t} is shared with another operator")
+        state = c.output(t, op)  # a model input: the runtime feeds the last state
+        c.state_inputs.append((t, state))
+        states.append(state)
+    nn += states
+    nn += [c.i32(o.get("FusedActivationFunction", 4)), c.f32(o.get("CellClip", 0.0)),
+           c.f32(o.get("ProjClip", 0.0)), c.boolean(bool(o.get("TimeMajor", False)))]
+    for t in ins[20:24]:
+        nn.append(c.operand(t, op) if t >= 0 else c.omitted())
+    state_outs = []
+    for t in ins[18:20]:
+        nxt = c.temp_like(t)
+        c.state_outputs.append((t, nxt))
+        state_outs.append(nxt)
+    c.emit(Op.UNIDIRECTIONAL_SEQUENCE_LSTM, nn, [c.output(op.outputs[0], op)] + state_outs)
+
+
+def _while(c: Lowering, op: Operator) -> None:
+    cond = c.submodel(op.options.get("CondSubgraphIndex", -1), op)
+    body = c.submodel(op.options.get("BodySubgraphIndex", -1), op)
+    c.emit(Op.WHILE, [cond, body] + [_input(c, op, t) for t in op.inputs],
+           [c.output(t, op) for t in op.outputs])
+
+
+def _if(c: Lowering, op: Operator) -> None:
+    then = c.submodel(op.options.get("ThenSubgraphIndex", -1), op)
+    other = c.submodel(op.options.get("ElseSubgraphIndex", -1), op)
+    cond = _input(c, op, op.inputs[0])
+    c.emit(Op.IF, [cond, then, other] + [_input(c, op, t) for t in op.inputs[1:]],
+           [c.output(t, op) for t in op.outputs])
+
+
+def _constant_input(c: Lowering, op: Operator, k: int, what: str) -> np.ndarray:
+    value = c.value(op.inputs[k]) if k < len(op.inputs) else None
+    if value is None:
+        raise c.fail(op, f"the {what} must be constant")
+    return value
+
+
+def _transpose_conv(c: Lowering, op: Operator) -> None:
+    # TFLite: (output_shape, weights [O, H, W, I], input[, bias]); NNAPI:
+    # (input, filter [O, H, W, I], bias, output_shape, padding, strides, act, layout).
+    o = op.options
+    shape = _constant_input(c, op, 0, "output shape")
+    w, x = op.inputs[1], op.inputs[2]
+    b = op.inputs[3] if len(op.inputs) > 3 else -1
+    units = c.tensor(w).shape[0]
+    ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units), c.i32_tensor(shape),
+           c.i32(_PADDING[o.get("Padding", 0)]), c.i32(o.get("StrideW", 1)),
+           c.i32(o.get("StrideH", 1))]
+    act, out = c.fused(op, op.outputs[0])
+    c.emit(Op.TRANSPOSE_CONV_2D, ins + [c.i32(act), c.boolean(False)], [out])
+
+
+def _space_to_batch(c: Lowering, op: Operator) -> None:
+    block = _constant_input(c, op, 1, "block shape")
+    pads = _constant_input(c, op, 2, "paddings")
+    c.emit(Op.SPACE_TO_BATCH_ND, [_input(c, op, op.inputs[0]), c.i32_tensor(block),
+                                  c.const(np.asarray(pads, np.int32), T.TENSOR_INT32)],
+           [c.output(op.outputs[0], op)])
+
+
+def _batch_to_space(c: Lowering, op: Operator) -> None:
+    block = _constant_input(c, op, 1, "block shape")
+    crops = _constant_input(c, op, 2, "crops")
+    if np.any(crops):
+        raise c.fail(op, "non-zero crops have no NNAPI equivalent")
+    c.emit(Op.BATCH_TO_SPACE_ND, [_input(c, op, op.inputs[0]), c.i32_tensor(block)],
+           [c.output(op.outputs[0], op)])
+
+
+def _log_softmax(c: Lowering, op: Operator) -> None:
+    c.emit(Op.LOG_SOFTMAX, [_input(c, op, op.inputs[0]), c.f32(1.0), c.i32(-1)],
+           [c.output(op.outputs[0], op)])
+
+
+def _lrn(c: Lowering, op: Operator) -> None:
+    o = op.options
+    c.emit(Op.LOCAL_RESPONSE_NORMALIZATION,
+           [_input(c, op, op.inputs[0]), c.i32(o.get("Radius", 5)), c.f32(o.get("Bias", 1.0)),
+            c.f32(o.get("Alpha", 1.0)), c.f32(o.get("Beta", 0.5))],
+           [c.output(op.outputs[0], op)])
+
+
+def _split_v(c: Lowering, op: Operator) -> None:
+    # NNAPI's SPLIT cuts equal parts only: one SLICE per output.
+    sizes = [int(v) for v in _constant_input(c, op, 1, "split sizes").reshape(-1)]
+    x_t = c.tensor(op.inputs[0])
+    axis = int(_constant_input(c, op, 2, "axis").reshape(-1)[0]) % len(x_t.shape)
+    if sizes.count(-1) == 1:
+        sizes[sizes.index(-1)] = x_t.shape[axis] - (sum(sizes) + 1)
+    x = _input(c, op, op.inputs[0])
+    start = 0
+    for size, t in zip(sizes, op.outputs):
+        begin = [0] * len(x_t.shape)
+        begin[axis] = start
+        extent = [-1] * len(x_t.shape)
+        extent[axis] = size
+        c.emit(Op.SLICE, [x, c.i32_tensor(begin), c.i32_tensor(extent)], [c.output(t, op)])
+        start += size
+
+
+def _leaky_relu(c: Lowering, op: Operator) -> None:
+    x_t = c.tensor(op.inputs[0])
+    if x_t.dtype != np.float32:
+        raise c.fail(op, "only float32 LEAKY_RELU is supported")
+    alpha = c.const(np.array([op.options.get("Alpha", 0.2)], np.float32), T.TENSOR_FLOAT32)
+    c.emit(Op.PRELU, [_input(c, op, op.inputs[0]), alpha], [c.output(op.outputs[0], op)])
+
+
+def _squared_difference(c: Lowering, op: Operator) -> None:
+    if c.tensor(op.inputs[0]).dtype != np.float32:
+        raise c.fail(op, "only float32 SQUARED_DIFFERENCE is supported")
+    diff = c.temp_like(op.outputs[0])
+    c.emit(Op.SUB, [_input(c, op, op.inputs[0]), _input(c, op, op.inputs[1]), c.i32(0)], [diff])
+    c.emit(Op.MUL, [diff, diff, c.i32(0)], [c.output(op.outputs[0], op)])
+
+
+def _arg(kind: Op):
+    def handler(c: Lowering, op: Operator) -> None:
+        axis = int(_constant_input(c, op, 1, "axis").reshape(-1)[0])
+        c.emit(kind, [_input(c, op, op.inputs[0]), c.i32(axis)], [c.output(op.outputs[0], op)])
+    return handler
+
+
+def _topk(c: Lowering, op: Operator) -> None:
+    k = int(_constant_input(c, op, 1, "k").reshape(-1)[0])
+    c.emit(Op.TOPK_V2, [_input(c, op, op.inputs[0]), c.i32(k)],
+           [c.output(t, op) for t in op.outputs[:2]])
+
+
+def _tile(c: Lowering, op: Operator) -> None:
+    multiples = _constant_input(c, op, 1, "multiples")
+    c.emit(Op.TILE, [_input(c, op, op.inputs[0]), c.i32_tensor(multiples)],
+           [c.output(op.outputs[0], op)])
+
+
+_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
+    "ADD": _binary_with_activation(Op.ADD),
+    "SUB": _binary_with_activation(Op.SUB),
+    "MUL": _binary_with_activation(Op.MUL),
+    "DIV": _binary_with_activation(Op.DIV),
+    "AVERAGE_POOL_2D": _pool(Op.AVERAGE_POOL_2D),
+    "MAX_POOL_2D": _pool(Op.MAX_POOL_2D),
+    "L2_POOL_2D": _pool(Op.L2_POOL_2D),
+    "CONV_2D": _conv_2d,
+    "DEPTHWISE_CONV_2D": _depthwise_conv_2d,
+    "FULLY_CONNECTED": _fully_connected,
+    "CONCATENATION": _concatenation,
+    "RESHAPE": _reshape,
+    "SOFTMAX": _softmax,
+    "MEAN": _mean,
+    "SUM": _reduce(Op.REDUCE_SUM),
+    "REDUCE_MAX": _reduce(Op.REDUCE_MAX),
+    "REDUCE_MIN": _reduce(Op.REDUCE_MIN),
+    "REDUCE_PROD": _reduce(Op.REDUCE_PROD),
+    "REDUCE_ANY": _reduce(Op.REDUCE_ANY),
+    "TRANSPOSE_CONV": _transpose_conv,
+    "SPACE_TO_BATCH_ND": _space_to_batch,
+    "BATCH_TO_SPACE_ND": _batch_to_space,
+    "LOG_SOFTMAX": _log_softmax,
+    "LOCAL_RESPONSE_NORMALIZATION": _lrn,
+    "SPLIT_V": _split_v,
+    "LEAKY_RELU": _leaky_relu,
+    "SQUARED_DIFFERENCE": _squared_difference,
+    "ARG_MAX": _arg(Op.ARGMAX),
+    "ARG_MIN": _arg(Op.ARGMIN),
+    "TOPK_V2": _topk,
+    "TILE": _tile,
+    "EMBEDDING_LOOKUP": _plain(Op.EMBEDDING_LOOKUP, 2),
+    "PAD": _pad,
+    "PADV2": _pad,
+    "RESIZE_BILINEAR": _resize(Op.RESIZE_BILINEAR),
+    "RESIZE_NEAREST_NEIGHBOR": _resize(Op.RESIZE_NEAREST_NEIGHBOR),
+    "DEPTH_TO_SPACE": _block(Op.DEPTH_TO_SPACE),
+    "SPACE_TO_DEPTH": _block(Op.SPACE_TO_DEPTH),
+    "DEQUANTIZE": _dequantize,
+    "QUANTIZE": _quantize,
+    "CAST": _cast,
+    "STRIDED_SLICE": _strided_slice,
+    "SLICE": _slice,
+    "SPLIT": _split,
+    "UNPACK": _unpack,
+    "PACK": _pack,
+    "GATHER": _gather,
+    "SQUEEZE": _squeeze,
+    "EXPAND_DIMS": _expand_dims,
+    "TRANSPOSE": _transpose,
+    "UNIDIRECTIONAL_SEQUENCE_LSTM": _lstm,
+    "WHILE": _while,
+    "IF": _if,
+    "PRELU": _plain(Op.PRELU, 2),
+    "MAXIMUM": _plain(Op.MAXIMUM, 2),
+    "MINIMUM": _plain(Op.MINIMUM, 2),
+    "LESS": _plain(Op.LESS, 2),
+    "LESS_EQUAL": _plain(Op.LESS_EQUAL, 2),
+    "GREATER": _plain(Op.GREATER, 2),
+    "GREATER_EQUAL": _plain(Op.GREATER_EQUAL, 2),
+    "EQUAL": _plain(Op.EQUAL, 2),
+    "NOT_EQUAL": _plain(Op.NOT_EQUAL, 2),
+    "LOGICAL_AND": _plain(Op.LOGICAL_AND, 2),
+    "LOGICAL_OR": _plain(Op.LOGICAL_OR, 2),
+    "POW": _plain(Op.POW, 2),
+    "SELECT": _plain(Op.SELECT, 3),
+    "SELECT_V2": _plain(Op.SELECT, 3),
+    **{name: _plain(kind, 1) for name, kind in (
+        ("LOGISTIC", Op.LOGISTIC), ("TANH", Op.TANH), ("RELU", Op.RELU),
+        ("RELU6", Op.RELU6), ("RELU_N1_TO_1", Op.RELU1), ("HARD_SWISH", Op.HARD_SWISH),
+        ("ABS", Op.ABS), ("EXP", Op.EXP), ("LOG", Op.LOG), ("NEG", Op.NEG), ("SIN", Op.SIN),
+        ("SQRT", Op.SQRT), ("RSQRT", Op.RSQRT), ("FLOOR", Op.FLOOR), ("ELU", Op.ELU),
+        ("LOGICAL_NOT", Op.LOGICAL_NOT), ("L2_NORMALIZATION", Op.L2_NORMALIZATION))},
+}

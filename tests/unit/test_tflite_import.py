@@ -1,0 +1,143 @@
+"""nnrt.tflite: importing .tflite files.
+
+The small models in tests/data/tflite are made by scripts/make_test_models.py
+(flatbuffers builder) with outputs from LiteRT's reference kernels; they cover
+operators the shared models do not. Shared models are tested in
+tests/integration/test_tflite_models.py.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnrt
+import nnrt.tflite
+from nnrt import ErrorStatus, OperationType
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tflite"
+
+
+def _cases(stem: str):
+    k = 0
+    while (DATA / f"{stem}.case{k}.in0.npy").exists():
+        ins = sorted(DATA.glob(f"{stem}.case{k}.in*.npy"))
+        outs = sorted(DATA.glob(f"{stem}.case{k}.out*.npy"))
+        yield [np.load(p) for p in ins], [np.load(p) for p in outs]
+        k += 1
+
+
+def _op_counts(model: nnrt.Model, referenced: bool = False) -> Counter:
+    hal = model.hal_model
+    subgraphs = [hal.main] + (list(hal.referenced) if referenced else [])
+    return Counter(op.type for s in subgraphs for op in s.operations)
+
+
+@pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn"])
+def test_generated_models_match_litert_reference_kernels(stem):
+    model = nnrt.tflite.load(DATA / f"{stem}.tflite")
+    cases = list(_cases(stem))
+    assert cases
+    for inputs, expected in cases:
+        outputs = nnrt.run(model, inputs).outputs
+        assert len(outputs) == len(expected)
+        for got, want in zip(outputs, expected):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if want.dtype.kind == "f":
+                scale = max(float(np.abs(want).max()), 1e-30)
+                assert np.abs(got - want).max() <= 1e-4 * scale
+            else:
+                assert np.abs(got.astype(np.int64) - want).max() <= 1
+
+
+def test_if_becomes_nnapi_control_flow_with_referenced_models():
+    model = nnrt.tflite.load(DATA / "if_add_or_mul.tflite")
+    hal = model.hal_model
+    assert [op.type for op in hal.main.operations] == [OperationType.IF]
+    assert sorted(op.type.name for s in hal.referenced for op in s.operations) == ["ADD", "MUL"]
+    (true_in, true_out), (false_in, false_out) = _cases("if_add_or_mul")
+    x, y = true_in[1], true_in[2]
+    np.testing.assert_array_equal(nnrt.run(model, true_in).outputs[0], x + y)
+    np.testing.assert_array_equal(nnrt.run(model, false_in).outputs[0], x * y)
+
+
+def test_strided_slice_shrink_axis_with_negative_begin_takes_one_row():
+    # int8_chain slices begin=-1 on a shrink axis with end=0, which TFLite
+    # ignores; read literally, NNAPI would give an empty slice.
+    model = nnrt.tflite.load(DATA / "int8_chain.tflite")
+    ops = [op for op in model.hal_model.main.operations if op.type == OperationType.STRIDED_SLICE]
+    assert len(ops) == 1
+    (inputs, expected), = _cases("int8_chain")
+    out = nnrt.run(model, inputs).outputs[0]
+    assert out.shape == (1, 2, 3)
+    np.testing.assert_array_equal(out, expected[0])
+
+
+def test_metadata_keeps_names_dtypes_shapes_and_quantization():
+    model = nnrt.tflite.load(DATA / "int8_chain.tflite")
+    meta = model.metadata
+    assert [i.name for i in meta.inputs] == ["a"]
+    assert [o.name for o in meta.outputs] == ["row", "sum"]
+    a = meta.inputs[0]
+    assert a.dtype == np.int8 and a.shape == (1, 4, 4, 3)
+    assert a.quantization.scales == (pytest.approx(0.05),) and a.quantization.zero_points == (-3,)
+    assert meta.states == () and meta.source == "int8_chain.tflite"
+
+
+def test_fused_activations_and_folded_constants():
+    model = nnrt.tflite.load(DATA / "float_chain.tflite")
+    counts = _op_counts(model)
+    # QUANTIZE float->int8 then DEQUANTIZE run on the device; nothing of the
+    # constant shape arithmetic is left as an operation.
+    assert counts[OperationType.QUANTIZE] == 1 and counts[OperationType.DEQUANTIZE] == 1
+    assert counts[OperationType.PAD_V2] == 1 and counts[OperationType.RESIZE_NEAREST_NEIGHBOR] == 1
+
+
+def test_custom_op_is_refused_naming_the_op_its_index_and_the_model():
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(DATA / "custom_op.tflite")
+    e = info.value
+    assert e.status == ErrorStatus.INVALID_ARGUMENT
+    assert "MyVendorOp" in e.message and "operator 1" in e.message
+    assert "custom_op.tflite" in e.message
+
+
+@pytest.mark.parametrize("data", [b"", b"not a flatbuffer at all", b"\x10\0\0\0TFL3" + b"\xff" * 8])
+def test_bad_bytes_are_invalid_argument(data):
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(data)
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+
+
+def test_truncated_file_is_invalid_argument_not_a_crash():
+    data = (DATA / "float_chain.tflite").read_bytes()
+    for cut in (16, 64, len(data) // 2, len(data) - 8):
+        with pytest.raises(nnrt.NnrtError) as info:
+            nnrt.tflite.load(data[:cut])
+        assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+
+
+def test_missing_file_and_bad_subgraph_are_invalid_argument(tmp_path):
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(tmp_path / "nope.tflite")
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT and "nope.tflite" in info.value.message
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(DATA / "float_chain.tflite", subgraph=3)
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+
+
+def test_the_imported_model_is_finished_and_immutable():
+    model = nnrt.tflite.load(DATA / "float_chain.tflite")
+    assert model.finished
+    with pytest.raises(nnrt.NnrtError):
+        model.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1])
+
+
+def test_operators_without_a_one_to_one_nnapi_operation_are_lowered():
+    counts = _op_counts(nnrt.tflite.load(DATA / "more_float_ops.tflite"))
+    assert counts[OperationType.SLICE] == 2            # SPLIT_V: one SLICE per part
+    assert counts[OperationType.PRELU] == 1            # LEAKY_RELU
+    assert counts[OperationType.SUB] == 1 and counts[OperationType.MUL] == 1  # SQUARED_DIFFERENCE
+    assert counts[OperationType.TRANSPOSE_CONV_2D] == 1
