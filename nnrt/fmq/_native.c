@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -37,8 +38,7 @@ typedef struct {
 
 #define PREFIX 8u
 #define CHECK 0xFFFFFFFFu
-enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, NONBLOCKING = -4,
-       TOO_LARGE = -5, RELEASED = -6 };
+enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, TOO_LARGE = -5, RELEASED = -6 };
 
 static inline uint64_t pad(uint64_t n) { return PREFIX + ((n + 7u) & ~(uint64_t)7u); }
 
@@ -48,8 +48,10 @@ static int signal_fd(int fd) {
     uint64_t one = 1;
     for (;;) {
         ssize_t n = write(fd, &one, sizeof one);
+        /* EAGAIN (the eventfd is non-blocking): the counter is saturated,
+         * i.e. readable until drained -- "already signalled". */
         if (n == (ssize_t)sizeof one || (n < 0 && errno == EAGAIN))
-            return 0;   /* EAGAIN: the counter is saturated, the peer is awake anyway */
+            return 0;
         if (n < 0 && errno == EINTR)
             continue;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -228,7 +230,10 @@ static PyObject *Shared_take(Shared *self, PyObject *unused) {
 }
 
 /* take_blocking() -> bytes or an error code: check, announce, re-check, sleep
- * in read(2) on the data eventfd with the GIL released, retire, repeat. */
+ * in poll(2) on the data eventfd with the GIL released, drain it, retire,
+ * repeat. The eventfd is non-blocking (ring.py creates it so and attach
+ * refuses anything else), so the drain cannot block even if another holder
+ * emptied the counter after poll returned: EAGAIN there means "already 0". */
 static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
     for (;;) {
         if (!self->base)
@@ -245,12 +250,14 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
         }
         Py_DECREF(frame);
         uint64_t count;
-        ssize_t n;
-        int err;
-        int efd = self->data_efd;
+        int n, err;
+        struct pollfd pfd = {.fd = self->data_efd, .events = POLLIN};
         Py_BEGIN_ALLOW_THREADS
-        n = read(efd, &count, sizeof count);
+        n = poll(&pfd, 1, -1);
         err = errno;
+        if (n > 0 && (pfd.revents & POLLIN) && read(pfd.fd, &count, sizeof count) < 0
+                && errno != EAGAIN)
+            n = -1, err = errno;
         Py_END_ALLOW_THREADS
         if (!self->base)     /* released by close() in another thread meanwhile */
             return PyLong_FromLong(RELEASED);
@@ -261,9 +268,11 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
                     return NULL;
                 continue;
             }
-            if (err == EAGAIN)
-                return PyLong_FromLong(NONBLOCKING);
             errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (pfd.revents & (POLLNVAL | POLLERR)) {
+            errno = EBADF;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
     }
