@@ -487,7 +487,8 @@ class ServiceConnection:
                     raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
                                   f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
                 mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                                    PROT_RW if wp.writable else PROT_READ)
+                                                    PROT_RW if wp.writable else PROT_READ,
+                                                    require_sealed=True)
         except BaseException:
             for m in mapped.values():
                 m.close()
@@ -604,7 +605,7 @@ class ServiceConnection:
     def _request_pool(self, entry: _Prepared, wp: p.WirePool, k: int, transient: list):
         if wp.fd is not None:
             mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                 PROT_RW if wp.writable else PROT_READ)
+                                 PROT_RW if wp.writable else PROT_READ, require_sealed=True)
             if wp.pool_id == 0:
                 transient.append(mem)
             else:
@@ -640,7 +641,7 @@ def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
                     raise invalid(f"model pool {k} came without an fd")
                 views.append(b"")
                 continue
-            mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size, PROT_READ)
+            mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size, PROT_READ, require_sealed=True)
             memories.append(mem)
             views.append(mem.view()[wp.offset:wp.offset + wp.length])
     except BaseException:
