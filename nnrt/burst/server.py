@@ -35,10 +35,17 @@ progress, if any, so a mapping is never pulled from under the driver. The
 slot table is shared by the thread and the event loop (``free``): a lock
 guards it.
 
-Failures. A frame that does not decode fails that execution with
-INVALID_ARGUMENT (serial taken from the header when it is readable) and the
-burst goes on. :class:`~nnrt.fmq.RingCorrupted` (impossible counters: the
-stream is out of sync) ends the burst. The burst also ends on ``stop()``
+Failures. Nothing that goes wrong in one burst leaves it: the app on the
+other side may be hostile, and an exception escaping :meth:`run` would end
+the connection's task group (and with it every other call of that app). A
+frame that does not decode fails that execution with INVALID_ARGUMENT
+(serial taken from the header when it is readable) and the burst goes on; a
+driver error fails that execution. A result ring whose maximum frame cannot
+hold every result (``wire.MAX_RESULT_SIZE``) is refused when the burst is
+made (INVALID_ARGUMENT to CONFIGURE_BURST). :class:`~nnrt.fmq.RingCorrupted`
+(impossible counters: the stream is out of sync), and any other error of the
+rings, the eventfds or this module, ends the burst with an ``end_reason``
+that the connection sends to the app (BURST_ENDED). The burst also ends on ``stop()``
 (RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled (the control
 connection closed: the app died): the stop eventfd wakes the thread, a
 pending ``fetch`` is cancelled, and once the thread has returned every
@@ -57,11 +64,11 @@ import anyio
 
 from ..hal import PreparedModel, Request, RequestArgument
 from ..errors import ErrorStatus, NnrtError
-from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
+from ..fmq import PREFIX, Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
 from ..model.graph import DataLocation
 from ..vlog import vlog
-from .wire import (MAX_MESSAGE, REQUEST_MAGIC, BurstOutputShape, BurstProtocolError,
+from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape, BurstProtocolError,
                    BurstResult, RequestDecoder, encode_result)
 
 # Fetch the memories behind some slots: slot -> Memory for every slot it
@@ -102,6 +109,15 @@ class BurstServer:
     def __init__(self, burst_id: int, prepared: PreparedModel, requests: Ring, results: Ring,
                  fetch: Fetch, counters: BurstCounters | None = None, label: str = "burst",
                  model_id: int = 0):
+        """Takes ownership of both rings, also when it refuses them:
+        INVALID_ARGUMENT when the result ring cannot carry every result."""
+        if results.max_frame < MAX_RESULT_SIZE:
+            requests.close()
+            results.close()
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"the burst's result ring takes frames of at most "
+                            f"{results.max_frame} bytes; a result may need {MAX_RESULT_SIZE} "
+                            f"(make it with capacity >= {_ring_for(MAX_RESULT_SIZE)})")
         self.burst_id = burst_id
         self.model_id = model_id   # the service's id of ``prepared``
         self.prepared = prepared
@@ -145,6 +161,8 @@ class BurstServer:
                     await anyio.to_thread.run_sync(self._serve_forever,
                                                    limiter=anyio.CapacityLimiter(1))
                     tg.cancel_scope.cancel()
+        except Exception as e:  # e.g. no thread could be started: this burst ends, not more
+            self._end(f"{type(e).__name__}: {e}")
         finally:
             self.close()
 
@@ -176,10 +194,11 @@ class BurstServer:
                 return
             self.closed = True
             memories, self._memories = self._memories, {}
-        for mem in memories.values():
-            mem.close()
-        self._requests.close()
-        self._results.close()
+        for closeable in (*memories.values(), self._requests, self._results):
+            try:
+                closeable.close()
+            except Exception as e:  # keep releasing the rest
+                vlog("driver", "%s: closing %r failed: %s", self._label, closeable, e)
         os.close(self._stop_efd)
 
     def free(self, slots) -> None:
@@ -223,11 +242,16 @@ class BurstServer:
                                 is Ready.ALSO:
                             return
         except RingCorrupted as e:
-            vlog("driver", "%s: the burst's ring is out of sync, tearing it down: %s",
-                 self._label, e)
-            self.end_reason = f"its ring is out of sync: {e}"
+            self._end(f"its ring is out of sync: {e}")
         except (RingClosed, _Stopped):
             pass
+        except Exception as e:  # FrameTooLarge, an eventfd error, a bug: this burst only
+            self._end(f"{type(e).__name__}: {e}")
+
+    def _end(self, why: str) -> None:
+        vlog("driver", "%s: ending the burst: %s", self._label, why)
+        if self.end_reason is None:
+            self.end_reason = _clip(why)
 
     def _serve(self, frame: bytes) -> BurstResult:
         self._executions += 1
@@ -310,6 +334,11 @@ def _peek_serial(frame: bytes) -> int:
         if magic == REQUEST_MAGIC:
             return serial
     return 0
+
+
+def _ring_for(max_frame: int) -> int:
+    """The smallest ring capacity whose default max frame holds ``max_frame``."""
+    return 1 << (2 * (max_frame + PREFIX) - 1).bit_length()
 
 
 def _clip(message: str) -> str:
