@@ -76,6 +76,7 @@ from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape
 Fetch = Callable[[tuple[int, ...]], Awaitable[dict[int, Memory]]]
 
 _SERIAL = struct.Struct("<4sHHQ")
+_DRAIN_INTERVAL = 0.05   # seconds between drains of a stopped burst's eventfds
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,9 @@ class BurstServer:
         self._executing = False
         self._stop_efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stopped = False
+        self._stop_requested: anyio.Event | None = None   # made by run(), on the loop
+        self._drain_scope: anyio.CancelScope | None = None
+        self._thread_done = False
         self._fetch_scope: anyio.CancelScope | None = None
         self.closed = False
         # Why the burst ended on our side, to tell the controller (None:
@@ -151,6 +155,7 @@ class BurstServer:
         """Serve requests (in a thread) until stopped, cancelled or out of
         sync; then unmap and close everything."""
         self._counters.opened += 1
+        self._stop_requested = anyio.Event()
         try:
             if not self._stopped:
                 async with anyio.create_task_group() as tg:
@@ -160,6 +165,9 @@ class BurstServer:
                     # under it.
                     await anyio.to_thread.run_sync(self._serve_forever,
                                                    limiter=anyio.CapacityLimiter(1))
+                    self._thread_done = True
+                    if self._drain_scope is not None:
+                        self._drain_scope.cancel()
                     tg.cancel_scope.cancel()
         except Exception as e:  # e.g. no thread could be started: this burst ends, not more
             self._end(f"{type(e).__name__}: {e}")
@@ -168,9 +176,22 @@ class BurstServer:
 
     async def _stop_when_cancelled(self) -> None:
         try:
-            await anyio.sleep_forever()
+            await self._stop_requested.wait()
         finally:
             self.stop()
+            # The thread returns at its next wait (the stop eventfd wakes it)
+            # -- unless it is blocked writing to an eventfd of the app's that
+            # the app made blocking and saturated: draining releases it. The
+            # app may do it again, so until the thread is back (run() then
+            # cancels the shielded scope to cut the last sleep short).
+            with anyio.CancelScope(shield=True) as self._drain_scope:
+                while not self._thread_done:
+                    for ring in (self._requests, self._results):
+                        try:
+                            ring.drain_eventfds()
+                        except Exception:   # closed meanwhile: nothing left to release
+                            pass
+                    await anyio.sleep(_DRAIN_INTERVAL)
 
     def stop(self, reason: str | None = None) -> None:
         """End the burst: the thread returns, then run() unmaps everything.
@@ -182,6 +203,8 @@ class BurstServer:
             self._stopped = True
             return
         self._stopped = True
+        if self._stop_requested is not None:
+            self._stop_requested.set()
         os.eventfd_write(self._stop_efd, 1)
         if self._fetch_scope is not None:
             self._fetch_scope.cancel()

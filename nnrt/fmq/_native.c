@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <poll.h>
+#include <sys/uio.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -44,10 +45,17 @@ static inline uint64_t pad(uint64_t n) { return PREFIX + ((n + 7u) & ~(uint64_t)
 
 static inline uint64_t *word(Shared *s, Py_ssize_t off) { return (uint64_t *)(s->base + off); }
 
+/* Add 1 to an eventfd, the GIL released: should a peer have cleared
+ * O_NONBLOCK on the (shared) description and saturated the counter, only
+ * this thread waits -- until anyone drains it (Ring.drain_eventfds) --
+ * never the whole process. */
 static int signal_fd(int fd) {
     uint64_t one = 1;
     for (;;) {
-        ssize_t n = write(fd, &one, sizeof one);
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = write(fd, &one, sizeof one);
+        Py_END_ALLOW_THREADS
         /* EAGAIN (the eventfd is non-blocking): the counter is saturated,
          * i.e. readable until drained -- "already signalled". */
         if (n == (ssize_t)sizeof one || (n < 0 && errno == EAGAIN))
@@ -57,6 +65,18 @@ static int signal_fd(int fd) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+}
+
+/* Read (reset) an eventfd without ever blocking, whatever its flags: the
+ * peer shares the description and could clear O_NONBLOCK. RWF_NOWAIT is
+ * honoured by eventfds since Linux 5.12 (read_iter); older kernels say
+ * EOPNOTSUPP and get a plain read of the (non-blocking) fd. */
+static ssize_t drain(int fd, uint64_t *count) {
+    struct iovec iov = {.iov_base = count, .iov_len = sizeof *count};
+    ssize_t n = preadv2(fd, &iov, 1, -1, RWF_NOWAIT);
+    if (n < 0 && (errno == EOPNOTSUPP || errno == EINVAL))
+        n = read(fd, count, sizeof *count);
+    return n;
 }
 
 /* A waiter's flag: set = "signal my eventfd". The store must be visible
@@ -255,8 +275,7 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
         Py_BEGIN_ALLOW_THREADS
         n = poll(&pfd, 1, -1);
         err = errno;
-        if (n > 0 && (pfd.revents & POLLIN) && read(pfd.fd, &count, sizeof count) < 0
-                && errno != EAGAIN)
+        if (n > 0 && (pfd.revents & POLLIN) && drain(pfd.fd, &count) < 0 && errno != EAGAIN)
             n = -1, err = errno;
         Py_END_ALLOW_THREADS
         if (!self->base)     /* released by close() in another thread meanwhile */

@@ -149,10 +149,13 @@ on every frame, the peer's counter and the frame prefix (above). What the
 header allows may still be useless to a user of the ring (a max frame of 0
 bytes): that user checks ``max_frame`` against what it must send. What the
 peer can still do is only to itself: stall its own ring, or saturate or
-drain its eventfds (a stale or missing wake-up of its own waits). One thing
-the kernel does not let us prevent: clearing O_NONBLOCK on the shared
-description after attach, then saturating the counter, which would make
-our next signalling write block until someone reads that eventfd.
+drain its eventfds (a stale or missing wake-up of its own waits). Drains
+use ``RWF_NOWAIT`` and never block whatever the fd's flags. One thing the
+kernel does not let us prevent: the peer clearing O_NONBLOCK on the shared
+description after attach and saturating the counter, so that our next
+signalling write blocks until someone reads that eventfd. Such a write
+releases the GIL (native end; ``os.eventfd_write`` does too), so only that
+thread waits, and :meth:`Ring.drain_eventfds` releases it.
 
 Peer death
 ----------
@@ -169,6 +172,7 @@ and the I/O manager on trio: the event loop sleeps, it never polls.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import math
 import mmap
@@ -204,6 +208,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # passes through the scheduler is the barrier (see "Memory ordering" above).
 _FENCE = None if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") \
     else os.sched_yield
+
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)   # <linux/fs.h>
 
 _DEFAULT_SPIN = 20e-6 if (os.cpu_count() or 1) >= 4 else 0.0
 
@@ -254,10 +260,20 @@ def _pad(n: int) -> int:
 
 
 def _drain(fd: int) -> None:
+    """Reset an eventfd to 0 without ever blocking, whatever its flags (the
+    peer shares the description and could clear O_NONBLOCK): RWF_NOWAIT,
+    honoured by eventfds since Linux 5.12; a plain read before that."""
     try:
-        os.eventfd_read(fd)
+        os.preadv(fd, [bytearray(8)], -1, _RWF_NOWAIT)
     except BlockingIOError:   # already drained (the counter was 0)
         pass
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        try:
+            os.eventfd_read(fd)
+        except BlockingIOError:
+            pass
 
 
 def _signal(fd: int) -> None:
@@ -481,6 +497,15 @@ class Ring:
         if len({memfd, data_efd, space_efd}) != 3:
             raise RingError(f"the ring's fds {memfd}, {data_efd}, {space_efd} are not distinct")
         return cls(memfd, data_efd, space_efd, spin=spin, native=native)
+
+    def drain_eventfds(self) -> None:
+        """Reset both eventfds without blocking. A thread of ours blocked in
+        a signalling write -- possible only if the peer cleared O_NONBLOCK on
+        the shared description and saturated the counter -- then returns.
+        For tearing a ring down: it takes wake-ups the peer may be owed."""
+        self._check_open()
+        _drain(self._data_efd)
+        _drain(self._space_efd)
 
     def fds(self) -> tuple[int, int, int]:
         """``(memfd, data_eventfd, space_eventfd)`` to send to the peer (the

@@ -256,6 +256,39 @@ async def test_saturated_eventfds_do_not_wedge_the_burst_thread(service, witness
         app.close()
 
 
+async def test_a_ring_eventfd_made_blocking_later_wedges_only_that_burst_until_released(
+        service, witness):
+    """The app shares the eventfds' open file descriptions with the service:
+    it can clear O_NONBLOCK after CONFIGURE_BURST and saturate the counters,
+    so the service's next signalling write blocks. Only that burst's thread
+    waits (the write releases the GIL): the service serves everyone, and
+    RELEASE_BURST drains the eventfds so the thread returns and everything
+    of the burst is closed."""
+    path, proc = service
+    app = HostileApp(path)
+    try:
+        model_id = app.prepare()
+        await assert_still_served(service, witness)
+        before = fd_count(proc.pid)
+        with Ring.create(1 << 16, native=False) as requests, \
+                Ring.create(1 << 18, native=False) as results:
+            reply = app.configure_burst(model_id, requests.fds() + results.fds())
+            burst_id = reply.value
+            for efd in (requests.fds()[2], results.fds()[1]):   # the service signals these
+                os.set_blocking(efd, True)                        # for both of us: one description
+                os.eventfd_write(efd, 2**64 - 2)
+            for serial in range(1, 4):
+                requests.write_nowait(wire.encode_request(wire.BurstRequest(serial, (), (), ())))
+            await anyio.sleep(0.2)          # the burst thread is blocked in write(2) by now
+            for _ in range(3):
+                await assert_still_served(service, witness)
+            assert app.call(lambda cid: p.ReleaseBurst(cid, burst_id)).status == ErrorStatus.NONE
+            await settle_fds(proc.pid, before)   # the thread returned: the rings are closed
+        await assert_still_served(service, witness)
+    finally:
+        app.close()
+
+
 async def test_a_scribbled_result_ring_ends_that_burst_and_tells_its_app(service, witness):
     """The app owns the result ring's read counter: an impossible value ends
     that burst (BURST_ENDED to the app), not the service."""
