@@ -100,13 +100,15 @@ def check_socket(path: str, environ=os.environ) -> None:
                         f"the socket {path} belongs to uid {st.st_uid}, another user: not "
                         f"connecting (to trust that user's services, add it to "
                         f"NNRT_TRUSTED_USERS)")
-    folder = os.path.dirname(os.path.realpath(path))
-    fst = os.stat(folder)
-    if fst.st_uid not in trusted or (fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX):
-        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
-                        f"the folder of {path} ({folder}, uid {fst.st_uid}, mode "
-                        f"{stat.S_IMODE(fst.st_mode):04o}) can be changed by another user, who "
-                        f"could replace the socket: not connecting")
+    # The folder named and, through symbolic links, the folder the socket is in.
+    for folder in dict.fromkeys((os.path.dirname(os.path.abspath(path)),
+                                 os.path.dirname(os.path.realpath(path)))):
+        fst = os.stat(folder)
+        if fst.st_uid not in trusted or (fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX):
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"the folder {folder} of {path} (uid {fst.st_uid}, mode "
+                            f"{stat.S_IMODE(fst.st_mode):04o}) can be changed by another user, "
+                            f"who could replace the socket: not connecting")
 
 
 async def connect(path: str, environ=os.environ,

@@ -220,6 +220,17 @@ async def test_an_app_refuses_a_socket_in_a_folder_others_can_change(tmp_path):
         assert not silent.held, "nothing was sent to it"
     finally:
         silent.close()
+    # A link there to a socket in a folder of ours: whoever put it there can re-point it.
+    tight = tmp_path / "tight"
+    tight.mkdir(mode=0o700)
+    silent = SilentListener(str(tight / "svc.sock"))
+    (folder / "link.sock").symlink_to(silent.path)
+    try:
+        with pytest.raises(NnrtError) as e:
+            await discovery.connect(str(folder / "link.sock"), {})
+        assert str(folder) in e.value.message and not silent.held
+    finally:
+        silent.close()
 
 
 @needs_root
