@@ -45,11 +45,14 @@ hold every result (``wire.MAX_RESULT_SIZE``) is refused when the burst is
 made (INVALID_ARGUMENT to CONFIGURE_BURST). :class:`~nnrt.fmq.RingCorrupted`
 (impossible counters: the stream is out of sync), and any other error of the
 rings, the eventfds or this module, ends the burst with an ``end_reason``
-that the connection sends to the app (BURST_ENDED). The burst also ends on ``stop()``
-(RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled (the control
-connection closed: the app died): the stop eventfd wakes the thread, a
-pending ``fetch`` is cancelled, and once the thread has returned every
-mapping and both rings are closed.
+that the connection sends to the app (BURST_ENDED). The burst also ends on
+``stop()`` (RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled
+(the control connection closed: the app died): the stop eventfd wakes the
+thread, a pending ``fetch`` is cancelled, and once the thread has returned
+every mapping and both rings are closed. Until then the event loop drains
+the rings' eventfds every 50 ms: the one way left to block the thread is an
+app making an eventfd blocking (the description is shared) and saturating
+it, and a drain releases that write.
 """
 from __future__ import annotations
 
@@ -68,8 +71,8 @@ from ..fmq import PREFIX, Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
 from ..model.graph import DataLocation
 from ..vlog import vlog
-from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape, BurstProtocolError,
-                   BurstResult, RequestDecoder, encode_result)
+from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape,
+                   BurstProtocolError, BurstResult, RequestDecoder, encode_result)
 
 # Fetch the memories behind some slots: slot -> Memory for every slot it
 # could get (NnrtError when the controller refuses). Runs on the event loop.

@@ -111,6 +111,22 @@ def check_socket(path: str, environ=os.environ) -> None:
                             f"who could replace the socket: not connecting")
 
 
+def connect_timeout(environ=os.environ) -> float:
+    """``NNRT_CONNECT_TIMEOUT`` (seconds) when it is a positive number, else
+    ``CONNECT_TIMEOUT``."""
+    raw = environ.get("NNRT_CONNECT_TIMEOUT")
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = 0.0
+        if value > 0:
+            return value
+        vlog("manager", "NNRT_CONNECT_TIMEOUT=%r is not a positive number of seconds; "
+             "using %g", raw, CONNECT_TIMEOUT)
+    return CONNECT_TIMEOUT
+
+
 async def connect(path: str, environ=os.environ,
                   timeout: float | None = None) -> ServiceDevice:
     """A proxy of the service at ``path``, after :func:`check_socket`;
@@ -119,7 +135,7 @@ async def connect(path: str, environ=os.environ,
     ``CONNECT_TIMEOUT``)."""
     check_socket(path, environ)
     if timeout is None:
-        timeout = float(environ.get("NNRT_CONNECT_TIMEOUT") or CONNECT_TIMEOUT)
+        timeout = connect_timeout(environ)
     with anyio.move_on_after(timeout):
         return await ServiceDevice.connect(path)
     raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
