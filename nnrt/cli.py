@@ -89,7 +89,8 @@ def _die_with_parent(pid: int) -> int:
     except ProcessLookupError:
         pidfd = None
     if pidfd is None or os.getppid() != pid:
-        print(f"nnrt driver serve: parent process {pid} is gone", file=sys.stderr)
+        print(f"nnrt driver serve: --parent-pid {pid}: that process is gone or is not our "
+              f"parent ({os.getppid()})", file=sys.stderr)
         sys.exit(1)
     return pidfd
 

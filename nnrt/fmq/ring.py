@@ -103,8 +103,8 @@ Every wait in this module is the same loop:
 
 Both eventfds are non-blocking (``EFD_NONBLOCK``; :meth:`Ring.attach`
 refuses blocking ones rather than change a description it shares with the
-peer), so no read or write of ours can block on the peer: sleeping is always
-a poll. A write that fails with EAGAIN met a saturated counter; a saturated
+peer), so no read or write of ours blocks on the peer (for a peer that
+changes the flags later, see "A hostile peer"): sleeping is always a poll. A write that fails with EAGAIN met a saturated counter; a saturated
 counter is readable until someone drains it, so for the argument below it
 is exactly a write that landed ("already signalled"). A failed write takes
 the eventfd's lock just as a successful one does, so it orders the counter
