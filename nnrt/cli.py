@@ -5,13 +5,17 @@ operations and where they would run; ``nnrt run MODEL.tflite`` runs one."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 from functools import partial
+import os
 import signal
 import sys
 
 import anyio
 
 import nnrt
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _devices(args) -> int:
@@ -33,16 +37,24 @@ def _driver_serve(args) -> int:
     from .drivers.service.server import default_socket_path, serve
     from .qos import ScheduledDevice
 
+    parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
     kind = args.driver or (args.name if args.name in DRIVERS else "reference")
     device = ScheduledDevice(make_driver(kind, args.name), slots=args.slots,
                              queue_limit=args.queue_limit, memory_limit=args.memory_limit)
     path = args.socket or default_socket_path(args.name)
 
     async def main():
-        async with anyio.create_task_group() as tg:
-            await tg.start(partial(serve, device, path, app_key=args.app_key))
-            print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # The handlers are in place before the socket exists: a SIGTERM that
+        # arrives right after it appears still removes it on the way out.
+        # (Before this point a SIGTERM kills the process by default, and
+        # there is nothing to clean up yet.)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
+                if parent is not None:
+                    tg.start_soon(_stop_when_readable, parent, tg.cancel_scope)
+                await tg.start(partial(serve, device, path, app_key=args.app_key,
+                                       group=args.group))
+                print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
                 async for _ in signals:
                     tg.cancel_scope.cancel()
                     return
@@ -60,6 +72,34 @@ def _driver_serve(args) -> int:
             print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         failed = True
     return 1 if failed else 0
+
+
+def _die_with_parent(pid: int) -> int:
+    """Arrange to stop when process ``pid`` (our parent, a runtime that
+    spawned us) dies; returns a pidfd of it that becomes readable then.
+
+    Two mechanisms, because each has a gap: the kernel's parent-death signal
+    (PR_SET_PDEATHSIG, SIGTERM: handled like an operator's SIGTERM) fires
+    even when the parent is SIGKILLed, but it follows the parent *thread*
+    that forked us and is lost if the parent died before we set it; the
+    pidfd follows the process itself. A parent already gone is an error."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pidfd = None
+    if pidfd is None or os.getppid() != pid:
+        print(f"nnrt driver serve: --parent-pid {pid}: that process is gone or is not our "
+              f"parent ({os.getppid()})", file=sys.stderr)
+        sys.exit(1)
+    return pidfd
+
+
+async def _stop_when_readable(fd: int, scope: anyio.CancelScope) -> None:
+    await anyio.wait_readable(fd)
+    scope.cancel()
 
 
 def _load(path: str, command: str):
@@ -264,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
                        help="refuse models with more constant bytes than this "
                             "(RESOURCE_EXHAUSTED_PERSISTENT)")
+    serve.add_argument("--group", metavar="NAME",
+                       help="also let members of this group connect (socket 0660 and its "
+                            "folder 0710, both given to the group; default: only this user, "
+                            "socket 0600 in a 0700 folder). See docs/security.md")
+    serve.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                       help="exit when process PID, the parent, exits (set by a runtime that "
+                            "spawns the service)")
     serve.set_defaults(func=_driver_serve)
     inspect = sub.add_parser("inspect", help="show a .tflite model's inputs, outputs, "
                              "operations and the device that would run each")

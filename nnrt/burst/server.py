@@ -35,14 +35,24 @@ progress, if any, so a mapping is never pulled from under the driver. The
 slot table is shared by the thread and the event loop (``free``): a lock
 guards it.
 
-Failures. A frame that does not decode fails that execution with
-INVALID_ARGUMENT (serial taken from the header when it is readable) and the
-burst goes on. :class:`~nnrt.fmq.RingCorrupted` (impossible counters: the
-stream is out of sync) ends the burst. The burst also ends on ``stop()``
-(RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled (the control
-connection closed: the app died): the stop eventfd wakes the thread, a
-pending ``fetch`` is cancelled, and once the thread has returned every
-mapping and both rings are closed.
+Failures. Nothing that goes wrong in one burst leaves it: the app on the
+other side may be hostile, and an exception escaping :meth:`run` would end
+the connection's task group (and with it every other call of that app). A
+frame that does not decode fails that execution with INVALID_ARGUMENT
+(serial taken from the header when it is readable) and the burst goes on; a
+driver error fails that execution. A result ring whose maximum frame cannot
+hold every result (``wire.MAX_RESULT_SIZE``) is refused when the burst is
+made (INVALID_ARGUMENT to CONFIGURE_BURST). :class:`~nnrt.fmq.RingCorrupted`
+(impossible counters: the stream is out of sync), and any other error of the
+rings, the eventfds or this module, ends the burst with an ``end_reason``
+that the connection sends to the app (BURST_ENDED). The burst also ends on
+``stop()`` (RELEASE_BURST, RELEASE_MODEL) and when its task is cancelled
+(the control connection closed: the app died): the stop eventfd wakes the
+thread, a pending ``fetch`` is cancelled, and once the thread has returned
+every mapping and both rings are closed. Until then the event loop drains
+the rings' eventfds every 50 ms: the one way left to block the thread is an
+app making an eventfd blocking (the description is shared) and saturating
+it, and a drain releases that write.
 """
 from __future__ import annotations
 
@@ -57,18 +67,19 @@ import anyio
 
 from ..hal import PreparedModel, Request, RequestArgument
 from ..errors import ErrorStatus, NnrtError
-from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
+from ..fmq import PREFIX, Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
 from ..model.graph import DataLocation
 from ..vlog import vlog
-from .wire import (MAX_MESSAGE, REQUEST_MAGIC, BurstOutputShape, BurstProtocolError,
-                   BurstResult, RequestDecoder, encode_result)
+from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape,
+                   BurstProtocolError, BurstResult, RequestDecoder, encode_result)
 
 # Fetch the memories behind some slots: slot -> Memory for every slot it
 # could get (NnrtError when the controller refuses). Runs on the event loop.
 Fetch = Callable[[tuple[int, ...]], Awaitable[dict[int, Memory]]]
 
 _SERIAL = struct.Struct("<4sHHQ")
+_DRAIN_INTERVAL = 0.05   # seconds between drains of a stopped burst's eventfds
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +113,15 @@ class BurstServer:
     def __init__(self, burst_id: int, prepared: PreparedModel, requests: Ring, results: Ring,
                  fetch: Fetch, counters: BurstCounters | None = None, label: str = "burst",
                  model_id: int = 0):
+        """Takes ownership of both rings, also when it refuses them:
+        INVALID_ARGUMENT when the result ring cannot carry every result."""
+        if results.max_frame < MAX_RESULT_SIZE:
+            requests.close()
+            results.close()
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"the burst's result ring takes frames of at most "
+                            f"{results.max_frame} bytes; a result may need {MAX_RESULT_SIZE} "
+                            f"(make it with capacity >= {_ring_for(MAX_RESULT_SIZE)})")
         self.burst_id = burst_id
         self.model_id = model_id   # the service's id of ``prepared``
         self.prepared = prepared
@@ -117,6 +137,9 @@ class BurstServer:
         self._executing = False
         self._stop_efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stopped = False
+        self._stop_requested: anyio.Event | None = None   # made by run(), on the loop
+        self._drain_scope: anyio.CancelScope | None = None
+        self._thread_done = False
         self._fetch_scope: anyio.CancelScope | None = None
         self.closed = False
         # Why the burst ended on our side, to tell the controller (None:
@@ -135,6 +158,7 @@ class BurstServer:
         """Serve requests (in a thread) until stopped, cancelled or out of
         sync; then unmap and close everything."""
         self._counters.opened += 1
+        self._stop_requested = anyio.Event()
         try:
             if not self._stopped:
                 async with anyio.create_task_group() as tg:
@@ -144,15 +168,33 @@ class BurstServer:
                     # under it.
                     await anyio.to_thread.run_sync(self._serve_forever,
                                                    limiter=anyio.CapacityLimiter(1))
+                    self._thread_done = True
+                    if self._drain_scope is not None:
+                        self._drain_scope.cancel()
                     tg.cancel_scope.cancel()
+        except Exception as e:  # e.g. no thread could be started: this burst ends, not more
+            self._end(f"{type(e).__name__}: {e}")
         finally:
             self.close()
 
     async def _stop_when_cancelled(self) -> None:
         try:
-            await anyio.sleep_forever()
+            await self._stop_requested.wait()
         finally:
             self.stop()
+            # The thread returns at its next wait (the stop eventfd wakes it)
+            # -- unless it is blocked writing to an eventfd of the app's that
+            # the app made blocking and saturated: draining releases it. The
+            # app may do it again, so until the thread is back (run() then
+            # cancels the shielded scope to cut the last sleep short).
+            with anyio.CancelScope(shield=True) as self._drain_scope:
+                while not self._thread_done:
+                    for ring in (self._requests, self._results):
+                        try:
+                            ring.drain_eventfds()
+                        except Exception:   # closed meanwhile: nothing left to release
+                            pass
+                    await anyio.sleep(_DRAIN_INTERVAL)
 
     def stop(self, reason: str | None = None) -> None:
         """End the burst: the thread returns, then run() unmaps everything.
@@ -164,6 +206,8 @@ class BurstServer:
             self._stopped = True
             return
         self._stopped = True
+        if self._stop_requested is not None:
+            self._stop_requested.set()
         os.eventfd_write(self._stop_efd, 1)
         if self._fetch_scope is not None:
             self._fetch_scope.cancel()
@@ -176,10 +220,11 @@ class BurstServer:
                 return
             self.closed = True
             memories, self._memories = self._memories, {}
-        for mem in memories.values():
-            mem.close()
-        self._requests.close()
-        self._results.close()
+        for closeable in (*memories.values(), self._requests, self._results):
+            try:
+                closeable.close()
+            except Exception as e:  # keep releasing the rest
+                vlog("driver", "%s: closing %r failed: %s", self._label, closeable, e)
         os.close(self._stop_efd)
 
     def free(self, slots) -> None:
@@ -223,11 +268,16 @@ class BurstServer:
                                 is Ready.ALSO:
                             return
         except RingCorrupted as e:
-            vlog("driver", "%s: the burst's ring is out of sync, tearing it down: %s",
-                 self._label, e)
-            self.end_reason = f"its ring is out of sync: {e}"
+            self._end(f"its ring is out of sync: {e}")
         except (RingClosed, _Stopped):
             pass
+        except Exception as e:  # FrameTooLarge, an eventfd error, a bug: this burst only
+            self._end(f"{type(e).__name__}: {e}")
+
+    def _end(self, why: str) -> None:
+        vlog("driver", "%s: ending the burst: %s", self._label, why)
+        if self.end_reason is None:
+            self.end_reason = _clip(why)
 
     def _serve(self, frame: bytes) -> BurstResult:
         self._executions += 1
@@ -310,6 +360,11 @@ def _peek_serial(frame: bytes) -> int:
         if magic == REQUEST_MAGIC:
             return serial
     return 0
+
+
+def _ring_for(max_frame: int) -> int:
+    """The smallest ring capacity whose default max frame holds ``max_frame``."""
+    return 1 << (2 * (max_frame + PREFIX) - 1).bit_length()
 
 
 def _clip(message: str) -> str:

@@ -16,6 +16,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
+#include <sys/uio.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -37,24 +39,44 @@ typedef struct {
 
 #define PREFIX 8u
 #define CHECK 0xFFFFFFFFu
-enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, NONBLOCKING = -4,
-       TOO_LARGE = -5, RELEASED = -6 };
+enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, TOO_LARGE = -5, RELEASED = -6 };
 
 static inline uint64_t pad(uint64_t n) { return PREFIX + ((n + 7u) & ~(uint64_t)7u); }
 
 static inline uint64_t *word(Shared *s, Py_ssize_t off) { return (uint64_t *)(s->base + off); }
 
+/* Add 1 to an eventfd, the GIL released: should a peer have cleared
+ * O_NONBLOCK on the (shared) description and saturated the counter, only
+ * this thread waits -- until anyone drains it (Ring.drain_eventfds) --
+ * never the whole process. */
 static int signal_fd(int fd) {
     uint64_t one = 1;
     for (;;) {
-        ssize_t n = write(fd, &one, sizeof one);
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = write(fd, &one, sizeof one);
+        Py_END_ALLOW_THREADS
+        /* EAGAIN (the eventfd is non-blocking): the counter is saturated,
+         * i.e. readable until drained -- "already signalled". */
         if (n == (ssize_t)sizeof one || (n < 0 && errno == EAGAIN))
-            return 0;   /* EAGAIN: the counter is saturated, the peer is awake anyway */
+            return 0;
         if (n < 0 && errno == EINTR)
             continue;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+}
+
+/* Read (reset) an eventfd without ever blocking, whatever its flags: the
+ * peer shares the description and could clear O_NONBLOCK. RWF_NOWAIT is
+ * honoured by eventfds since Linux 5.12 (read_iter); older kernels say
+ * EOPNOTSUPP and get a plain read of the (non-blocking) fd. */
+static ssize_t drain(int fd, uint64_t *count) {
+    struct iovec iov = {.iov_base = count, .iov_len = sizeof *count};
+    ssize_t n = preadv2(fd, &iov, 1, -1, RWF_NOWAIT);
+    if (n < 0 && (errno == EOPNOTSUPP || errno == EINVAL))
+        n = read(fd, count, sizeof *count);
+    return n;
 }
 
 /* A waiter's flag: set = "signal my eventfd". The store must be visible
@@ -228,7 +250,10 @@ static PyObject *Shared_take(Shared *self, PyObject *unused) {
 }
 
 /* take_blocking() -> bytes or an error code: check, announce, re-check, sleep
- * in read(2) on the data eventfd with the GIL released, retire, repeat. */
+ * in poll(2) on the data eventfd with the GIL released, drain it, retire,
+ * repeat. The eventfd is non-blocking (ring.py creates it so and attach
+ * refuses anything else), so the drain cannot block even if another holder
+ * emptied the counter after poll returned: EAGAIN there means "already 0". */
 static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
     for (;;) {
         if (!self->base)
@@ -245,12 +270,13 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
         }
         Py_DECREF(frame);
         uint64_t count;
-        ssize_t n;
-        int err;
-        int efd = self->data_efd;
+        int n, err;
+        struct pollfd pfd = {.fd = self->data_efd, .events = POLLIN};
         Py_BEGIN_ALLOW_THREADS
-        n = read(efd, &count, sizeof count);
+        n = poll(&pfd, 1, -1);
         err = errno;
+        if (n > 0 && (pfd.revents & POLLIN) && drain(pfd.fd, &count) < 0 && errno != EAGAIN)
+            n = -1, err = errno;
         Py_END_ALLOW_THREADS
         if (!self->base)     /* released by close() in another thread meanwhile */
             return PyLong_FromLong(RELEASED);
@@ -261,9 +287,11 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
                     return NULL;
                 continue;
             }
-            if (err == EAGAIN)
-                return PyLong_FromLong(NONBLOCKING);
             errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (pfd.revents & (POLLNVAL | POLLERR)) {
+            errno = EBADF;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
     }

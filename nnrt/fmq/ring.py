@@ -97,9 +97,18 @@ Every wait in this module is the same loop:
 1. check the ring (return at once if the condition holds; spin if asked),
 2. announce: set our waiter flag, then (native) a full fence,
 3. check the ring again (return, withdrawing the flag, if it now holds),
-4. sleep until the eventfd is readable (read(2) / poll /
-   ``anyio.wait_readable``), drain it (a read resets it to 0), withdraw
-   the flag, and go back to 1.
+4. sleep until the eventfd is readable (poll(2) / ``anyio.wait_readable``),
+   drain it (a read resets it to 0; EAGAIN means it was 0 already),
+   withdraw the flag, and go back to 1.
+
+Both eventfds are non-blocking (``EFD_NONBLOCK``; :meth:`Ring.attach`
+refuses blocking ones rather than change a description it shares with the
+peer), so no read or write of ours blocks on the peer (for a peer that
+changes the flags later, see "A hostile peer"): sleeping is always a poll. A write that fails with EAGAIN met a saturated counter; a saturated
+counter is readable until someone drains it, so for the argument below it
+is exactly a write that landed ("already signalled"). A failed write takes
+the eventfd's lock just as a successful one does, so it orders the counter
+store before the waiter's next drain all the same.
 
 After publishing its counter, a native end fences and writes the peer's
 eventfd only if the peer's waiter flag is set; a pure-Python end writes it
@@ -128,6 +137,26 @@ sleep while F is unseen. Stale counts (a wake-up for a frame already read)
 only cause one extra trip round the loop. The same argument, with roles
 swapped, covers a producer waiting for space.
 
+A hostile peer
+--------------
+A driver service attaches rings an app made, so everything the peer controls
+is checked before use and a violation is a :class:`RingError` (never a
+crash, a hang or an out-of-bounds access): at attach, the fds themselves
+(see :meth:`Ring.attach`), the header (magic, version, a power-of-two
+capacity in [64 B, 1 GiB] matching the file's size, a max frame that fits
+half the ring) and both counters (multiples of 8, at most a ring apart);
+on every frame, the peer's counter and the frame prefix (above). What the
+header allows may still be useless to a user of the ring (a max frame of 0
+bytes): that user checks ``max_frame`` against what it must send. What the
+peer can still do is only to itself: stall its own ring, or saturate or
+drain its eventfds (a stale or missing wake-up of its own waits). Drains
+use ``RWF_NOWAIT`` and never block whatever the fd's flags. One thing the
+kernel does not let us prevent: the peer clearing O_NONBLOCK on the shared
+description after attach and saturating the counter, so that our next
+signalling write blocks until someone reads that eventfd. Such a write
+releases the GIL (native end; ``os.eventfd_write`` does too), so only that
+thread waits, and :meth:`Ring.drain_eventfds` releases it.
+
 Peer death
 ----------
 The ring cannot tell a slow peer from a dead one: its owner pairs it with
@@ -143,12 +172,14 @@ and the I/O manager on trio: the event loop sleeps, it never polls.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import math
 import mmap
 import os
 import platform
 import select
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -177,6 +208,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # passes through the scheduler is the barrier (see "Memory ordering" above).
 _FENCE = None if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") \
     else os.sched_yield
+
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)   # <linux/fs.h>
 
 _DEFAULT_SPIN = 20e-6 if (os.cpu_count() or 1) >= 4 else 0.0
 
@@ -227,10 +260,76 @@ def _pad(n: int) -> int:
 
 
 def _drain(fd: int) -> None:
+    """Reset an eventfd to 0 without ever blocking, whatever its flags (the
+    peer shares the description and could clear O_NONBLOCK): RWF_NOWAIT,
+    honoured by eventfds since Linux 5.12; a plain read before that."""
     try:
-        os.eventfd_read(fd)
-    except BlockingIOError:   # made non-blocking by someone else, and already drained
+        os.preadv(fd, [bytearray(8)], -1, _RWF_NOWAIT)
+    except BlockingIOError:   # already drained (the counter was 0)
         pass
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        try:
+            os.eventfd_read(fd)
+        except BlockingIOError:
+            pass
+
+
+def _signal(fd: int) -> None:
+    """Add 1 to an eventfd. EAGAIN means the counter is saturated: the fd is
+    readable already, which is all a wake-up is (see "Wake-ups")."""
+    try:
+        os.eventfd_write(fd, 1)
+    except BlockingIOError:
+        pass
+
+
+def _check_eventfd(fd: int, what: str) -> None:
+    """RingError unless ``fd`` is a non-blocking, non-semaphore eventfd.
+
+    The kernel tells an eventfd by its fdinfo (``eventfd-count``). It must be
+    non-blocking already: setting O_NONBLOCK here would change the peer's
+    open file description too (it is shared through SCM_RIGHTS), and a
+    blocking one lets any holder wedge our writes by saturating the counter.
+    A semaphore eventfd never drains in one read, so a waiter would spin."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            info = f.read()
+    except OSError as e:
+        raise RingError(f"{what} (fd {fd}) is not an open file descriptor: {e}") from None
+    fields = dict(line.split(b":", 1) for line in info.splitlines() if b":" in line)
+    if b"eventfd-count" not in fields:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = "?"
+        raise RingError(f"{what} (fd {fd}) is not an eventfd but {target}")
+    if fields.get(b"eventfd-semaphore", b"0").strip() != b"0":
+        raise RingError(f"{what} (fd {fd}) is a semaphore eventfd (EFD_SEMAPHORE); "
+                        f"a ring needs a plain one")
+    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK:
+        raise RingError(f"{what} (fd {fd}) is blocking: create it with EFD_NONBLOCK")
+
+
+def _check_memfd(fd: int) -> int:
+    """The size of ``fd`` if it is a memfd sealed against resizing, else RingError."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise RingError(f"the ring's memory (fd {fd}) is not an open file descriptor: "
+                        f"{e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RingError(f"the ring's memory (fd {fd}) is not a memfd (mode {st.st_mode:#o})")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise RingError(f"the ring's memory (fd {fd}) is not a sealable memfd: {e}") from None
+    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != \
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+        raise RingError(f"the ring's memfd (fd {fd}) is not sealed against resizing "
+                        f"(F_SEAL_SHRINK | F_SEAL_GROW)")
+    return st.st_size
 
 
 def _poll_ms(deadline: float | None) -> int | None:
@@ -286,6 +385,15 @@ class Ring:
             problem = f"size {size} is not header {HEADER_SIZE} + capacity {capacity}"
         elif _pad(max_frame) > capacity // 2:
             problem = f"max frame {max_frame} exceeds half the ring of {capacity} bytes"
+        else:
+            # Each end starts from the shared counters (then trusts only its
+            # own copy): they must be aligned and at most a ring apart, or
+            # the first frame would be read or written out of bounds.
+            w = struct.unpack_from("<Q", self._mm, WRITE_OFFSET)[0]
+            r = struct.unpack_from("<Q", self._mm, READ_OFFSET)[0]
+            if w % 8 or r % 8 or (w - r) & _M64 > capacity:
+                problem = (f"counters write {w} and read {r} are impossible for a "
+                           f"{capacity}-byte ring")
         if problem:
             self._mm.close()
             raise RingError(f"fd {memfd} is not a usable fmq ring: {problem}")
@@ -360,9 +468,10 @@ class Ring:
             # A peer must not be able to shrink the file under our mapping (SIGBUS).
             fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
             for _ in range(2):
-                # Blocking: an untimed sync wait is then one read(2), like a
-                # futex wait; async waits poll readiness first and never block.
-                fds.append(os.eventfd(0, os.EFD_CLOEXEC))
+                # Non-blocking: a write to a saturated counter then fails with
+                # EAGAIN ("already signalled") instead of blocking; every wait
+                # polls for readiness before it drains.
+                fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
             return cls(*fds, spin=spin, native=native)
         except BaseException:
             for fd in fds:
@@ -373,19 +482,30 @@ class Ring:
     def attach(cls, memfd: int, data_efd: int, space_efd: int, *,
                spin: float | None = None, native: bool | None = None) -> "Ring":
         """Rebuild a ring from fds received from the peer; takes ownership of
-        them once it returns (on an error they stay the caller's). The memfd
-        must carry the shrink/grow seals :meth:`create` sets, so the peer
-        cannot truncate it under our mapping."""
-        try:
-            seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
-        except OSError as e:
-            raise RingError(f"fd {memfd} is not a sealable memfd: {e}") from None
-        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != \
-                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
-            raise RingError(f"memfd {memfd} is not sealed against resizing")
-        for fd in (data_efd, space_efd):
-            os.set_blocking(fd, True)
+        them once it returns (on an error they stay the caller's).
+
+        Every fd is checked for what it claims to be, since the peer may be
+        hostile (:class:`RingError` with the reason otherwise): the memfd must
+        carry the shrink/grow seals :meth:`create` sets (the peer cannot
+        truncate it under our mapping: no SIGBUS), and its header, size and
+        counters must be possible; each eventfd must be an eventfd, plain
+        (not EFD_SEMAPHORE) and already non-blocking (we never change its
+        flags: the open file description is shared with the peer)."""
+        _check_memfd(memfd)
+        _check_eventfd(data_efd, "the ring's data eventfd")
+        _check_eventfd(space_efd, "the ring's space eventfd")
+        if len({memfd, data_efd, space_efd}) != 3:
+            raise RingError(f"the ring's fds {memfd}, {data_efd}, {space_efd} are not distinct")
         return cls(memfd, data_efd, space_efd, spin=spin, native=native)
+
+    def drain_eventfds(self) -> None:
+        """Reset both eventfds without blocking. A thread of ours blocked in
+        a signalling write -- possible only if the peer cleared O_NONBLOCK on
+        the shared description and saturated the counter -- then returns.
+        For tearing a ring down: it takes wake-ups the peer may be owed."""
+        self._check_open()
+        _drain(self._data_efd)
+        _drain(self._space_efd)
 
     def fds(self) -> tuple[int, int, int]:
         """``(memfd, data_eventfd, space_eventfd)`` to send to the peer (the
@@ -483,7 +603,7 @@ class Ring:
             _FENCE()                   # payload stores before the counter store
         self._w = w = (w + need) & _M64
         self._counters[self._wi] = w   # publish: one aligned 8-byte store
-        os.eventfd_write(self._data_efd, 1)   # after publishing, always: no lost wake-up
+        _signal(self._data_efd)   # after publishing, always: no lost wake-up
         self._frames_written += 1
         return True
 
@@ -595,7 +715,7 @@ class Ring:
             _FENCE()                   # payload loads before the counter store
         self._r = r = (r + _pad(n)) & _M64
         self._counters[self._ri] = r
-        os.eventfd_write(self._space_efd, 1)
+        _signal(self._space_efd)
         self._frames_read += 1
         return frame
 
@@ -615,12 +735,11 @@ class Ring:
         """The next frame, waiting up to ``timeout`` seconds."""
         if timeout is None and self._native is not None and not self._spin:
             # The whole check-announce-recheck-sleep loop in one C call, the
-            # GIL released while asleep: the latency floor of the eventfd.
+            # GIL released while asleep in poll(2): the latency floor of the eventfd.
             frame = self._native.take_blocking()
             if frame.__class__ is bytes:
                 return frame
-            if frame != -4:           # -4: someone made the eventfd non-blocking
-                self._took(frame)
+            self._took(frame)
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -681,12 +800,12 @@ class Ring:
 
     def _sleep_sync(self, efd: int, space: bool, also: int | None, deadline, ready) -> Ready:
         """Check, announce, re-check, sleep on the eventfd, drain (see "Wake-ups")."""
-        poller = None
-        if also is not None or deadline is not None:
-            poller = select.poll()
-            poller.register(efd, select.POLLIN)
-            if also is not None:
-                poller.register(also, select.POLLIN)
+        # The eventfds are non-blocking (a read(2) cannot be the sleep): poll
+        # for readiness, then drain.
+        poller = select.poll()
+        poller.register(efd, select.POLLIN)
+        if also is not None:
+            poller.register(also, select.POLLIN)
         while True:
             if ready() or self._spin_until(ready):
                 return Ready.RING
@@ -694,13 +813,6 @@ class Ring:
             try:
                 if ready():
                     return Ready.RING
-                if poller is None:
-                    try:
-                        os.eventfd_read(efd)    # sleep and drain in one syscall
-                        continue
-                    except BlockingIOError:     # made non-blocking elsewhere: poll instead
-                        poller = select.poll()
-                        poller.register(efd, select.POLLIN)
                 events = poller.poll(_poll_ms(deadline))
             finally:
                 self._retire(space)

@@ -6,12 +6,20 @@ Three ways to get one, as NNAPI has them:
 * ``Memory.create(size)`` — an anonymous memfd (the ashmem analogue). Its size
   is sealed (``F_SEAL_SHRINK | F_SEAL_GROW``) so a peer that maps it can
   trust ``fstat``: nobody can shrink the file under the mapping and make the
-  peer's next access a SIGBUS.
+  peer's next access a SIGBUS. This is the memory to give a driver service.
 * ``Memory.create_shm(size)`` — named POSIX shared memory (posix-ipc), for a
   peer that opens it by ``name`` instead of receiving an fd. The name is
   unlinked when the Memory is closed.
 * ``Memory.from_fd(fd, offset, size, prot)`` — a region of any mappable fd
   (``mmap_fd``); the fd is duplicated, the caller keeps its own.
+
+Seals. A mapping of a file that shrinks under it faults (SIGBUS) on the next
+access past the new end, and a signal in a driver service would end it for
+every app. So a service maps only memfds sealed against shrinking:
+``from_fd(..., require_sealed=True)`` (and :func:`check_sealed`) refuse
+anything else with INVALID_ARGUMENT. Seals can be added but never removed,
+so one check at mapping time holds for the mapping's life. POSIX shared
+memory (``create_shm``) cannot be sealed: keep it for peers of your own.
 
 A Memory is a buffer: ``view()`` gives a memoryview of the region (read-only
 when mapped without PROT_WRITE), ``array(dtype, shape, offset)`` a numpy view,
@@ -21,6 +29,7 @@ cannot, so code that needs a buffer calls ``view()``.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 from dataclasses import dataclass
 import mmap
@@ -95,11 +104,26 @@ class Memory:
 
     @classmethod
     def from_fd(cls, fd: int, offset: int = 0, size: int | None = None,
-                prot: int = PROT_RW) -> "Memory":
+                prot: int = PROT_RW, *, require_sealed: bool = False) -> "Memory":
         """Map ``size`` bytes at ``offset`` of ``fd`` (default: to the end of
-        the file). The fd is duplicated; the caller still owns ``fd``."""
+        the file). The fd is duplicated; the caller still owns ``fd``.
+
+        With ``require_sealed`` (what a driver service uses for every fd an
+        app sends it) the fd must be a memfd carrying ``F_SEAL_SHRINK``, so
+        nobody can truncate it under the mapping; anything else is refused
+        with INVALID_ARGUMENT (see :func:`check_sealed`). A Memory you give
+        to a driver service must therefore come from :meth:`create`, or from
+        a memfd you sealed yourself::
+
+            fd = os.memfd_create("pool", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            mem = nnrt.Memory.from_fd(fd)
+        """
         if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
             raise invalid(f"fd {fd!r} is not a file descriptor")
+        if require_sealed:
+            check_sealed(fd)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise invalid(f"offset {offset!r} is not a non-negative integer")
         if prot not in (PROT_READ, PROT_RW):
@@ -231,6 +255,26 @@ def as_buffer(pool) -> memoryview:
     if isinstance(pool, Memory):
         return pool.view()
     return memoryview(pool).cast("B")
+
+
+SEALS_NEEDED = fcntl.F_SEAL_SHRINK
+_HOW_TO_SEAL = ("a driver service maps only memfds sealed against shrinking: use "
+                "nnrt.Memory.create, or memfd_create(name, MFD_ALLOW_SEALING) and "
+                "fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) before sending it")
+
+
+def check_sealed(fd: int) -> None:
+    """INVALID_ARGUMENT unless ``fd`` is a memfd sealed with ``F_SEAL_SHRINK``
+    (its size can then never drop under a mapping of it). ``F_SEAL_GROW`` is
+    not required: growing cannot fault a mapping."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        what = "not open" if e.errno == errno.EBADF else "not a memfd"
+        raise invalid(f"fd {fd} is {what} ({e.strerror}); {_HOW_TO_SEAL}") from None
+    if not seals & SEALS_NEEDED:
+        raise invalid(f"memfd {fd} is not sealed against shrinking (seals {seals:#x}); "
+                      f"{_HOW_TO_SEAL}")
 
 
 def _check_size(size) -> int:

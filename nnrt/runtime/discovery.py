@@ -10,12 +10,27 @@ the runtime spawns itself.
 
 A configured service that does not answer is left out (and logged under the
 ``manager`` tag): one broken service must not keep an app from running on the
-others or on the CPU.
+others or on the CPU. "Does not answer" includes a socket that accepts and
+then stays silent: connecting, HELLO and the device queries together get
+``CONNECT_TIMEOUT`` seconds (``NNRT_CONNECT_TIMEOUT`` overrides it).
+
+Whom an app talks to. An app sends a service its models and its memories,
+so it connects only to a socket owned by its own user (or root) in a folder
+nobody else can write to (or a sticky one, like /tmp, where nobody else can
+replace our file) -- the rule ssh applies to its files. Anything else is
+left out with a message, unless the socket's owner is listed in
+``NNRT_TRUSTED_USERS`` (user names or uids, separated by commas): that is
+how an app opts in to a service an operator runs as another user.
+
+Spawned services get ``--parent-pid``: they stop when the app's process
+dies, however it dies (see ``nnrt driver serve``).
 """
 from __future__ import annotations
 
 import os
+import pwd
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,6 +44,7 @@ from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
 
 SPAWN_TIMEOUT = 20.0  # seconds for a spawned service to start listening
+CONNECT_TIMEOUT = 5.0  # seconds for connecting, HELLO and the device queries
 
 
 def config_file(environ=os.environ) -> Path:
@@ -54,11 +70,83 @@ def configured_sockets(environ=os.environ) -> list[str]:
     return unique
 
 
+def trusted_uids(environ=os.environ) -> frozenset[int]:
+    """Our uid, root, and the users named in ``NNRT_TRUSTED_USERS``."""
+    uids = {os.geteuid(), 0}
+    for entry in environ.get("NNRT_TRUSTED_USERS", "").split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        try:
+            uids.add(int(entry) if entry.isdigit() else pwd.getpwnam(entry).pw_uid)
+        except KeyError:
+            vlog("manager", "NNRT_TRUSTED_USERS names %r, which is no user", entry)
+    return frozenset(uids)
+
+
+def check_socket(path: str, environ=os.environ) -> None:
+    """DEVICE_UNAVAILABLE unless ``path`` is a socket an app may trust: owned
+    by a trusted user, in a folder that only trusted users can change."""
+    trusted = trusted_uids(environ)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                        f"no driver service at {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, f"{path} is not a socket")
+    if st.st_uid not in trusted:
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                        f"the socket {path} belongs to uid {st.st_uid}, another user: not "
+                        f"connecting (to trust that user's services, add it to "
+                        f"NNRT_TRUSTED_USERS)")
+    # The folder named and, through symbolic links, the folder the socket is in.
+    for folder in dict.fromkeys((os.path.dirname(os.path.abspath(path)),
+                                 os.path.dirname(os.path.realpath(path)))):
+        fst = os.stat(folder)
+        if fst.st_uid not in trusted or (fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX):
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"the folder {folder} of {path} (uid {fst.st_uid}, mode "
+                            f"{stat.S_IMODE(fst.st_mode):04o}) can be changed by another user, "
+                            f"who could replace the socket: not connecting")
+
+
+def connect_timeout(environ=os.environ) -> float:
+    """``NNRT_CONNECT_TIMEOUT`` (seconds) when it is a positive number, else
+    ``CONNECT_TIMEOUT``."""
+    raw = environ.get("NNRT_CONNECT_TIMEOUT")
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = 0.0
+        if value > 0:
+            return value
+        vlog("manager", "NNRT_CONNECT_TIMEOUT=%r is not a positive number of seconds; "
+             "using %g", raw, CONNECT_TIMEOUT)
+    return CONNECT_TIMEOUT
+
+
+async def connect(path: str, environ=os.environ,
+                  timeout: float | None = None) -> ServiceDevice:
+    """A proxy of the service at ``path``, after :func:`check_socket`;
+    DEVICE_UNAVAILABLE when it does not answer HELLO and the device queries
+    within ``timeout`` seconds (default ``NNRT_CONNECT_TIMEOUT`` or
+    ``CONNECT_TIMEOUT``)."""
+    check_socket(path, environ)
+    if timeout is None:
+        timeout = connect_timeout(environ)
+    with anyio.move_on_after(timeout):
+        return await ServiceDevice.connect(path)
+    raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                    f"the driver service at {path} did not answer within {timeout:g} s")
+
+
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:
     devices = []
     for path in configured_sockets(environ):
         try:
-            devices.append(await ServiceDevice.connect(path))
+            devices.append(await connect(path, environ))
         except NnrtError as e:
             vlog("manager", "leaving out the driver service at %s: %s", path, e.message)
     return devices
@@ -95,7 +183,7 @@ async def spawn(specs, folder: str) -> tuple[list[SpawnedService], list[ServiceD
             path = os.path.join(folder, f"{name}.sock")
             process = subprocess.Popen(
                 [sys.executable, "-m", "nnrt", "driver", "serve", name, "--driver", driver,
-                 "--socket", path, *extra],
+                 "--socket", path, "--parent-pid", str(os.getpid()), *extra],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             services.append(SpawnedService(name, driver, path, process))
         for service in services:
@@ -121,7 +209,7 @@ async def _connect_when_up(service: SpawnedService) -> ServiceDevice:
                             f"status {service.process.returncode} while starting")
         if os.path.exists(service.socket_path):
             try:
-                return await ServiceDevice.connect(service.socket_path)
+                return await connect(service.socket_path)
             except NnrtError:
                 pass
         if time.monotonic() > deadline:

@@ -295,7 +295,7 @@ def test_close_is_idempotent_and_final(native):
 
 
 def test_attach_refuses_what_is_not_a_ring(tmp_path):
-    efds = [os.eventfd(0) for _ in range(2)]
+    efds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(2)]
     fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, HEADER_SIZE + 64)
     try:
@@ -311,6 +311,146 @@ def test_attach_refuses_what_is_not_a_ring(tmp_path):
     finally:
         for x in (fd, *efds):
             os.close(x)
+
+
+def _not_an_eventfd(kind, tmp_path, keep):
+    """An fd of ``kind`` standing where an eventfd should be; ``keep`` gets
+    every fd to close."""
+    if kind == "directory":
+        fds = [os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)]
+    elif kind == "/dev/null":
+        fds = [os.open("/dev/null", os.O_RDWR)]
+    elif kind == "socket":
+        fds = [s.detach() for s in socket.socketpair()]
+    elif kind == "pipe":
+        fds = list(os.pipe())
+    elif kind == "memfd":
+        fds = [os.memfd_create("m")]
+    elif kind == "blocking eventfd":
+        fds = [os.eventfd(0)]
+    else:
+        fds = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_SEMAPHORE)]
+    keep.extend(fds)
+    return fds[0]
+
+
+@pytest.mark.parametrize("kind", ["directory", "/dev/null", "socket", "pipe", "memfd",
+                                  "blocking eventfd", "semaphore eventfd"])
+@pytest.mark.parametrize("which", [1, 2])
+def test_attach_refuses_an_eventfd_that_is_not_one(kind, which, tmp_path):
+    """Whatever a hostile peer sends in an eventfd's place is refused with a
+    RingError naming it, and the fds stay the caller's, flags untouched."""
+    keep = []
+    with Ring.create(256) as ring:
+        fds = [os.dup(fd) for fd in ring.fds()]
+        keep.extend(fds)
+        fds[which] = _not_an_eventfd(kind, tmp_path, keep)
+        flags = fcntl.fcntl(fds[which], fcntl.F_GETFL)
+        try:
+            with pytest.raises(RingError, match="eventfd"):
+                Ring.attach(*fds)
+            assert fcntl.fcntl(fds[which], fcntl.F_GETFL) == flags
+        finally:
+            for fd in keep:
+                os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["directory", "/dev/null", "socket", "pipe", "eventfd",
+                                  "unsealed memfd", "memfd sealed against shrinking only"])
+def test_attach_refuses_a_memfd_that_is_not_one(kind, tmp_path):
+    keep = []
+    with Ring.create(256) as ring:
+        fds = [os.dup(fd) for fd in ring.fds()]
+        keep.extend(fds)
+        if kind == "eventfd":
+            bad = os.eventfd(0, os.EFD_NONBLOCK)
+            keep.append(bad)
+        elif kind.startswith("unsealed") or kind.startswith("memfd"):
+            bad = os.memfd_create("m", os.MFD_ALLOW_SEALING)
+            os.ftruncate(bad, HEADER_SIZE + 256)
+            os.write(bad, os.pread(fds[0], HEADER_SIZE, 0))
+            if kind.startswith("memfd"):
+                fcntl.fcntl(bad, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            keep.append(bad)
+        else:
+            bad = _not_an_eventfd(kind, tmp_path, keep)
+        try:
+            with pytest.raises(RingError, match="memfd|memory"):
+                Ring.attach(bad, fds[1], fds[2])
+        finally:
+            for fd in keep:
+                os.close(fd)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("capacity", 0, "capacity"), ("capacity", 100, "capacity"), ("capacity", 2**63, "capacity"),
+    ("max_frame", 2**32, "max frame"), ("max_frame", 121, "max frame"),
+    ("write", 3, "counters"), ("read", 2**64 - 1024, "counters"), ("write", 512, "counters"),
+    ("version", 7, "version"), ("header", 0, "header size")])
+def test_attach_refuses_hostile_header_values(field, value, match):
+    """Header fields and initial counters a hostile creator could write give
+    a RingError, never an out-of-bounds access or a hang."""
+    import struct
+    with Ring.create(256) as ring:
+        memfd = ring.fds()[0]
+        with mmap.mmap(memfd, HEADER_SIZE) as mm:
+            if field == "capacity":
+                struct.pack_into("<Q", mm, 16, value)
+            elif field == "max_frame":
+                struct.pack_into("<Q", mm, 24, value)
+            elif field == "version":
+                struct.pack_into("<I", mm, 8, value)
+            elif field == "header":
+                struct.pack_into("<I", mm, 12, value)
+            else:
+                struct.pack_into("<Q", mm, WRITE_OFFSET if field == "write" else READ_OFFSET,
+                                 value)
+        fds = [os.dup(fd) for fd in ring.fds()]
+        try:
+            with pytest.raises(RingError, match=match):
+                Ring.attach(*fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def test_a_tiny_max_frame_is_a_valid_ring_that_refuses_big_frames(native):
+    """max_frame 0 is a legal header: the ring works, and a frame beyond it is
+    FrameTooLarge (its user checks max_frame against what it must send)."""
+    with Ring.create(64, max_frame=0) as ring:
+        peer = Ring.attach(*(os.dup(fd) for fd in ring.fds()), native=native)
+        try:
+            assert peer.max_frame == 0
+            peer.write_nowait(b"")
+            assert ring.read_nowait() == b""
+            with pytest.raises(FrameTooLarge):
+                peer.write_nowait(b"x")
+        finally:
+            peer.close()
+
+
+def test_a_saturated_eventfd_never_blocks_a_signalling_end(native):
+    """A peer may saturate the counter of the eventfd we signal: the write
+    fails with EAGAIN, which counts as "already signalled", and the frame
+    still gets through."""
+    with Ring.create(256, native=native) as ring:
+        data_efd, space_efd = ring.fds()[1:]
+        for efd in (data_efd, space_efd):
+            os.eventfd_write(efd, 2**64 - 2)      # the largest count an eventfd holds
+        done = threading.Event()
+
+        def work():
+            for i in range(50):
+                ring.write_nowait(b"f%d" % i)
+                assert ring.read_nowait() == b"f%d" % i
+            done.set()
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        assert done.wait(5), "a write to a saturated eventfd blocked"
+        # and a sleeping reader still wakes for a later frame
+        t2 = threading.Timer(0.05, ring.write, (b"late",))
+        t2.start()
+        assert ring.read(timeout=5) == b"late"
 
 
 CHILD = textwrap.dedent("""

@@ -1,5 +1,6 @@
 """nnrt.memory: memfd, POSIX shm and fd-mapped pools, numpy views."""
 import mmap
+import fcntl
 import os
 
 import numpy as np
@@ -106,3 +107,54 @@ def test_as_buffer_gives_bytes_of_a_memory_or_any_buffer():
         assert as_buffer(mem).nbytes == 8
     assert as_buffer(np.zeros(3, np.float32)).nbytes == 12
     assert as_buffer(b"abc").tobytes() == b"abc"
+
+
+def test_create_seals_the_size_of_what_it_makes():
+    with Memory.create(64) as mem:
+        seals = fcntl.fcntl(mem.fileno(), fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        with pytest.raises(PermissionError):
+            os.ftruncate(mem.fileno(), 16)
+
+
+@pytest.mark.parametrize("kind", ["unsealed memfd", "memfd sealed against growing only",
+                                  "regular file", "posix shm", "eventfd"])
+def test_require_sealed_refuses_what_could_shrink_and_says_how_to_seal(kind, tmp_path):
+    import posix_ipc
+    shm = None
+    if kind == "regular file":
+        fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
+    elif kind == "posix shm":
+        shm = posix_ipc.SharedMemory(None, posix_ipc.O_CREX, size=64)
+        fd = os.dup(shm.fd)
+        shm.close_fd()
+    elif kind == "eventfd":
+        fd = os.eventfd(0)
+    else:
+        fd = os.memfd_create("m", os.MFD_ALLOW_SEALING)
+    if kind in ("regular file", "unsealed memfd", "memfd sealed against growing only"):
+        os.ftruncate(fd, 64)
+    if "growing" in kind:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+    try:
+        with pytest.raises(NnrtError) as e:
+            Memory.from_fd(fd, 0, 64, require_sealed=True)
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        assert "F_SEAL_SHRINK" in e.value.message and "Memory.create" in e.value.message
+    finally:
+        os.close(fd)
+        if shm is not None:
+            shm.unlink()
+
+
+def test_require_sealed_maps_a_memfd_sealed_against_shrinking():
+    fd = os.memfd_create("m", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 64)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with Memory.from_fd(fd, 0, 64, require_sealed=True) as mem:
+            assert mem.size == 64
+    finally:
+        os.close(fd)
+    with Memory.create(32) as mem, Memory.from_fd(mem.fileno(), require_sealed=True) as seen:
+        assert seen.size == 32

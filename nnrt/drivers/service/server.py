@@ -481,7 +481,8 @@ class ServiceConnection:
                     raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
                                   f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
                 mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                                    PROT_RW if wp.writable else PROT_READ)
+                                                    PROT_RW if wp.writable else PROT_READ,
+                                                    require_sealed=True)
         except BaseException:
             for m in mapped.values():
                 m.close()
@@ -598,7 +599,7 @@ class ServiceConnection:
     def _request_pool(self, entry: _Prepared, wp: p.WirePool, k: int, transient: list):
         if wp.fd is not None:
             mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                 PROT_RW if wp.writable else PROT_READ)
+                                 PROT_RW if wp.writable else PROT_READ, require_sealed=True)
             if wp.pool_id == 0:
                 transient.append(mem)
             else:
@@ -634,7 +635,7 @@ def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
                     raise invalid(f"model pool {k} came without an fd")
                 views.append(b"")
                 continue
-            mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size, PROT_READ)
+            mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size, PROT_READ, require_sealed=True)
             memories.append(mem)
             views.append(mem.view()[wp.offset:wp.offset + wp.length])
     except BaseException:
@@ -692,12 +693,21 @@ def _fds_of(ancdata) -> list[int]:
     return list(fds)
 
 
-def listen(socket_path: str) -> socket.socket:
-    """A listening Unix stream socket at ``socket_path``. A stale socket file
-    (nobody accepting) is replaced; a live one is refused."""
-    os.makedirs(os.path.dirname(socket_path) or ".", mode=0o700, exist_ok=True)
+def listen(socket_path: str, group: str | None = None) -> socket.socket:
+    """A listening Unix stream socket at ``socket_path``, reachable only by
+    the service's own user, or also by the members of ``group``.
+
+    The folder must belong to the service's user and be writable by nobody
+    else, or anyone could replace the socket (and receive an app's calls);
+    a missing folder is created 0700 (0710 and chgrp'd with ``group``). The
+    socket is 0600 (0660 and chgrp'd with ``group``), set before ``listen``
+    so that no one can connect while the umask decided its mode. A stale
+    socket file (nobody accepting) is replaced; a live one is refused. Any
+    refusal is INVALID_ARGUMENT saying what to change."""
+    gid = None if group is None else _group_id(group)
+    _secure_folder(os.path.dirname(os.path.abspath(socket_path)), gid)
     try:
-        st = os.stat(socket_path)
+        st = os.lstat(socket_path)
     except FileNotFoundError:
         pass
     else:
@@ -715,22 +725,94 @@ def listen(socket_path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(socket_path)
+        # connect(2) needs write permission on the socket file: until listen()
+        # nobody can connect at all, so set the mode (and group) first.
+        os.chmod(socket_path, 0o600 if gid is None else 0o660)
+        if gid is not None:
+            os.chown(socket_path, -1, gid)
         sock.listen(128)
     except OSError as e:
         sock.close()
+        try:
+            os.unlink(socket_path)
+        except OSError:
+            pass
         raise invalid(f"cannot listen on {socket_path}: {e}") from None
     sock.setblocking(False)
     return sock
 
 
+def _group_id(group: str) -> int:
+    """The gid of ``group`` (a name or a number), INVALID_ARGUMENT when the
+    service's user cannot hand a file to it."""
+    import grp
+
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise invalid(f"--group {group}: no such group") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise invalid(f"--group {group}: the service's user (uid {os.geteuid()}) is not a "
+                      f"member of it, so it cannot give its socket to that group")
+    return gid
+
+
+def _secure_folder(folder: str, gid: int | None) -> None:
+    """Create ``folder`` 0700 (0710 for ``gid``) or check an existing one:
+    ours, a real folder, writable by nobody else, and reachable by ``gid``."""
+    mode = 0o700 if gid is None else 0o710
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.mkdir(folder, mode)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise invalid(f"cannot create the socket folder {folder}: {e}") from None
+    else:
+        os.chmod(folder, mode)  # the umask may have taken bits away
+        if gid is not None:
+            os.chown(folder, -1, gid)
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise invalid(f"the socket folder {folder} is a symbolic link; give the real folder "
+                      f"with --socket")
+    if not stat.S_ISDIR(st.st_mode):
+        raise invalid(f"the socket folder {folder} is not a folder")
+    if st.st_uid != os.geteuid():
+        raise invalid(f"the socket folder {folder} belongs to uid {st.st_uid}, not to this "
+                      f"service's user (uid {os.geteuid()}): another user may have made it to "
+                      f"take over the socket. Remove it, or choose a folder of your own with "
+                      f"--socket")
+    if st.st_mode & 0o022:
+        raise invalid(f"the socket folder {folder} is writable by other users (mode "
+                      f"{stat.S_IMODE(st.st_mode):04o}), who could replace the socket: "
+                      f"chmod go-w {folder}")
+    if gid is not None:
+        # Members of the group must be able to walk down to the socket.
+        path = folder
+        while True:
+            st = os.stat(path)
+            if not (st.st_mode & 0o001 or (st.st_mode & 0o010 and st.st_gid == gid)):
+                raise invalid(f"members of group {gid} cannot reach a socket in {folder}: "
+                              f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, group "
+                              f"{st.st_gid}) does not let them through; use a folder such as "
+                              f"/run/nnrt (root creates it, then chown it to this user)")
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+
+
 async def serve(device: Device, socket_path: str, *, app_key: str = "uid",
-                task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                group: str | None = None, task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Serve ``device`` on ``socket_path`` until cancelled; the socket file
     is removed on the way out. ``app_key`` ("uid" or "pid") says which peer
-    credential keys an app's queue. ``task_status.started`` gets the
-    :class:`DriverService` (for ``statistics()``)."""
+    credential keys an app's queue; ``group`` names a group whose members
+    may connect too (see :func:`listen`; default: only the service's user).
+    ``task_status.started`` gets the :class:`DriverService` (for
+    ``statistics()``)."""
     service = DriverService(device, app_key)
-    listener = listen(socket_path)
+    listener = listen(socket_path, group)
     vlog("driver", "%s: listening on %s", device.name, socket_path)
     try:
         async with anyio.create_task_group() as tg:
@@ -745,10 +827,29 @@ async def serve(device: Device, socket_path: str, *, app_key: str = "uid",
                     vlog("driver", "%s: accept failed: %s", device.name, e)
                     await anyio.sleep(0.01)
                     continue
-                tg.start_soon(service.handle_connection, sock)
+                tg.start_soon(_serve_connection, service, sock)
     finally:
         listener.close()
         try:
             os.unlink(socket_path)
         except FileNotFoundError:
             pass
+
+
+async def _serve_connection(service: DriverService, sock: socket.socket) -> None:
+    """One connection, fenced off: whatever escapes its handling (a bug, an
+    fd of the wrong kind, a resource error) closes that connection and is
+    logged; it never reaches the task group serving everyone else."""
+    try:
+        await service.handle_connection(sock)
+    except Exception as e:
+        vlog("driver", "%s: dropping a connection after %s: %s", service.info.name,
+             type(e).__name__, e)
+    except BaseExceptionGroup as group:  # errors stay here; cancellation goes on
+        errors, others = group.split(Exception)
+        if errors is not None:
+            vlog("driver", "%s: dropping a connection after %r", service.info.name, errors)
+        if others is not None:
+            raise others from None
+    finally:
+        sock.close()
