@@ -30,6 +30,7 @@ from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from ..hal.types import Priority, check_deadline, check_priority
 from ..vlog import vlog
+from .. import trace
 
 # How many times an execution is retried with larger output buffers after
 # OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
@@ -371,6 +372,7 @@ class CompiledModel:
         return self._signature.carry_state(
             await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
 
+    @trace.traced("app: execute")
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
                        sessions: dict | None) -> Result:
         deadline = check_deadline(deadline)

@@ -67,6 +67,7 @@ from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import HalModel
 from ...vlog import vlog
+from ... import trace
 from ...hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
 from ...qos import ScheduledDevice
 from . import protocol as p
@@ -524,6 +525,7 @@ class ServiceConnection:
             raise invalid(f"prepared model {model_id} does not belong to this connection")
         return entry
 
+    @trace.traced("service: execute")
     async def _execute(self, call: p.Execute) -> ExecutionResult:
         entry = self._own(call.model_id)
         for pool_id in call.release:
