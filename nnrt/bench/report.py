@@ -104,7 +104,7 @@ def _summary(page: Page) -> str:
             continue
         missed = f'<span class="bad">{s.misses}</span>' if s.misses else "0"
         errs = f'<span class="bad">{s.errors}</span>' if s.errors else "0"
-        dl = "–" if c.deadline is None else f"{c.deadline * 1e3:g}"
+        dl = "–" if c.deadline is None else f"{c.deadline * 1e3:.1f}"
         rows.append([_esc(c.model), _esc(c.device), _esc(c.mode), str(s.runs), _ms(s.p50),
                      _ms(s.p90), _ms(s.p99), _ms(s.max),
                      "–" if s.throughput is None else f"{s.throughput:.1f}",
@@ -166,10 +166,13 @@ def _over_time(figs: _Figures, cases: list[Case]) -> str:
                 marker=dict(symbol="x", size=9, color="#d00", line=dict(width=1)),
                 name=f"{_label(c)}: {sum(s.status == MISS for s in bad)} deadline misses, "
                      f"{sum(s.status == ERROR for s in bad)} errors"))
+    end = max((s.t for c in cases for s in c.samples), default=1.0)
     for d in deadlines:
-        fig.add_hline(y=d * 1e3, line=dict(color="#d00", dash="dash", width=1.5),
-                      annotation_text=f"deadline {d * 1e3:g} ms",
-                      annotation_position="top left")
+        # A line trace, not add_hline: plotly places shape annotations on a
+        # log axis in log10 units, which stretches the axis to 1e33.
+        fig.add_trace(go.Scatter(x=[0, end], y=[d * 1e3, d * 1e3], mode="lines",
+                                 line=dict(color="#d00", dash="dash", width=1.5),
+                                 name=f"deadline {d * 1e3:.1f} ms"))
     fig.update_yaxes(type="log", title="latency (ms, log scale)",
                      **_log_ticks([s.latency * 1e3 for c in cases for s in c.samples]
                                   + [d * 1e3 for d in deadlines]))
