@@ -100,6 +100,14 @@ def random_input(info, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(max(limits.min, -128), min(limits.max, 255) + 1, shape).astype(info.dtype)
 
 
+def litert_reference_outputs(path: str) -> list[str]:
+    """``<stem>.ref_out<i>.npy``: LiteRT's outputs with its reference kernels
+    (BUILTIN_REF), which a bit-faithful numpy driver should match more
+    closely than XNNPACK's ``.out`` files (shared/models/README.md)."""
+    stem = glob.escape(path[: -len(".tflite")] if path.endswith(".tflite") else path)
+    return _numbered(f"{stem}.ref_out*.npy", "ref_out")
+
+
 def model_inputs(path: str, compiled, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The inputs to run with (beside the model, else random) and the LiteRT
     outputs to compare with (empty when there are none)."""
@@ -229,6 +237,10 @@ async def run_case(rt, path: str, model: nnrt.Model, device, mode: str, config: 
             case.accuracy.append(compare(first.outputs, reference, "reference device"))
         if litert:
             case.accuracy.append(compare(first.outputs, litert, "LiteRT (.out*.npy)"))
+            ref_kernels = litert_reference_outputs(path)
+            if len(ref_kernels) == len(litert):
+                case.accuracy.append(compare(first.outputs, [np.load(f) for f in ref_kernels],
+                                             "LiteRT reference kernels (.ref_out*.npy)"))
         preempted_before = await _preemptions(rt, device)
         async with _Modes(compiled, mode) as runner:
             for _ in range(config.warmup):
@@ -359,7 +371,7 @@ def summary_rows(result: BenchResult) -> list[list[str]]:
     rows = []
     for c in result.cases:
         s = c.stats()
-        acc = "; ".join(f"{'ref' if a.against.startswith('reference') else 'LiteRT'} "
+        acc = "; ".join(f"{_SHORT.get(a.against, a.against)} "
                         f"{max(a.max_diff):.3g}{'' if a.unit == 'abs' else ' ' + a.unit}"
                         f"{'' if a.top1_match is None else (' top1 ok' if a.top1_match else ' top1 differs')}"
                         for a in c.accuracy) or "-"
@@ -374,5 +386,7 @@ def summary_rows(result: BenchResult) -> list[list[str]]:
     return rows
 
 
+_SHORT = {"reference device": "ref", "LiteRT (.out*.npy)": "LiteRT",
+          "LiteRT reference kernels (.ref_out*.npy)": "LiteRT-ref"}
 SUMMARY_HEADER = ["model", "device", "mode", "runs", "p50 ms", "p90 ms", "p99 ms", "max ms",
                   "runs/s", "miss/err", "operations on", "accuracy (max diff)"]
