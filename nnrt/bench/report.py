@@ -27,6 +27,7 @@ td,th{padding:3px 9px;border-bottom:1px solid #e4e4e4;text-align:right;white-spa
 th{background:#f4f4f4} td:first-child,th:first-child,td.l{text-align:left}
 .note{color:#555;font-size:.9em} .bad{color:#b00;font-weight:600} .good{color:#070}
 code{background:#f4f4f4;padding:1px 4px}
+table.wrap td{white-space:normal;text-align:left;vertical-align:top}
 """
 
 
@@ -53,11 +54,11 @@ def _esc(v) -> str:
     return html.escape(str(v))
 
 
-def _table(header: list[str], rows: list[list[str]], raw: bool = False) -> str:
+def _table(header: list[str], rows: list[list[str]], raw: bool = False, css: str = "") -> str:
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c if raw else _esc(c)}</td>" for c in r) + "</tr>"
                    for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table class='{css}'><tr>{head}</tr>{body}</table>"
 
 
 def _log_ticks(values_ms: list[float]) -> dict:
@@ -130,7 +131,7 @@ def _details(page: Page) -> str:
                        f'{"" if a.unit == "abs" else _esc(a.unit)}{top1}</span>')
         rows.append([_esc(c.label), stages, _esc(place), "<br>".join(acc) or "–"])
     return _table(["case", "median per stage (ms)", "operations ran on",
-                   "accuracy: max difference per output"], rows, raw=True)
+                   "accuracy: max difference per output"], rows, raw=True, css="wrap")
 
 
 def _distribution(figs: _Figures, cases: list[Case]) -> str:
@@ -179,7 +180,8 @@ def _over_time(figs: _Figures, cases: list[Case]) -> str:
     fig.update_xaxes(title="time since start (s)")
     fig.update_layout(title="Latency over time (✕ = deadline miss or error, at the time it "
                             "was reported)")
-    return figs.html(fig, 460)
+    # The legend sits under the plot: grow with it so the plot keeps its height.
+    return figs.html(fig, 420 + 22 * ((len(cases) + 2) // 3))
 
 
 def _stages(figs: _Figures, cases: list[Case]) -> str:
@@ -239,7 +241,7 @@ def _machine(figs: _Figures, machine: MachineInfo) -> str:
                              name="load average (1 min)", line=dict(color="#7f7f7f", dash="dot")),
                   secondary_y=True)
     fig.add_hline(y=machine.cpus, line=dict(color="#7f7f7f", width=1), secondary_y=True,
-                  annotation_text=f"{machine.cpus} CPUs", annotation_position="bottom right")
+                  annotation_text=f"load = {machine.cpus} CPUs", annotation_position="top left")
     fig.update_yaxes(title="% of all CPUs", range=[0, 105], secondary_y=False)
     fig.update_yaxes(title="load average", rangemode="tozero", secondary_y=True)
     fig.update_xaxes(title="time since start (s)")
@@ -255,7 +257,7 @@ def _stress_table(results: list[StressResult]) -> str:
         rows.append([_esc(r.model), _esc(r.device), f'<span class="{cls}">{r.verdict}</span>',
                      str(r.runs), f"{r.seconds:.1f}", f'<div class="l">{_esc(r.detail)}{tail}</div>'])
     return _table(["model", "device", "verdict", "runs", "seconds", "detail / last output"],
-                  rows, raw=True)
+                  rows, raw=True, css="wrap")
 
 
 def render(page: Page) -> str:
