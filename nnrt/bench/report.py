@@ -130,7 +130,7 @@ def _details(page: Page) -> str:
             acc.append(f'<span class="{cls}">{_esc(a.against)}: {diff} '
                        f'{"" if a.unit == "abs" else _esc(a.unit)}{top1}</span>')
         rows.append([_esc(c.label), stages, _esc(place), "<br>".join(acc) or "–"])
-    return _table(["case", "median per stage (ms)", "operations ran on",
+    return _table(["case", "mean per stage (ms)", "operations ran on",
                    "accuracy: max difference per output"], rows, raw=True, css="wrap")
 
 
@@ -199,8 +199,8 @@ def _stages(figs: _Figures, cases: list[Case]) -> str:
                              insidetextanchor="middle", hovertemplate="%{y}<br>" + name +
                              ": %{x:.3f} ms<extra></extra>"))
     fig.update_layout(barmode="stack", barnorm="percent",
-                      title="Where the time goes (median per stage; bar = 100 % of the median "
-                            "execution, labels in ms)")
+                      title="Where the time goes (mean per stage; bar = 100 % of the mean execution, "
+                            "labels in ms)")
     fig.update_xaxes(title="share of the execution (%)", range=[0, 100])
     fig.update_yaxes(autorange="reversed", automargin=True)
     return figs.html(fig, 140 + 40 * len(with_stages))

@@ -53,7 +53,7 @@ class Stats:
     p99: float | None
     max: float | None
     throughput: float | None     # successful executions per second of wall time
-    stages: dict[str, float] = field(default_factory=dict)   # median seconds per stage
+    stages: dict[str, float] = field(default_factory=dict)   # mean seconds per stage
 
 
 @dataclass
@@ -97,8 +97,10 @@ class Case:
         cut = [st for st in (s.stages() for s in self.samples) if st is not None]
         stages = {}
         if cut:
+            # Means, not medians: the means of the stages add up to the mean
+            # latency, medians of parts do not add up to anything.
             for k, name in enumerate(STAGES):
-                stages[name] = sorted(c[k] for c in cut)[len(cut) // 2]
+                stages[name] = sum(c[k] for c in cut) / len(cut)
         return Stats(len(self.samples), len(ok), misses, errors, percentile(ok, 0.5),
                      percentile(ok, 0.9), percentile(ok, 0.99), ok[-1] if ok else None,
                      len(ok) / self.wall if self.wall > 0 else None, stages)
