@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1] / "nnrt"
 # under nnrt/ (its stem); "nnrt" is the package facade (nnrt/__init__.py).
 RANKS = [
     {"errors", "vlog", "_version"},          # leaf modules: no nnrt imports but each other
-    {"handoff", "fmq", "memory", "fence"},   # threads, the ring, shared memory, sync fences
+    {"handoff"},                             # worker threads, results handed to a loop
+    {"fmq", "memory", "fence"},              # the ring, shared memory, sync fences
     {"model"},                               # operand/operation types, graphs, the builder
     {"ops"},                                 # the operation registry and kernels
     {"hal"},                                 # the seam: value types, interfaces, validation
