@@ -218,23 +218,74 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
     assert p.decode_body(frame_body(frame), fds) == message
 
 
+def statistics_value():
+    stats = p.WireSchedulerStatistics(2, 1, (p.WireClassStatistics(
+        ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),))
+    job = p.WireJobRecord(("uid", 7), Priority.LOW, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
+                          ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
+    return p.StatisticsValue(stats, (job,))
+
+
 def test_statistics_reply_round_trips():
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service import protocol as proto
-    from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
-    from nnrt.hal.types import Priority
-    from nnrt.errors import ErrorStatus
-    stats = SchedulerStatistics(2, 1, (ClassStatistics(("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1,
-                                                       0, 0, 0.001, None, 0.25),))
-    job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
-                    ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
-    for value in (proto.StatisticsValue(stats, (job,)), proto.StatisticsValue(None, ())):
-        data, fds = proto.encode(proto.Reply(9, proto.Method.STATISTICS, ErrorStatus.NONE, "",
-                                             value))
-        assert proto.decode_body(data[proto.FRAME_HEADER_SIZE:], fds).value == value
-        for cut in range(proto.FRAME_HEADER_SIZE, len(data) - 1):
-            try:
-                proto.decode_body(data[proto.FRAME_HEADER_SIZE:cut], [])
-            except proto.ProtocolError:
-                pass
+    for value in (statistics_value(), p.StatisticsValue(None, ()),
+                  p.StatisticsValue(None, (p.WireJobRecord("app", Priority.MEDIUM, 1, 0.0, 0.5,
+                                                           1.0, 0.5, 0, 0.5, ErrorStatus.NONE,
+                                                           ""),))):
+        data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
+        assert p.decode_body(data[p.FRAME_HEADER_SIZE:], fds).value == value
+        for cut in range(p.FRAME_HEADER_SIZE, len(data) - 1):
+            with pytest.raises(p.ProtocolError):
+                p.decode_body(data[p.FRAME_HEADER_SIZE:cut], [])
     assert anyio.run(ReferenceDevice().finished_jobs) == ()  # no scheduler of its own
+
+
+def test_every_method_has_one_codec_and_sample_messages_cover_it():
+    covered = {m.method for m in sample_messages() + all_method_messages()}
+    assert set(p.CODECS) == set(p.Method) == covered
+
+
+def all_method_messages():
+    """A call and a successful reply of every method the samples above leave out."""
+    pool = p.WirePool(2, 11, True, 0, 4096, 0, 4096)
+    info = p.FencedInfo(ExecutionResult(ErrorStatus.NONE, (OutputShape((1,)),), Timing(1, 2)),
+                        Timing(3, 4), Timing(5, 6))
+    return [
+        p.Query(11, p.Method.STATISTICS),
+        p.Reply(11, p.Method.STATISTICS, value=statistics_value()),
+        p.ExecuteFenced(12, 7, (), (), (pool,), (), False, None, None, (5,), 0.5, 6),
+        p.Reply(12, p.Method.EXECUTE_FENCED, value=info),
+        p.ConfigureBurst(13, 42, (3, 4, 5, 6, 7, 8)),
+        p.Reply(13, p.Method.CONFIGURE_BURST, value=77),
+        p.ReleaseBurst(14, 9),
+        p.Reply(14, p.Method.RELEASE_BURST),
+        p.FreeBurstSlots(15, 9, (1, 5)),
+        p.Reply(15, p.Method.FREE_BURST_SLOTS),
+        p.GetMemories(16, 9, (2,)),
+        p.Reply(16, p.Method.GET_MEMORIES, value=(pool,)),
+        p.BurstEnded(17, 9, "its ring is out of sync"),
+        p.Reply(17, p.Method.BURST_ENDED),
+    ]
+
+
+@pytest.mark.parametrize("message", all_method_messages(), ids=lambda m: type(m).__name__)
+def test_every_other_method_round_trips_and_refuses_cuts(message):
+    frame, fds = p.encode(message)
+    body = frame_body(frame)
+    assert p.decode_body(body, fds) == message
+    for cut in range(len(body)):
+        with pytest.raises(p.ProtocolError):
+            p.decode_body(body[:cut], fds)
+    with pytest.raises(p.ProtocolError, match="trailing"):
+        p.decode_body(body + b"\0", fds)
+
+
+def test_error_replies_carry_what_the_codec_says():
+    dead = p.error_reply(3, p.Method.EXECUTE, ErrorStatus.DEAD_OBJECT, "gone")
+    assert dead.value == ExecutionResult(ErrorStatus.DEAD_OBJECT, message="gone")
+    fenced = p.error_reply(4, p.Method.EXECUTE_FENCED, ErrorStatus.DEAD_OBJECT, "gone")
+    assert fenced.value.result.status == ErrorStatus.DEAD_OBJECT
+    assert p.error_reply(5, p.Method.PREPARE_MODEL, ErrorStatus.DEAD_OBJECT, "gone").value is None
+    for reply in (dead, fenced):
+        frame, fds = p.encode(reply)
+        assert p.decode_body(frame_body(frame), fds) == reply
