@@ -289,3 +289,105 @@ def test_error_replies_carry_what_the_codec_says():
     for reply in (dead, fenced):
         frame, fds = p.encode(reply)
         assert p.decode_body(frame_body(frame), fds) == reply
+
+
+# -- the state of calls in flight lives in the connection objects ---------------------
+
+def _answer(conn, reply):
+    conn.receive_data(*p.encode(reply))
+    return conn.next_event()
+
+
+def test_client_connection_numbers_calls_and_hands_replies_to_their_tokens():
+    client = p.ClientConnection()
+    call_id, frame, _ = client.call(lambda cid: p.Hello(cid), "hello token")
+    assert p.decode_body(frame_body(frame)) == p.Hello(call_id)
+    q_id, _, _ = client.call(lambda cid: p.Query(cid, p.Method.CAPABILITIES), "query token")
+    assert q_id != call_id
+    event = _answer(client, p.Reply(q_id, p.Method.CAPABILITIES, ErrorStatus.GENERAL_FAILURE,
+                                    "no"))
+    assert event == p.Answer("query token", event.reply) and event.reply.call_id == q_id
+    # A reply nobody waits for (answered already, or abandoned) has no token.
+    assert _answer(client, p.Reply(q_id, p.Method.CAPABILITIES, ErrorStatus.GENERAL_FAILURE,
+                                   "again")).token is None
+    # CANCEL only for a call still pending.
+    assert client.cancel(q_id) is None
+    data, _ = client.cancel(call_id)
+    assert p.decode_body(frame_body(data)).target == call_id
+    client.abandon(call_id)
+    assert _answer(client, p.Reply(call_id, p.Method.HELLO, ErrorStatus.INVALID_ARGUMENT,
+                                   "late")).token is None
+
+
+def test_a_dead_client_connection_fails_every_pending_call_with_its_token():
+    from nnrt.memory import Memory
+    from nnrt.memory.staging import Place
+    client = p.ClientConnection()
+    client.call(lambda cid: p.Hello(cid), "hello")
+    with Memory.create(64) as mem:
+        client.execute("run", 5, (), (), (Place(mem, 0, 64),), False, None, None)
+        answers = {a.token: a.reply for a in client.fail("the service died")}
+    assert set(answers) == {"hello", "run"} and client.dead == "the service died"
+    assert answers["hello"].status == ErrorStatus.DEAD_OBJECT
+    assert answers["run"].value == ExecutionResult(ErrorStatus.DEAD_OBJECT,
+                                                   message="the service died")
+    assert client.fail("again") == []
+
+
+def test_client_pool_cache_sends_an_fd_once_and_releases_closed_memories():
+    from nnrt.memory import Memory
+    from nnrt.memory.staging import Place
+    client = p.ClientConnection()
+    client.send(p.Hello(1))
+
+    def execute(*mems):
+        call_id, frame, fds = client.execute(None, 5, (), (), tuple(Place(m, 0, m.size)
+                                                                   for m in mems),
+                                             False, None, None)
+        return call_id, p.decode_body(frame_body(frame), fds), fds
+
+    a, b = Memory.create(64), Memory.create(128)
+    call_id, first, fds = execute(a)
+    assert fds == [a.fileno()] and first.pools[0].fd == a.fileno()
+    # The call failed: the service may not have mapped it, so the fd goes again.
+    _answer(client, p.error_reply(call_id, p.Method.EXECUTE, ErrorStatus.GENERAL_FAILURE, "x"))
+    call_id, again, fds = execute(a)
+    assert fds == [a.fileno()] and again.pools[0].pool_id == first.pools[0].pool_id
+    _answer(client, p.reply_for(again, ExecutionResult(ErrorStatus.NONE)))
+    _, by_id, fds = execute(a, b)
+    assert by_id.pools[0].fd is None and by_id.pools[1].fd == b.fileno()
+    a.close()
+    _, released, _ = execute(b)
+    assert released.release == (first.pools[0].pool_id,)
+    # Another prepared model has its own cache; releasing a model drops it.
+    _, other, fds = client.execute(None, 6, (), (), (Place(b, 0, b.size),), False, None, None)
+    assert fds == [b.fileno()]
+    data, _ = client.release_model(6)
+    assert p.decode_body(frame_body(data)) == p.ReleaseModel(p.decode_body(frame_body(data)).call_id, 6)
+    b.close()
+
+
+def test_server_connection_keeps_cancel_targets_its_own_calls_and_the_pool_cache():
+    server = p.ServerConnection()
+    server.receive_data(*p.encode(p.Hello(1)))
+    assert server.next_event() == p.Hello(1)
+    server.running(7, "scope of call 7")
+    assert server.cancel_target(p.Cancel(8, 7)) == "scope of call 7"
+    server.finished(7)
+    assert server.cancel_target(p.Cancel(9, 7)) is None
+    # Our GET_MEMORIES: the client's reply comes back with our token.
+    call_id, frame, _ = server.call(lambda cid: p.GetMemories(cid, 3, (1,)), "waiting task")
+    reply = p.Reply(call_id, p.Method.GET_MEMORIES, ErrorStatus.INVALID_ARGUMENT, "no slot")
+    assert _answer(server, reply) == p.Answer("waiting task", reply)
+    assert _answer(server, reply) == p.Answer(None, reply)
+    # The pool cache of each prepared model.
+    assert server.cache_pool(5, 1, "pool 1") == []
+    assert server.cache_pool(5, 1, "pool 1 again") == ["pool 1"]
+    assert server.cached_pool(5, 1) == "pool 1 again" and server.cached_pool(6, 1) is None
+    for k in range(2, p.MAX_CACHED_POOLS + 1):
+        server.cache_pool(5, k, k)
+    with pytest.raises(p.ProtocolError, match="cached"):
+        server.cache_pool(5, p.MAX_CACHED_POOLS + 1, "one too many")
+    assert server.release_pools(5, (1, 2, 999)) == ["pool 1 again", 2]
+    assert len(server.drop_model(5)) == p.MAX_CACHED_POOLS - 2
+    assert server.drop_model(5) == []

@@ -65,7 +65,6 @@ the result fence (anyone holding an eventfd may), so its waiters wake.
 """
 from __future__ import annotations
 
-import array
 import collections
 import os
 import socket
@@ -82,11 +81,12 @@ from ...hal import (Capabilities, Device, ExecutionPreference, ExecutionResult, 
                     PreparedModel, Request, Scheduling, Timing)
 from ...hal.types import Priority
 from ...memory import Memory
-from ...memory.staging import ArenaPool, Place, Staging, stage
+from ...memory.staging import ArenaPool, Staging, stage
 from ...model.graph import HalModel
 from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ...vlog import vlog
 from . import protocol as p
+from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
 _MAX_FREE_ARENAS = 8
@@ -98,18 +98,6 @@ _CANCEL_GRACE = 10.0
 
 def _dead(message: str) -> NnrtError:
     return NnrtError(ErrorStatus.DEAD_OBJECT, message)
-
-
-def _rights(fds) -> list:
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-
-
-def _received_fds(ancdata) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    return list(fds)
 
 
 class _Waiter(Waiter):
@@ -145,7 +133,7 @@ class _Channel:
             self._backlog.append((memoryview(data), [os.dup(fd) for fd in fds]))
             return
         try:
-            sent = self.sock.sendmsg([data], _rights(fds), socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+            sent = self.sock.sendmsg([data], rights(fds), socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             sent = 0
         if sent < len(data):
@@ -166,7 +154,7 @@ class _Channel:
                     break
                 view, fds = self._backlog[0]
             try:
-                sent = self.sock.sendmsg([view], _rights(fds), socket.MSG_NOSIGNAL)
+                sent = self.sock.sendmsg([view], rights(fds), socket.MSG_NOSIGNAL)
             except InterruptedError:
                 continue
             except OSError as e:
@@ -269,7 +257,7 @@ class _Channel:
                 except OSError as e:
                     reason = f"the connection to the service failed: {e}"
                     return
-                fds = _received_fds(ancdata)
+                fds = received_fds(ancdata)
                 if not data:
                     for fd in fds:
                         os.close(fd)

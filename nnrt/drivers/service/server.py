@@ -49,7 +49,6 @@ socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
 """
 from __future__ import annotations
 
-import array
 import contextlib
 import itertools
 import os
@@ -71,6 +70,7 @@ from ...vlog import vlog
 from ...hal import Device, ExecutionResult, PreparedModel, Request
 from ...qos import ScheduledDevice
 from . import protocol as p
+from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
 # Per connection: calls being handled at once, and prepared models alive.
@@ -247,7 +247,7 @@ class ServiceConnection:
                 continue
             except OSError:
                 return
-            fds = _fds_of(ancdata)
+            fds = received_fds(ancdata)
             if flags & socket.MSG_CTRUNC:
                 # Some fds were dropped by the kernel: the frames they
                 # belong to can no longer be matched with their fds.
@@ -302,18 +302,13 @@ class ServiceConnection:
             self._in_flight += 1
             tg.start_soon(self._handle, event)
 
-    async def _reply(self, message) -> None:
-        """Send ``message`` (a reply, or a call of ours) without blocking the loop."""
-        if not self._alive:
-            return
-        data, fds = self.proto.reply(message) if isinstance(message, p.Reply) \
-            else self.proto.send(message)
-        await self._send(data, fds)
+    async def _reply(self, reply: p.Reply) -> None:
+        if self._alive:
+            await self._send(*self.proto.reply(reply))
 
     async def _send(self, data: bytes, fds) -> None:
         view = memoryview(data)
-        # The fds ride with the first bytes.
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        anc = rights(fds)   # the fds ride with the first bytes
         async with self._send_lock:
             while view:
                 try:
@@ -699,14 +694,6 @@ def _adopt_fence(fd: int, what: str) -> SyncFence:
     except BaseException:
         os.close(own)
         raise
-
-
-def _fds_of(ancdata) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    return list(fds)
 
 
 def listen(socket_path: str) -> socket.socket:
