@@ -21,6 +21,19 @@ U64 = struct.Struct("<Q")
 F64 = struct.Struct("<d")
 
 
+def _scalar(st: struct.Struct):
+    """A Reader method reading one ``st`` value (the hot path: no helper calls)."""
+    size, unpack = st.size, st.unpack_from
+
+    def read(self, what: str):
+        pos = self.pos
+        if pos + size > len(self.data):
+            raise self.truncated(size, what)
+        self.pos = pos + size
+        return unpack(self.data, pos)[0]
+    return read
+
+
 class Reader:
     """A cursor over ``data``; ``error(text)`` makes the exception raised for
     bytes that do not hold what is asked."""
@@ -36,37 +49,34 @@ class Reader:
     def left(self) -> int:
         return len(self.data) - self.pos
 
-    def _need(self, n: int, what: str) -> int:
-        end = self.pos + n
-        if n < 0 or end > len(self.data):
-            raise self.error(f"truncated at byte {self.pos} of {len(self.data)}: {what} "
-                             f"needs {n} bytes, {len(self.data) - self.pos} left")
-        return end
+    def truncated(self, n: int, what: str) -> Exception:
+        return self.error(f"truncated at byte {self.pos} of {len(self.data)}: {what} "
+                          f"needs {n} bytes, {len(self.data) - self.pos} left")
+
+    def _advance(self, n: int, what: str) -> int:
+        """Move past ``n`` bytes; where they start."""
+        pos = self.pos
+        if n < 0 or pos + n > len(self.data):
+            raise self.truncated(n, what)
+        self.pos = pos + n
+        return pos
 
     def take(self, st: struct.Struct, what: str) -> tuple:
-        end = self._need(st.size, what)
-        values = st.unpack_from(self.data, self.pos)
-        self.pos = end
-        return values
+        return st.unpack_from(self.data, self._advance(st.size, what))
 
-    def u8(self, what: str) -> int: return self.take(U8, what)[0]
-    def u32(self, what: str) -> int: return self.take(U32, what)[0]
-    def i32(self, what: str) -> int: return self.take(I32, what)[0]
-    def u64(self, what: str) -> int: return self.take(U64, what)[0]
-    def f64(self, what: str) -> float: return self.take(F64, what)[0]
+    u8 = _scalar(U8)
+    u32 = _scalar(U32)
+    i32 = _scalar(I32)
+    u64 = _scalar(U64)
+    f64 = _scalar(F64)
 
     def u32_array(self, n: int, what: str) -> tuple[int, ...]:
         """``n`` u32 values (``n`` already bounded by the caller's limit)."""
-        end = self._need(4 * n, what)
-        values = struct.unpack_from(f"<{n}I", self.data, self.pos)
-        self.pos = end
-        return values
+        return struct.unpack_from(f"<{n}I", self.data, self._advance(4 * n, what))
 
     def raw(self, n: int, what: str) -> bytes:
-        end = self._need(n, what)
-        value = bytes(self.data[self.pos:end])
-        self.pos = end
-        return value
+        pos = self._advance(n, what)
+        return bytes(self.data[pos:pos + n])
 
     def finish(self, what: str) -> None:
         """The message must end here: trailing bytes are an error."""

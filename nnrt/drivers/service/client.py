@@ -208,19 +208,20 @@ class _Channel:
 
     # calls
 
-    async def call(self, build, on_cancel=None, make=None) -> p.Reply:
-        """Send ``build(call_id)`` (or the call ``make(proto, token)``
-        registers) and await its reply. With ``on_cancel``, cancelling the
-        awaiting task also cancels the call in the service (CANCEL) and
-        waits, shielded and at most ``_CANCEL_GRACE`` seconds, for the
-        call's own reply, which the service sends once the driver has let
-        go of the request's pools; ``on_cancel(reply)`` then runs with that
-        reply (None if it did not come) before the cancellation propagates."""
+    async def call(self, build) -> p.Reply:
+        """Send ``build(call_id)`` and await its reply."""
+        return await self.await_call(lambda proto, token: proto.call(build, token))
+
+    async def await_call(self, make, on_cancel=None) -> p.Reply:
+        """Send the call ``make(proto, token)`` registers and await its
+        reply. With ``on_cancel``, cancelling the awaiting task also cancels
+        the call in the service (CANCEL) and waits, shielded and at most
+        ``_CANCEL_GRACE`` seconds, for the call's own reply, which the
+        service sends once the driver has let go of the request's pools;
+        ``on_cancel(reply)`` then runs with that reply (None if it did not
+        come) before the cancellation propagates."""
         waiter = _Waiter(blocking=False)
-        if make is None:
-            call_id = self._start(lambda proto: proto.call(build, waiter))
-        else:
-            call_id = self._start(lambda proto: make(proto, waiter))
+        call_id = self._start(lambda proto: make(proto, waiter))
         try:
             return await waiter.wait()
         except BaseException:
@@ -619,9 +620,9 @@ class ServicePreparedModel(PreparedModel):
             staging.finish(reuse=reply is not None)
 
         try:
-            reply = await self._channel.call(
-                None, on_cancel=cancelled,
-                make=self._make_execute(request, staging, measure, deadline, loop_timeout))
+            reply = await self._channel.await_call(
+                self._make_execute(request, staging, measure, deadline, loop_timeout),
+                on_cancel=cancelled)
         except NnrtError as e:
             staging.finish()
             return ExecutionResult(e.status, message=e.message)

@@ -695,12 +695,18 @@ def _put_shapes_and_timings(w: _Writer, shapes, timings) -> None:
         w.u64(t.in_driver)
 
 
-def _get_shapes_and_timings(r: _Reader, timings: tuple[str, ...]):
+_RUN = ("run on-device time", "run in-driver time")
+_FENCED = (_RUN, ("launched on-device time", "launched in-driver time"),
+           ("fenced on-device time", "fenced in-driver time"))
+
+
+def _get_shapes_and_timings(r: _Reader, timings):
+    """Output shapes, then one Timing per (on-device, in-driver) label pair."""
     n = r.count("output shape count", 5)
     shapes = tuple(OutputShape(r.u32s("output dimensions"), r.flag("is sufficient"))
                    for _ in range(n))
-    return shapes, [Timing(r.u64(f"{w} on-device time"), r.u64(f"{w} in-driver time"))
-                    for w in timings]
+    return shapes, [Timing(r.u64(on_device), r.u64(in_driver))
+                    for on_device, in_driver in timings]
 
 
 def _put_app(w: _Writer, app) -> None:
@@ -892,7 +898,7 @@ def _put_result(w: _Writer, v: ExecutionResult) -> None:
 
 
 def _get_result(r: _Reader, status, message) -> ExecutionResult:
-    shapes, (timing,) = _get_shapes_and_timings(r, ("run",))
+    shapes, (timing,) = _get_shapes_and_timings(r, (_RUN,))
     return ExecutionResult(status, shapes, timing, message)
 
 
@@ -902,8 +908,7 @@ def _put_fenced_info(w: _Writer, v: FencedInfo) -> None:
 
 
 def _get_fenced_info(r: _Reader, status, message) -> FencedInfo:
-    shapes, (timing, launched, fenced) = _get_shapes_and_timings(
-        r, ("run", "launched", "fenced"))
+    shapes, (timing, launched, fenced) = _get_shapes_and_timings(r, _FENCED)
     return FencedInfo(ExecutionResult(status, shapes, timing, message), launched, fenced)
 
 

@@ -3,12 +3,15 @@ Unix stream socket (``nnrt driver serve``).
 
 Theory of operation
 -------------------
-``serve`` accepts connections; each gets a :class:`ServiceConnection` whose
-reader task feeds received bytes and SCM_RIGHTS fds into the sans-I/O
-:class:`~.protocol.Connection` and starts one handler task per call, so many
-executions of one client run at once (the driver's async ``execute``). A
-handler always answers its call id: a result, or the ``NnrtError`` status it
-raised; a driver bug becomes GENERAL_FAILURE, never a dead service.
+``serve`` accepts connections; each gets a :class:`ServiceConnection`, a
+thin transport: its reader task feeds received bytes and SCM_RIGHTS fds into
+the sans-I/O :class:`~.protocol.ServerConnection` — which keeps the cancel
+targets, our own calls to the client and the request-pool cache — and starts
+one handler task per call, the handler found by method in :data:`_HANDLERS`,
+so many executions of one client run at once (the driver's async
+``execute``). A handler always answers its call id: a result, or the
+``NnrtError`` status it raised; a driver bug becomes GENERAL_FAILURE, never
+a dead service.
 
 The peer's identity (uid, pid) comes from SO_PEERCRED when it connects.
 Prepared models and the pools mapped for them belong to the connection that
@@ -23,8 +26,9 @@ driver has let go of its pools.
 Every fd received is either mapped (``Memory.from_fd`` duplicates it) or not
 used, and in both cases the received fd is closed by the handler that got
 it. A request pool sent with a non-zero ``pool_id`` is mapped once and
-cached for that prepared model until the client releases the id (the client
-drives the cache, see ``protocol``), so steady-state executions pass no fds.
+cached for that prepared model (in the connection object) until the client
+releases the id (the client drives the cache, see ``protocol``), so
+steady-state executions pass no fds.
 
 Fenced executions (EXECUTE_FENCED): the wait_for fences and the result
 fence (made by the client) arrive as fds; the pools must be shared memory.
