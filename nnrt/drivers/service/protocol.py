@@ -507,7 +507,7 @@ class _Writer(Writer):
         self.fds: list[int] = []
 
     def flag(self, v) -> None:
-        self.u8(bool(v))
+        self.out += b"\x01" if v else b"\x00"
 
     def bytes_(self, v) -> None:
         v = bytes(v)
@@ -1419,10 +1419,12 @@ class ClientConnection(Connection):
 class ServerConnection(Connection):
     """The service's side: the cancel targets of running executions, its
     own calls to the client (GET_MEMORIES, BURST_ENDED) awaiting a reply,
-    and the request pools cached for each prepared model."""
+    the request pools cached for each prepared model, and the bursts open
+    on this connection."""
 
     def __init__(self):
         super().__init__("server")
+        self.bursts: dict[int, Any] = {}        # burst id -> the task serving it
         self._running: dict[int, Any] = {}      # EXECUTE call id -> its cancel handle
         self._call_ids = itertools.count(1)     # ids of our calls to the client
         self._pending: dict[int, Any] = {}      # our call id -> the caller's token

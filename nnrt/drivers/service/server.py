@@ -210,8 +210,11 @@ class ServiceConnection:
         self._alive = True
         self._in_flight = 0
         self._tg = None  # the connection's task group, home of fenced executions and bursts
-        # Burst sessions of this connection (each a task in its task group).
-        self.bursts: dict[int, BurstServer] = {}
+
+    @property
+    def bursts(self) -> dict[int, BurstServer]:
+        """Burst sessions of this connection (each a task in its task group)."""
+        return self.proto.bursts
 
     async def run(self) -> None:
         vlog("driver", "%s: connection from pid %d uid %d", self.service.info.name,
