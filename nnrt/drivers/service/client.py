@@ -537,8 +537,7 @@ def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
         for m in staged:
             m.close()
         raise
-    return HalModel(model.main, model.referenced, model.operand_values, tuple(wire),
-                 model.relax_computation_float32_to_float16, model.extension_prefixes), staged
+    return p.with_pools(model, wire), staged
 
 
 class _BurstLink(BurstLink):

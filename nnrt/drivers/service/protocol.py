@@ -672,6 +672,13 @@ def _get_model(r: _Reader) -> HalModel:
     return HalModel(main, referenced, values, pools, relax, prefixes)
 
 
+def with_pools(model: HalModel, pools) -> HalModel:
+    """``model`` with other constant pools: WirePools on the way out, the
+    mapped memories on the way in."""
+    return HalModel(model.main, model.referenced, model.operand_values, tuple(pools),
+                    model.relax_computation_float32_to_float16, model.extension_prefixes)
+
+
 def _put_perf(w: _Writer, p: PerformanceInfo) -> None:
     w.f64(p.exec_time)
     w.f64(p.power_usage)

@@ -685,8 +685,7 @@ def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
         for m in memories:
             m.close()
         raise
-    return HalModel(model.main, model.referenced, model.operand_values, tuple(views),
-                 model.relax_computation_float32_to_float16, model.extension_prefixes), memories
+    return p.with_pools(model, views), memories
 
 
 def _adopt_fence(fd: int, what: str) -> SyncFence:
