@@ -171,6 +171,14 @@ async def test_every_hal_call_over_the_socket(reference_service):
         # Bad requests and bad models are INVALID_ARGUMENT; the connection lives on.
         bad = await prepared.execute(numpy_request([x[:, :2], y], [out]))
         assert bad.status == ErrorStatus.INVALID_ARGUMENT
+        # A region past the end of a staged pool lies inside the (larger)
+        # staging arena, so only the client can tell: it refuses it.
+        past_end = Request((RequestArgument(False, DataLocation(0, 8, 16), ()),
+                            RequestArgument(False, DataLocation(1, 0, 16), ())),
+                           (RequestArgument(False, DataLocation(2, 0, 16), ()),),
+                           (x.view(np.uint8), y.view(np.uint8), out.view(np.uint8)))
+        bad = await prepared.execute(past_end)
+        assert bad.status == ErrorStatus.INVALID_ARGUMENT and "outside pool 0" in bad.message
         broken = model.__class__(model.main.__class__(model.main.operands, model.main.operations,
                                                       (0, 1, 7), model.main.output_indexes))
         with pytest.raises(NnrtError) as e:
