@@ -53,16 +53,13 @@ class Reader:
         return self.error(f"truncated at byte {self.pos} of {len(self.data)}: {what} "
                           f"needs {n} bytes, {len(self.data) - self.pos} left")
 
-    def _advance(self, n: int, what: str) -> int:
-        """Move past ``n`` bytes; where they start."""
-        pos = self.pos
-        if n < 0 or pos + n > len(self.data):
-            raise self.truncated(n, what)
-        self.pos = pos + n
-        return pos
-
     def take(self, st: struct.Struct, what: str) -> tuple:
-        return st.unpack_from(self.data, self._advance(st.size, what))
+        pos = self.pos
+        end = pos + st.size
+        if end > len(self.data):
+            raise self.truncated(st.size, what)
+        self.pos = end
+        return st.unpack_from(self.data, pos)
 
     u8 = _scalar(U8)
     u32 = _scalar(U32)
@@ -72,11 +69,20 @@ class Reader:
 
     def u32_array(self, n: int, what: str) -> tuple[int, ...]:
         """``n`` u32 values (``n`` already bounded by the caller's limit)."""
-        return struct.unpack_from(f"<{n}I", self.data, self._advance(4 * n, what))
+        pos = self.pos
+        end = pos + 4 * n
+        if n < 0 or end > len(self.data):
+            raise self.truncated(4 * n, what)
+        self.pos = end
+        return struct.unpack_from(f"<{n}I", self.data, pos)
 
     def raw(self, n: int, what: str) -> bytes:
-        pos = self._advance(n, what)
-        return bytes(self.data[pos:pos + n])
+        pos = self.pos
+        end = pos + n
+        if n < 0 or end > len(self.data):
+            raise self.truncated(n, what)
+        self.pos = end
+        return bytes(self.data[pos:end])
 
     def finish(self, what: str) -> None:
         """The message must end here: trailing bytes are an error."""
