@@ -221,7 +221,7 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
         staged[k] = (raw, total)
         places.append(None)
         total += -(-max(raw.nbytes, 1) // ALIGN) * ALIGN
-    for kind, arguments in (("input", inputs), ("output", outputs)):
+    for kind, arguments in ((("input", inputs), ("output", outputs)) if staged else ()):
         for i, a in enumerate(arguments):
             loc = a.location
             if a.has_no_value or loc is None or loc.pool_index not in staged:
