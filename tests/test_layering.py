@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1] / "nnrt"
 # Bottom first. A name is a top-level package of nnrt, or a module directly
 # under nnrt/ (its stem); "nnrt" is the package facade (nnrt/__init__.py).
 RANKS = [
-    {"errors", "vlog", "_version", "trace"},  # leaf modules: no nnrt imports but each other
-    {"handoff", "fmq", "memory", "fence"},   # threads, the ring, shared memory, sync fences
+    {"errors", "vlog", "_version", "wirecodec", "trace"},  # leaf modules: no nnrt imports but each other
+    {"handoff"},                             # worker threads, results handed to a loop
+    {"fmq", "memory", "fence"},              # the ring, shared memory, sync fences
     {"model"},                               # operand/operation types, graphs, the builder
     {"ops"},                                 # the operation registry and kernels
     {"hal"},                                 # the seam: value types, interfaces, validation

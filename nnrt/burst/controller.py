@@ -16,6 +16,8 @@ An execution is then one request-ring write and one result-ring read::
                         reused within the burst); any other pool (numpy,
                         bytes) is copied into the controller's arena, itself
                         a Memory with a slot, and outputs are copied back
+                        (the arena and the slot cache are those of every
+                        service client: nnrt.memory.staging)
     encode, write       the request frame (serial numbers count from 1)
     wait                the result ring's eventfd, or the wake-up eventfd
     decode, match       the result of our serial; older serials are results
@@ -46,11 +48,9 @@ fails alone with INVALID_ARGUMENT and the burst goes on.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import threading
-import weakref
 from dataclasses import dataclass
 
 import anyio
@@ -60,14 +60,13 @@ import abc
 from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
-from ..memory import Memory
+from ..memory.staging import ArenaPool, SlotCache, Staging, stage
 from .. import trace
 from .wire import (BurstArgument, BurstProtocolError, BurstRequest, RequestEncoder,
                    decode_result)
 
 REQUEST_RING_SIZE = 1 << 19   # > 2 * wire.MAX_REQUEST_SIZE: any request fits
 RESULT_RING_SIZE = 1 << 18    # > 2 * wire.MAX_RESULT_SIZE
-_ALIGN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +128,9 @@ class BurstController(BurstSession):
         self._lock = anyio.Lock()
         self._serials = itertools.count(1)
         self._encoder = RequestEncoder()
-        self._slot_ids = itertools.count(1)
-        self._slot_of: weakref.WeakKeyDictionary[Memory, int] = weakref.WeakKeyDictionary()
-        self._memory_of: dict[int, weakref.ref] = {}      # read by the reader thread
-        self._collected: collections.deque[int] = collections.deque()
-        self._arena: Memory | None = None
+        self._slots = SlotCache()        # read by the connection's reader thread too
+        # One execution at a time: one arena, reused while nothing else may write it.
+        self._arenas = ArenaPool("nnrt-burst-arena", max_free=1)
         self._dead: str | None = None        # why the session cannot go on
         self._dead_status = ErrorStatus.DEAD_OBJECT
         self._busy = False
@@ -160,7 +157,7 @@ class BurstController(BurstSession):
         return controller
 
     def statistics(self) -> BurstControllerStatistics:
-        return BurstControllerStatistics(self._executions, len(self._memory_of),
+        return BurstControllerStatistics(self._executions, len(self._slots),
                                          self._slots_freed, self._bytes_staged)
 
     # -- execution ------------------------------------------------------------
@@ -200,6 +197,7 @@ class BurstController(BurstSession):
                                                       plan.slots, bool(measure), deadline,
                                                       loop_timeout))
         except BurstProtocolError as e:
+            plan.staging.finish()
             return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
         return await self._round_trip(serial, frame, plan)
 
@@ -243,18 +241,18 @@ class BurstController(BurstSession):
                     return self._tear_down(f"result serial {result.serial} answers no request "
                                            f"(expected {serial})")
                 # An older serial: a cancelled execution's result; drop it.
+            if result.status == ErrorStatus.NONE and plan is not None:
+                self._bytes_staged += plan.staging.copy_out()
         except (RingCorrupted, RingClosed) as e:
             outstanding = False
             return self._tear_down(f"the burst's ring failed: {e}")
         finally:
-            if outstanding and plan is not None and plan.staged:
+            if plan is not None:
                 # Cancelled with the request in flight: the server may still
                 # write this execution's outputs into the arena, so the next
-                # execution must not share it.
-                self._drop_arena()
+                # execution must not share it (its slot is freed next time).
+                plan.staging.finish(reuse=not outstanding)
         shapes = tuple(OutputShape(s.dimensions, s.is_sufficient) for s in result.output_shapes)
-        if result.status == ErrorStatus.NONE and plan is not None:
-            self._copy_out(plan)
         self._executions += 1
         return ExecutionResult(result.status, shapes, Timing(result.on_device, result.in_driver),
                                result.message)
@@ -302,130 +300,51 @@ class BurstController(BurstSession):
 
     # -- pools ------------------------------------------------------------------
 
-    def _slot(self, mem: Memory) -> int:
-        slot = self._slot_of.get(mem)
-        if slot is None:
-            slot = next(self._slot_ids)
-            self._slot_of[mem] = slot
-            self._memory_of[slot] = weakref.ref(mem)
-            weakref.finalize(mem, self._collected.append, slot)
-        return slot
-
     def _plan(self, request: Request) -> "_Plan":
-        output_pools = {a.location.pool_index for a in request.outputs
-                        if not a.has_no_value and a.location is not None}
-        input_pools = {a.location.pool_index for a in request.inputs
-                       if not a.has_no_value and a.location is not None}
-        where: list[tuple[int, int]] = []      # pool index -> (slot index, base offset)
-        slots: list[int] = []
-        index_of_slot: dict[int, int] = {}
-        staged: dict[int, tuple[memoryview, int]] = {}
-        total = 0
+        """The request in slots: its pools placed by nnrt.memory.staging, each
+        memory named by its slot, arguments offset into their place."""
+        staging = stage(request.pools, request.inputs, request.outputs, self._arenas)
+        try:
+            self._bytes_staged += staging.bytes_in
+            slots: list[int] = []
+            index_of_slot: dict[int, int] = {}
+            where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
+            for place in staging.places:
+                slot = self._slots.slot(place.memory)
+                if slot not in index_of_slot:
+                    index_of_slot[slot] = len(slots)
+                    slots.append(slot)
+                where.append((index_of_slot[slot], place.offset))
 
-        def slot_index(slot: int) -> int:
-            if slot not in index_of_slot:
-                index_of_slot[slot] = len(slots)
-                slots.append(slot)
-            return index_of_slot[slot]
-
-        for k, pool in enumerate(request.pools):
-            if isinstance(pool, Memory):
-                if pool.closed:
+            def argument(a, what: str) -> BurstArgument:
+                if a.has_no_value:
+                    return BurstArgument(has_no_value=True)
+                loc = a.location
+                if loc is None or not 0 <= loc.pool_index < len(where):
                     raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                    f"request pool {k} is a closed Memory")
-                where.append((slot_index(self._slot(pool)), 0))
-                continue
-            try:
-                raw = memoryview(pool).cast("B")
-            except (TypeError, ValueError) as e:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"request pool {k} is not a contiguous buffer: {e}") from None
-            if k in output_pools and raw.readonly:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"request pool {k} holds an output but is read-only")
-            staged[k] = (raw, total)
-            where.append((-1, total))
-            total += -(-max(raw.nbytes, 1) // _ALIGN) * _ALIGN
-        if staged:
-            arena = self._take_arena(total)
-            arena_index = slot_index(self._slot(arena))
-            view = arena.view()
-            for k, (raw, base) in staged.items():
-                where[k] = (arena_index, base)
-                if k in input_pools and raw.nbytes:
-                    view[base:base + raw.nbytes] = raw
-                    self._bytes_staged += raw.nbytes
+                                    f"{what}: pool index "
+                                    f"{None if loc is None else loc.pool_index} "
+                                    f"out of range ({len(where)} pools)")
+                if loc.offset < 0 or loc.length < 0:
+                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                    f"{what}: negative offset or length")
+                index, base = where[loc.pool_index]
+                return BurstArgument(False, index, base + loc.offset, loc.length,
+                                     tuple(a.dimensions))
 
-        def argument(a, what: str) -> BurstArgument:
-            if a.has_no_value:
-                return BurstArgument(has_no_value=True)
-            loc = a.location
-            if loc is None or not 0 <= loc.pool_index < len(where):
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"{what}: pool index {None if loc is None else loc.pool_index} "
-                                f"out of range ({len(where)} pools)")
-            index, base = where[loc.pool_index]
-            if loc.offset < 0 or loc.length < 0:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"{what}: negative offset or length")
-            if loc.pool_index in staged and loc.offset + loc.length > \
-                    staged[loc.pool_index][0].nbytes:
-                # The arena is larger than the pool: a region past the pool's
-                # end would not be caught by the driver.
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"{what}: region [{loc.offset}, {loc.offset + loc.length}) lies "
-                                f"outside pool {loc.pool_index} of "
-                                f"{staged[loc.pool_index][0].nbytes} bytes")
-            return BurstArgument(False, index, base + loc.offset, loc.length,
-                                 tuple(a.dimensions))
-
-        inputs = tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs))
-        outputs = tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs))
-        return _Plan(inputs, outputs, tuple(slots), staged, output_pools,
-                     self._arena if staged else None)
-
-    def _take_arena(self, size: int) -> Memory:
-        if self._arena is None or self._arena.size < size:
-            self._drop_arena()
-            self._arena = Memory.create(max(4096, 1 << (size - 1).bit_length()),
-                                        "nnrt-burst-arena")
-        return self._arena
-
-    def _drop_arena(self) -> None:
-        if self._arena is not None:
-            self._arena.close()   # its slot is freed with the next execution
-            self._arena = None
-
-    def _copy_out(self, plan: "_Plan") -> None:
-        if plan.arena is None or plan.arena.closed:
-            return
-        view = plan.arena.view()
-        for k in plan.output_pools:
-            entry = plan.staged.get(k)
-            if entry is not None and entry[0].nbytes:
-                raw, base = entry
-                raw[:] = view[base:base + raw.nbytes]
-                self._bytes_staged += raw.nbytes
+            inputs = tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs))
+            outputs = tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs))
+        except BaseException:
+            staging.finish()
+            raise
+        return _Plan(inputs, outputs, tuple(slots), staging)
 
     def _flush_frees(self) -> None:
         """Tell the service about slots whose Memory was closed or collected."""
-        freed = set()
-        while self._collected:
-            freed.add(self._collected.popleft())
-        for slot, ref in list(self._memory_of.items()):
-            mem = ref()
-            if mem is None or mem.closed:
-                freed.add(slot)
-        freed &= self._memory_of.keys()
-        if not freed:
-            return
-        for slot in freed:
-            ref = self._memory_of.pop(slot)
-            mem = ref()
-            if mem is not None:
-                self._slot_of.pop(mem, None)
-        self._slots_freed += len(freed)
-        self._link.free_slots(self.burst_id, tuple(sorted(freed)))
+        freed = self._slots.take_freed()
+        if freed:
+            self._slots_freed += len(freed)
+            self._link.free_slots(self.burst_id, tuple(freed))
 
     # -- called from the channel's reader thread ----------------------------------
 
@@ -436,9 +355,8 @@ class BurstController(BurstSession):
         grants: list[MemoryGrant] = []
         try:
             for slot in slots:
-                ref = self._memory_of.get(slot)
-                mem = ref() if ref is not None else None
-                if mem is None or mem.closed:
+                mem = self._slots.memory(slot)
+                if mem is None:
                     raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                     f"slot {slot} names no open memory of burst {self.burst_id}")
                 grants.append(MemoryGrant(slot, os.dup(mem.fileno()), mem.writable,
@@ -490,8 +408,8 @@ class BurstController(BurstSession):
     def _close_rings(self) -> None:
         self._requests.close()
         self._results.close()
-        self._drop_arena()
-        self._memory_of.clear()
+        self._arenas.close()
+        self._slots.clear()
         with self._wake_lock:
             if self._wake >= 0:
                 os.close(self._wake)
@@ -503,15 +421,13 @@ class BurstController(BurstSession):
 
 
 class _Plan:
-    __slots__ = ("inputs", "outputs", "slots", "staged", "output_pools", "arena")
+    __slots__ = ("inputs", "outputs", "slots", "staging")
 
-    def __init__(self, inputs, outputs, slots, staged, output_pools, arena):
+    def __init__(self, inputs, outputs, slots, staging: Staging):
         self.inputs = inputs
         self.outputs = outputs
         self.slots = slots
-        self.staged = staged              # pool index -> (user buffer, offset in the arena)
-        self.output_pools = output_pools
-        self.arena = arena
+        self.staging = staging
 
 
 __all__ = ["BurstController", "BurstControllerStatistics", "BurstLink", "MemoryGrant",

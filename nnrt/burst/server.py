@@ -250,7 +250,7 @@ class BurstServer:
     def _serve_forever(self) -> None:
         try:
             while not self._stopped:
-                if self._requests.wait_read_sync(also=self._stop_efd) is Ready.ALSO:
+                if self._requests.wait_read_blocking(also=self._stop_efd) is Ready.ALSO:
                     return
                 frame = self._requests.read_nowait()
                 result = self._serve(frame)
@@ -265,7 +265,7 @@ class BurstServer:
                         self._results.write_nowait(encoded)
                         break
                     except WouldBlock:  # the controller is behind: wait for room
-                        if self._results.wait_write_sync(len(encoded), also=self._stop_efd) \
+                        if self._results.wait_write_blocking(len(encoded), also=self._stop_efd) \
                                 is Ready.ALSO:
                             return
         except RingCorrupted as e:

@@ -34,6 +34,7 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import ErrorStatus, NnrtError
+from ..wirecodec import Reader, Writer
 
 VERSION = 1
 REQUEST_MAGIC = b"NBRQ"
@@ -51,7 +52,6 @@ _REQ_HEAD = struct.Struct("<4sHHQddHHHH")
 _ARG_HEAD = struct.Struct("<BBHIQQ")
 _RES_HEAD = struct.Struct("<4sHHQIHHQQ")
 _SHAPE_HEAD = struct.Struct("<BBH")
-_U32 = struct.Struct("<I")
 
 # The largest messages the bounds allow: ring sizes are derived from these.
 MAX_REQUEST_SIZE = (_REQ_HEAD.size + 2 * MAX_ARGUMENTS * (_ARG_HEAD.size + 4 * MAX_RANK)
@@ -144,21 +144,21 @@ def _check_count(n: int, limit: int, what: str) -> None:
 
 # ------------------------------------------------------------------ encode
 
-def _encode_argument(out: bytearray, arg: BurstArgument, what: str, n_slots: int) -> None:
+def _encode_argument(w: Writer, arg: BurstArgument, what: str, n_slots: int) -> None:
     if not isinstance(arg, BurstArgument):
         raise BurstProtocolError(f"{what} is {type(arg).__name__}, not a BurstArgument")
     if arg.has_no_value:
         if (arg.pool_index, arg.offset, arg.length, tuple(arg.dimensions)) != (0, 0, 0, ()):
             raise BurstProtocolError(f"{what} has no value but carries a location or dimensions")
-        out += _ARG_HEAD.pack(1, 0, 0, 0, 0, 0)
+        w.pack(_ARG_HEAD, 1, 0, 0, 0, 0, 0)
         return
     dims = _check_dims(arg.dimensions, what)
     index = _check_uint(arg.pool_index, 32, f"{what}: pool index")
     if index >= n_slots:
         raise BurstProtocolError(f"{what}: pool index {index} out of range ({n_slots} slots)")
-    out += _ARG_HEAD.pack(0, len(dims), 0, index, _check_uint(arg.offset, 64, f"{what}: offset"),
-                          _check_uint(arg.length, 64, f"{what}: length"))
-    out += struct.pack(f"<{len(dims)}I", *dims)
+    w.pack(_ARG_HEAD, 0, len(dims), 0, index, _check_uint(arg.offset, 64, f"{what}: offset"),
+           _check_uint(arg.length, 64, f"{what}: length"))
+    w.u32_array(dims)
 
 
 def encode_request(request: BurstRequest) -> bytes:
@@ -177,15 +177,15 @@ def encode_request(request: BurstRequest) -> bytes:
     if request.loop_timeout is not None:
         flags |= _HAS_LOOP_TIMEOUT
         loop_timeout = _check_seconds(request.loop_timeout, "loop timeout")
-    out = bytearray(_REQ_HEAD.pack(REQUEST_MAGIC, VERSION, flags,
-                                   _check_uint(request.serial, 64, "serial"), deadline,
-                                   loop_timeout, len(inputs), len(outputs), len(slots), 0))
+    w = Writer(_REQ_HEAD.pack(REQUEST_MAGIC, VERSION, flags,
+                              _check_uint(request.serial, 64, "serial"), deadline,
+                              loop_timeout, len(inputs), len(outputs), len(slots), 0))
     for kind, args in (("input", inputs), ("output", outputs)):
         for k, arg in enumerate(args):
-            _encode_argument(out, arg, f"{kind} {k}", len(slots))
+            _encode_argument(w, arg, f"{kind} {k}", len(slots))
     for k, slot in enumerate(slots):
-        out += _U32.pack(_check_uint(slot, 32, f"slot {k}"))
-    return bytes(out)
+        w.u32(_check_uint(slot, 32, f"slot {k}"))
+    return w.value()
 
 
 def encode_result(result: BurstResult) -> bytes:
@@ -203,68 +203,36 @@ def encode_result(result: BurstResult) -> bytes:
     message = result.message.encode("utf-8", "replace")
     if len(message) > MAX_MESSAGE:
         raise BurstProtocolError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE}")
-    out = bytearray(_RES_HEAD.pack(RESULT_MAGIC, VERSION, 0,
-                                   _check_uint(result.serial, 64, "serial"), int(status),
-                                   len(shapes), len(message),
-                                   _check_uint(result.on_device, 64, "on_device time"),
-                                   _check_uint(result.in_driver, 64, "in_driver time")))
+    w = Writer(_RES_HEAD.pack(RESULT_MAGIC, VERSION, 0,
+                              _check_uint(result.serial, 64, "serial"), int(status),
+                              len(shapes), len(message),
+                              _check_uint(result.on_device, 64, "on_device time"),
+                              _check_uint(result.in_driver, 64, "in_driver time")))
     for k, shape in enumerate(shapes):
         if not isinstance(shape, BurstOutputShape):
             raise BurstProtocolError(f"output shape {k} is {type(shape).__name__}, "
                                      f"not a BurstOutputShape")
         dims = _check_dims(shape.dimensions, f"output shape {k}")
-        out += _SHAPE_HEAD.pack(1 if shape.is_sufficient else 0, len(dims), 0)
-        out += struct.pack(f"<{len(dims)}I", *dims)
-    out += message
-    return bytes(out)
+        w.pack(_SHAPE_HEAD, 1 if shape.is_sufficient else 0, len(dims), 0)
+        w.u32_array(dims)
+    w.raw(message)
+    return w.value()
 
 
 # ------------------------------------------------------------------ decode
 
-class _Reader:
-    """A cursor that refuses to read past the end (never a struct.error)."""
+class _Reader(Reader):
+    """The shared bounds-checked cursor, plus dimensions bounded by MAX_RANK."""
 
-    __slots__ = ("data", "pos")
+    __slots__ = ()
 
     def __init__(self, data: memoryview):
-        self.data = data
-        self.pos = 0
-
-    def take(self, st: struct.Struct, what: str) -> tuple:
-        end = self.pos + st.size
-        if end > len(self.data):
-            raise BurstProtocolError(f"truncated at byte {self.pos}: {what} needs {st.size} "
-                                     f"bytes, {len(self.data) - self.pos} left")
-        values = st.unpack_from(self.data, self.pos)
-        self.pos = end
-        return values
-
-    def u32s(self, n: int, what: str) -> tuple[int, ...]:
-        end = self.pos + 4 * n
-        if end > len(self.data):
-            raise BurstProtocolError(f"truncated at byte {self.pos}: {what} needs {4 * n} "
-                                     f"bytes, {len(self.data) - self.pos} left")
-        values = struct.unpack_from(f"<{n}I", self.data, self.pos)
-        self.pos = end
-        return values
+        super().__init__(data, BurstProtocolError)
 
     def dims(self, rank: int, what: str) -> tuple[int, ...]:
         if rank > MAX_RANK:
             raise BurstProtocolError(f"{what}: rank {rank} exceeds {MAX_RANK}")
-        return self.u32s(rank, f"{what} (rank {rank})")
-
-    def raw(self, n: int, what: str) -> bytes:
-        end = self.pos + n
-        if end > len(self.data):
-            raise BurstProtocolError(f"truncated at byte {self.pos}: {what} needs {n} bytes")
-        raw = bytes(self.data[self.pos:end])
-        self.pos = end
-        return raw
-
-    def finish(self) -> None:
-        if self.pos != len(self.data):
-            raise BurstProtocolError(f"{len(self.data) - self.pos} trailing bytes after the "
-                                     f"message")
+        return self.u32_array(rank, f"{what} (rank {rank})")
 
 
 def _view(data) -> memoryview:
@@ -323,8 +291,8 @@ def _decode_request(rd: _Reader) -> BurstRequest:
         raise BurstProtocolError("no loop timeout, but the loop timeout field is not 0.0")
     inputs = tuple(_decode_argument(rd, f"input {k}", n_slots) for k in range(n_in))
     outputs = tuple(_decode_argument(rd, f"output {k}", n_slots) for k in range(n_out))
-    slots = rd.u32s(n_slots, f"{n_slots} slot ids")
-    rd.finish()
+    slots = rd.u32_array(n_slots, f"{n_slots} slot ids")
+    rd.finish("request")
     return BurstRequest(serial, inputs, outputs, slots, bool(flags & _MEASURE),
                         deadline if flags & _HAS_DEADLINE else None,
                         loop_timeout if flags & _HAS_LOOP_TIMEOUT else None)
@@ -354,7 +322,7 @@ def _decode_result(rd: _Reader) -> BurstResult:
         message = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BurstProtocolError("message is not valid UTF-8") from None
-    rd.finish()
+    rd.finish("result")
     return BurstResult(serial, status, tuple(shapes), on_device, in_driver, message)
 
 

@@ -39,6 +39,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import ErrorStatus, NnrtError
+from ..handoff import run_soon
 from .outcome import FenceState, decode_count, encode_outcome, peek_count
 
 
@@ -82,8 +83,7 @@ class MergeWatcher:
             if self._epoll is None:
                 try:
                     epoll = select.epoll()
-                    threading.Thread(target=self._serve, args=(epoll,),
-                                     name="nnrt-fence-merge", daemon=True).start()
+                    run_soon(self._serve, epoll)   # a worker thread, for good
                 except (OSError, RuntimeError) as e:
                     for fd in [output_fd, *member_fds]:
                         if fd is not None:

@@ -304,15 +304,16 @@ class SyncFence:
             await anyio.lowlevel.checkpoint()
         self._outcome()
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait_signaled_blocking(self, timeout: float | None = None) -> bool:
         """Block the calling thread until the fence is signaled or ``timeout``
         seconds pass (None = no limit). True when signaled, False on timeout;
         NnrtError with the fence's status when it was signaled with an error."""
-        self._require_open("wait")
+        self._require_open("wait_signaled_blocking")
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                     or math.isnan(timeout) or timeout < 0:
-                raise invalid(f"wait: timeout {timeout!r} is not None or a number of seconds >= 0")
+                raise invalid(f"wait_signaled_blocking: timeout {timeout!r} is not None or a "
+                              f"number of seconds >= 0")
         self._observe()
         if self._state is FenceState.ACTIVE:
             poller = select.poll()

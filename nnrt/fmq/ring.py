@@ -344,7 +344,7 @@ class Ring:
     Make one with :meth:`create`, hand :meth:`fds` to the peer (fork or
     ``SCM_RIGHTS``), and rebuild it there with :meth:`attach`. One process
     writes, the other reads. Sync methods: ``write``/``write_nowait``,
-    ``read``/``read_nowait``, ``wait_read_sync``/``wait_write_sync``; async:
+    ``read``/``read_nowait``, ``wait_read_blocking``/``wait_write_blocking``; async:
     ``wait_read``/``wait_write`` (anyio: asyncio and trio) and
     ``read_async``/``write_async``. ``x_nowait`` raises ``WouldBlock``;
     blocking forms raise ``TimeoutError`` when ``timeout`` seconds pass.
@@ -639,7 +639,7 @@ class Ring:
         deadline = None if timeout is None else time.monotonic() + timeout
         need = _pad(len(mv))
         while not self._try_write(mv):
-            self._sleep_sync(self._space_efd, True, None, deadline,
+            self._sleep_blocking(self._space_efd, True, None, deadline,
                              lambda: self._space_free() >= need)
 
     async def write_async(self, frame) -> None:
@@ -658,13 +658,13 @@ class Ring:
     def _space_free(self) -> int:
         return self.capacity - ((self._w - self._counters[self._ri]) & _M64)
 
-    def wait_write_sync(self, nbytes: int, timeout: float | None = None,
+    def wait_write_blocking(self, nbytes: int, timeout: float | None = None,
                         also: int | None = None) -> Ready:
         """Block until a frame of ``nbytes`` fits (RING) or ``also`` is readable (ALSO)."""
         self._check_open()
         need = self._need(nbytes)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._sleep_sync(self._space_efd, True, also, deadline,
+        return self._sleep_blocking(self._space_efd, True, also, deadline,
                                 lambda: self._space_free() >= need)
 
     async def wait_write(self, nbytes: int, also: int | None = None) -> Ready:
@@ -746,7 +746,7 @@ class Ring:
             frame = self._try_read()
             if frame is not None:
                 return frame
-            self._sleep_sync(self._data_efd, False, None, deadline,
+            self._sleep_blocking(self._data_efd, False, None, deadline,
                              self._frame_ready)
 
     async def read_async(self) -> bytes:
@@ -759,11 +759,11 @@ class Ring:
             await self._sleep_async(self._data_efd, False, None,
                                     self._frame_ready)
 
-    def wait_read_sync(self, timeout: float | None = None, also: int | None = None) -> Ready:
+    def wait_read_blocking(self, timeout: float | None = None, also: int | None = None) -> Ready:
         """Block until a frame is ready (RING) or ``also`` is readable (ALSO)."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._sleep_sync(self._data_efd, False, also, deadline,
+        return self._sleep_blocking(self._data_efd, False, also, deadline,
                                 self._frame_ready)
 
     async def wait_read(self, also: int | None = None) -> Ready:
@@ -798,7 +798,7 @@ class Ring:
                 return True
         return False
 
-    def _sleep_sync(self, efd: int, space: bool, also: int | None, deadline, ready) -> Ready:
+    def _sleep_blocking(self, efd: int, space: bool, also: int | None, deadline, ready) -> Ready:
         """Check, announce, re-check, sleep on the eventfd, drain (see "Wake-ups")."""
         # The eventfds are non-blocking (a read(2) cannot be the sleep): poll
         # for readiness, then drain.

@@ -30,17 +30,15 @@ first step because the copy out of the app's arrays has to happen in this
 process anyway, and launching a step on a driver service is a single send
 (the client makes the result fence), so nothing is lost by launching late.
 
-Who runs it. The chain must outlive the ``execute_fenced`` call but the
-runtime has no task group of its own, so the launcher and every in-process
-step run in the *fence host*: one daemon thread per process running its own
-event loop (anyio, asyncio backend) with a task group. The app's loop is
-never blocked: it hands the chain over with ``call_soon_threadsafe`` and
-then only ever waits on eventfds, so asyncio, uvloop and trio apps all
-work. Steps on driver services are launched from the host too (their
-execution lives in the service). If the runtime gains a task group of its
-own, the chain can run there instead; nothing else depends on the thread.
+Who runs it. The chain must outlive the ``execute_fenced`` call, so the
+launcher is a task of the runtime's own task group (``Runtime.task_group``,
+entered by ``async with nnrt.Runtime()`` and cancelled when the runtime
+closes: pending chains then settle their fences with an error). It runs on
+the app's event loop and only ever waits on eventfds, so asyncio, uvloop
+and trio apps all work; in-process steps run on the scheduler's worker
+threads, steps on driver services in their service.
 
-The returned fence is the runtime's own: the host signals it after every
+The returned fence is the runtime's own: the launcher signals it after every
 step's callback has settled (so no driver still touches a buffer), after
 copying results into app-given output arrays, and after recording the
 outcome in the callback; whoever wakes on it finds ``get_execution_info``
@@ -53,77 +51,24 @@ waiting for this very execution); the chain fails with the step's status.
 """
 from __future__ import annotations
 
-import asyncio
 import math
-import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..hal import UINT64_MAX, ExecutionResult, Request, RequestArgument
-from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..hal.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
+from ..errors import ErrorStatus, NnrtError, bad_state
 from ..fence.sync_fence import SyncFence
+from ..hal import UINT64_MAX, ExecutionResult, check_deadline
+from ..hal.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
 from ..memory import Memory, Region
-from ..model.graph import DataLocation
-from ..hal.types import check_deadline
 from ..vlog import vlog
 from .results import ExecutionTiming, Result, copy_into
-
-# As in runtime.py: retries with larger outputs of an awaited stage.
-_MAX_RESIZE_RETRIES = 2
-
-
-# -- the fence host -------------------------------------------------------------
-
-class _Host:
-    """A daemon thread with an event loop and a task group that fenced
-    chains run in. One per process (a forked child starts its own)."""
-
-    def __init__(self):
-        self.pid = os.getpid()
-        self._ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.task_group = None
-        thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True,
-                                  name="nnrt-fence-host")
-        thread.start()
-        self._ready.wait()
-
-    async def _main(self) -> None:
-        inbox: asyncio.Queue = asyncio.Queue()
-        async with anyio.create_task_group() as tg:
-            self.loop, self.task_group, self._inbox = asyncio.get_running_loop(), tg, inbox
-            self._ready.set()
-            while True:  # anyio's start_soon needs a task's context: start from here
-                fn, args = await inbox.get()
-                tg.start_soon(fn, *args)
-
-    def start_soon(self, fn, *args) -> None:
-        """Run ``fn(*args)`` as a task of the host, from any other thread,
-        without waiting. (Rejected: anyio's BlockingPortal.start_task_soon,
-        which blocks the caller until the host loop has taken the task: a
-        cross-thread round trip on every call.)"""
-        self.loop.call_soon_threadsafe(self._inbox.put_nowait, (fn, args))
-
-
-_host: _Host | None = None
-_host_lock = threading.Lock()
-
-
-def _the_host() -> _Host:
-    global _host
-    with _host_lock:
-        if _host is None or _host.pid != os.getpid():
-            _host = _Host()
-        return _host
-
+from .step import Buffer, build_request
 
 # -- public results -------------------------------------------------------------
 
@@ -184,34 +129,6 @@ _NOT_MEASURED = ExecutionTiming(None, None)
 
 # -- buffers --------------------------------------------------------------------
 
-@dataclass(slots=True)
-class _Buffer:
-    """One operand's value in shared memory."""
-
-    memory: Memory
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    offset: int = 0
-    length: int | None = None  # bytes the request may use (an app Region's); default nbytes
-
-    @classmethod
-    def allocate(cls, pool: "_MemoryPool", dtype, shape) -> "_Buffer":
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return cls(pool.take(nbytes), dtype, tuple(shape))
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    def array(self, shape=None) -> np.ndarray:
-        return self.memory.array(self.dtype, self.shape if shape is None else shape, self.offset)
-
-    @property
-    def location_length(self) -> int:
-        return self.nbytes if self.length is None else self.length
-
-
 class _MemoryPool:
     """The shared memories of one compiled model's fenced executions, reused
     once an execution has settled: a driver service keeps a memory it has
@@ -254,10 +171,6 @@ def _pool_of(compiled) -> _MemoryPool:
         return pool
 
 
-def _known(dims: tuple[int, ...], operand) -> bool:
-    return operand.type.is_scalar or (len(dims) > 0 and all(d > 0 for d in dims))
-
-
 def _out_shape(dims, operand) -> tuple[int, ...]:
     return () if operand.type.is_scalar else tuple(dims)
 
@@ -285,7 +198,7 @@ class _Chain:
         self.input_indexes = hal.main.input_indexes
         self.input_operands = [hal.main.operands[i] for i in self.input_indexes]
         self.output_indexes = hal.main.output_indexes
-        self.values: dict[int, _Buffer | None] = {}
+        self.values: dict[int, Buffer | None] = {}
         self.pool = _pool_of(compiled)
         self.memories: list[Memory] = []
         self.callbacks: list = []          # one per launched stage, in chain order
@@ -302,8 +215,8 @@ class _Chain:
                 continue
             if isinstance(arr, Region):
                 dims = (arr.dimensions or operand.dimensions) if operand.type.is_tensor else ()
-                self.values[index] = _Buffer(arr.memory, operand.type.dtype, tuple(dims),
-                                             arr.offset, arr.length)
+                self.values[index] = Buffer(arr.memory, operand.type.dtype, tuple(dims),
+                                            arr.offset, arr.length)
                 continue
             buf = self.values.get(index)
             if buf is None:
@@ -311,12 +224,13 @@ class _Chain:
                 self.values[index] = buf
             buf.array()[...] = arr
 
-    def _allocate(self, dtype, shape) -> _Buffer:
-        buf = _Buffer.allocate(self.pool, dtype, shape)
+    def _allocate(self, dtype, shape) -> Buffer:
+        dtype = np.dtype(dtype)
+        buf = Buffer(self.pool.take(math.prod(shape) * dtype.itemsize), dtype, tuple(shape))
         self.memories.append(buf.memory)
         return buf
 
-    # launching (in the host)
+    # launching (a task of the runtime's task group)
 
     async def drive(self, tg) -> None:
         try:
@@ -345,9 +259,8 @@ class _Chain:
             self.fenced_at = self.launched_at
         prev: list[SyncFence] = []
         for k, step in enumerate(self.steps):
-            guesses = list(step.output_guess)
-            if all(_known(g, o) for g, o in zip(guesses, step.outputs)):
-                fence, cb = await self._launch_step(tg, step, prev, guesses)
+            if step.sized():
+                fence, cb = await self._launch_step(tg, step, prev, list(step.output_guess))
             else:
                 vlog("execution", "fenced step %d has outputs of unknown shape: awaiting it", k)
                 fence, cb = await self._launch_awaited(tg, step, prev)
@@ -376,64 +289,33 @@ class _Chain:
         raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                         "the deadline passed before the wait_for fences were signaled")
 
-    def _request(self, step, out_bufs: list[_Buffer]) -> Request:
-        pools, in_args, out_args = [], [], []
-
-        def pool(buf: _Buffer):
-            for k, p in enumerate(memories):  # one pool per Memory, however many regions
-                if p is buf.memory:
-                    break
-            else:
-                memories.append(buf.memory)
-                pools.append(buf.memory)   # a service passes its fd, a driver in process maps it
-                k = len(pools) - 1
-            return DataLocation(k, buf.offset, buf.location_length)
-
-        memories: list[Memory] = []
-
-        for index, operand in zip(step.plan.inputs, step.inputs):
-            buf = self.values[index]
-            if buf is None:
-                in_args.append(RequestArgument(has_no_value=True))
-            else:
-                in_args.append(RequestArgument(False, pool(buf),
-                                               buf.shape if operand.type.is_tensor else ()))
-        for buf in out_bufs:
-            out_args.append(RequestArgument(False, pool(buf)))
-        return Request(tuple(in_args), tuple(out_args), tuple(pools))
-
     async def _launch_step(self, tg, step, prev, guesses):
         out_bufs = [self._allocate(o.type.dtype, _out_shape(g, o))
                     for g, o in zip(guesses, step.outputs)]
         self.values.update(zip(step.plan.outputs, out_bufs))
+        request = build_request([self.values[i] for i in step.plan.inputs], step.inputs, out_bufs)
         return await step.prepared.execute_fenced(
-            tg, self._request(step, out_bufs), prev, self.measure, self.deadline,
-            self.loop_timeout, self.timeout_after_fence)
+            tg, request, prev, self.measure, self.deadline, self.loop_timeout,
+            self.timeout_after_fence)
 
     async def _launch_awaited(self, tg, step, prev):
+        def allocate(dims, operand) -> Buffer:
+            known = operand.type.is_scalar or (len(dims) > 0 and all(d > 0 for d in dims))
+            return self._allocate(operand.type.dtype, _out_shape(dims, operand) if known else (0,))
+
         async def run(run_deadline) -> ExecutionResult:
-            for _attempt in range(_MAX_RESIZE_RETRIES + 1):
-                out_bufs = [self._allocate(o.type.dtype,
-                                           _out_shape(g, o) if _known(g, o) else (0,))
-                            for g, o in zip(step.output_guess, step.outputs)]
-                request = self._request(step, out_bufs)
-                result = await step.prepared.execute(request, self.measure, run_deadline,
-                                                     self.loop_timeout)
-                if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and result.output_shapes:
-                    step.output_guess = [s.dimensions for s in result.output_shapes]
-                    continue
-                break
+            async def execute(request):
+                return await step.prepared.execute(request, self.measure, run_deadline,
+                                                   self.loop_timeout)
+            result, outs = await step.run(self.values, execute, allocate=allocate)
             if result.status == ErrorStatus.NONE:
-                step.output_guess = [s.dimensions for s in result.output_shapes]
-                self.values.update(zip(step.plan.outputs, (
-                    _Buffer(b.memory, b.dtype, _out_shape(s.dimensions, o))
-                    for b, s, o in zip(out_bufs, result.output_shapes, step.outputs))))
+                self.values.update(zip(step.plan.outputs, outs))
             return result
 
         return await run_fenced(tg, run, prev, measure=self.measure, deadline=self.deadline,
                                 timeout_after_fence=self.timeout_after_fence)
 
-    # settling (in the host)
+    # settling
 
     async def _settle(self) -> None:
         """Wait for every launched stage, then publish the outcome and signal."""
@@ -536,7 +418,7 @@ async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.n
     fences = check_wait_for(wait_for)
     arrays = compiled._stage_inputs(inputs)
     user_outputs = compiled._check_outputs(outputs) if outputs is not None else None
-    host = _the_host()
+    task_group = compiled._runtime.task_group   # BAD_STATE outside 'async with'
     fence = SyncFence.create()
     owned = []
     try:
@@ -552,7 +434,7 @@ async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.n
             f.close()
         fence.close()
         raise
-    host.start_soon(chain.drive, host.task_group)
+    task_group.start_soon(chain.drive, task_group)
     await anyio.lowlevel.checkpoint()
     return caller_fence, callback
 

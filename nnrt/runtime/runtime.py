@@ -7,34 +7,30 @@ on trio. The runtime talks to drivers only through the HAL
 """
 from __future__ import annotations
 
-import math
+import asyncio
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import anyio
 import numpy as np
+import sniffio
 
-from ..hal import (UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel, Request,
-                           RequestArgument)
+from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..memory import Memory, Region
+from ..memory import Region
 from ..model.builder import Model
-from ..model.graph import DataLocation, Operand
+from ..model.graph import Operand
 from ..hal.validate import ValidatedModel, validate_model
 from . import partition, signature
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
+from .step import Step
 from ..hal.types import Priority, check_deadline, check_priority
 from ..vlog import vlog
 from .. import trace
-
-# How many times an execution is retried with larger output buffers after
-# OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
-_MAX_RESIZE_RETRIES = 2
 
 
 class Runtime:
@@ -52,6 +48,9 @@ class Runtime:
         self._discover = discover
         self._devices: list[Device] | None = None
         self._cpu: Device | None = None
+        self._task_group = None
+        self._background = None          # the asyncio task holding the task group
+        self._background_done = None
         self._services: list = []
         self._folder = None
 
@@ -60,11 +59,50 @@ class Runtime:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        done = self._background_done
         self.close()
+        if done is not None:
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+
+    @property
+    def task_group(self):
+        """The task group this runtime's background work runs in (fenced
+        chains): a task of the event loop that opened the runtime, not of
+        whichever task entered it, cancelled when the runtime closes."""
+        if self._task_group is None:
+            raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
+        return self._task_group
+
+    async def _start_background(self) -> None:
+        """Run a task group as a task of its own (asyncio) or a system task
+        (trio), so it does not belong to the task that opened the runtime
+        (which may not be the one that closes it: a test fixture, an exit
+        stack)."""
+        started, done = anyio.Event(), anyio.Event()
+
+        async def background() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._task_group = tg
+                    started.set()
+                    await anyio.sleep_forever()
+            finally:
+                self._task_group = None
+                done.set()
+
+        if sniffio.current_async_library() == "trio":
+            import trio
+            trio.lowlevel.spawn_system_task(background)
+        else:
+            self._background = asyncio.get_running_loop().create_task(background())
+        self._background_done = done
+        await started.wait()
 
     async def open(self) -> None:
         if self._devices is not None:
             return
+        await self._start_background()
         if self._given_devices is not None:
             # QoS in front of every driver: a device without a scheduler of
             # its own gets one (a service's proxy has one in the service).
@@ -87,6 +125,8 @@ class Runtime:
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
     def close(self) -> None:
+        if self._task_group is not None:
+            self._task_group.cancel_scope.cancel()   # pending fenced chains fail
         if self._devices is None:
             return
         if self._given_devices is None:
@@ -184,7 +224,7 @@ class Runtime:
             vlog("compilation", "step of %d operations prepared on %s in %.1f ms",
                  len(plan.model.main.operations), device.name,
                  (time.perf_counter() - start) * 1e3)
-            steps.append(_Step(device, prepared, plan, validated))
+            steps.append(Step(device, prepared, plan, validated))
         return CompiledModel(self, model, validated, steps, priority, preference,
                              fallback_allowed=not explicit)
 
@@ -223,99 +263,12 @@ def _finished(model: Model) -> Model:
     return model
 
 
-class _Step:
-    """One prepared step of a compiled model and the shapes it last produced."""
-
-    def __init__(self, device: Device, prepared: PreparedModel, plan: partition.StepPlan,
-                 validated: ValidatedModel):
-        self.device = device
-        self.prepared = prepared
-        self.plan = plan
-        operands = plan.model.main.operands
-        self.inputs: list[Operand] = [operands[i] for i in plan.model.main.input_indexes]
-        self.outputs: list[Operand] = [operands[i] for i in plan.model.main.output_indexes]
-        # Output shapes we expect: declared or inferred at compile time, then
-        # whatever the last execution reported (so a dynamic output is sized
-        # right from the second execution on).
-        dims = validated.dims[None]
-        self.output_guess: list[tuple[int, ...]] = [dims[i] for i in plan.outputs]
-
-    async def run(self, values: dict, user_outputs: Sequence[np.ndarray] | None, measure: bool,
-                  deadline: float | None, loop_timeout: float | None, session=None):
-        """Execute the step on ``values`` (original operand index -> array or
-        None), through burst ``session`` when given; returns the HAL result
-        and the output arrays."""
-        executor = session if session is not None else self.prepared
-        in_args, pools = [], []
-        for index, operand in zip(self.plan.inputs, self.inputs):
-            value = values[index]
-            if value is None:
-                in_args.append(RequestArgument(has_no_value=True))
-            elif isinstance(value, Region):
-                dims = (value.dimensions or operand.dimensions) if operand.type.is_tensor else ()
-                in_args.append(RequestArgument(False, DataLocation(
-                    _pool_of(pools, value.memory), value.offset, value.length), tuple(dims)))
-            else:
-                pools.append(value.reshape(-1).view(np.uint8))
-                dims = tuple(value.shape) if operand.type.is_tensor else ()
-                in_args.append(RequestArgument(False, DataLocation(len(pools) - 1, 0,
-                                                                   value.nbytes), dims))
-        for _attempt in range(_MAX_RESIZE_RETRIES + 1):
-            outs = (list(user_outputs) if user_outputs is not None
-                    else [_allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)])
-            out_pools = list(pools)
-            out_args = []
-            for out in outs:
-                if isinstance(out, Region):
-                    location = DataLocation(_pool_of(out_pools, out.memory), out.offset,
-                                            out.length)
-                else:
-                    out_pools.append(_writable_bytes(out))
-                    location = DataLocation(len(out_pools) - 1, 0, out.nbytes)
-                out_args.append(RequestArgument(False, location))
-            request = Request(tuple(in_args), tuple(out_args), tuple(out_pools))
-            result = await executor.execute(request, measure, deadline, loop_timeout)
-            if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
-                    and result.output_shapes:
-                self.output_guess = [s.dimensions for s in result.output_shapes]
-                continue
-            break
-        if result.status != ErrorStatus.NONE:
-            return result, outs
-        self.output_guess = [s.dimensions for s in result.output_shapes]
-        arrays = []
-        for out, shape, operand in zip(outs, result.output_shapes, self.outputs):
-            if isinstance(out, Region):  # a view onto the app's memory: no copy
-                arrays.append(out.array(operand.type.dtype, shape.dimensions))
-            else:
-                arrays.append(_shaped(out, shape.dimensions))
-        return result, arrays
-
-
-def _pool_of(pools: list, memory: Memory) -> int:
-    """Index of ``memory`` among ``pools``, appending it the first time: one
-    pool per Memory however many regions of it a request uses."""
-    for k, pool in enumerate(pools):
-        if pool is memory:
-            return k
-    pools.append(memory)
-    return len(pools) - 1
-
-
-def _allocate(dims: tuple[int, ...], operand: Operand) -> np.ndarray:
-    if operand.type.is_scalar:
-        return np.empty(1, operand.type.dtype)
-    count = math.prod(dims) if dims and all(dims) else 0
-    # A zero-byte buffer is still a buffer: the driver reports the size it needs.
-    return np.empty(count, operand.type.dtype)
-
-
 class CompiledModel:
     """A model prepared on one or more devices; run it with :meth:`execute`
     or a :meth:`burst`."""
 
     def __init__(self, runtime: Runtime, model: Model, validated: ValidatedModel,
-                 steps: list[_Step], priority: Priority, preference: ExecutionPreference,
+                 steps: list[Step], priority: Priority, preference: ExecutionPreference,
                  fallback_allowed: bool):
         self.model = model
         self.priority = priority
@@ -399,16 +352,16 @@ class CompiledModel:
     async def __aexit__(self, *exc) -> None:
         self.close()
 
-    async def _cpu_steps(self) -> list[_Step]:
+    async def _cpu_steps(self) -> list[Step]:
         """The whole model prepared on the CPU device (fallback after a driver failure)."""
         cpu = self._runtime.cpu
         hal = self.model.hal_model
         plan = partition.StepPlan(cpu, hal, hal.main.input_indexes, hal.main.output_indexes)
         prepared = await cpu.prepare_model(hal, self.preference, self.priority)
         self._prepared_models.append(prepared)
-        return [_Step(cpu, prepared, plan, self._validated)]
+        return [Step(cpu, prepared, plan, self._validated)]
 
-    async def _run(self, steps: list[_Step], arrays: list, user_outputs, measure: bool,
+    async def _run(self, steps: list[Step], arrays: list, user_outputs, measure: bool,
                    deadline: float | None, loop_timeout: float | None,
                    sessions: dict | None = None) -> Result:
         hal = self.model.hal_model
@@ -418,8 +371,11 @@ class CompiledModel:
         measured = measure
         for step in steps:
             session = sessions.get(id(step)) if sessions else None
-            result, outs = await step.run(values, user_outputs if single else None, measure,
-                                          deadline, loop_timeout, session)
+            runner = session if session is not None else step.prepared
+
+            async def execute(request, runner=runner):
+                return await runner.execute(request, measure, deadline, loop_timeout)
+            result, outs = await step.run(values, execute, user_outputs if single else None)
             if result.status != ErrorStatus.NONE:
                 error = NnrtError(result.status, result.message or "execution failed",
                                   output_shapes=[s.dimensions for s in result.output_shapes])
@@ -445,7 +401,7 @@ class CompiledModel:
                                      in_driver if measured else None)
         return Result(outputs, shapes, timing)
 
-    def _can_fall_back(self, step: _Step) -> bool:
+    def _can_fall_back(self, step: Step) -> bool:
         try:
             return self._fallback_allowed and step.device is not self._runtime.cpu
         except NnrtError:  # a runtime without a CPU device has nothing to fall back to
@@ -516,15 +472,6 @@ class _DriverFailure(Exception):
         super().__init__(str(error))
         self.device = device
         self.error = error
-
-
-def _writable_bytes(arr: np.ndarray):
-    return arr.reshape(-1).view(np.uint8) if arr.size else bytearray(0)
-
-
-def _shaped(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    count = math.prod(shape)  # () -> 1: a scalar
-    return arr.reshape(-1)[:count].reshape(shape)
 
 
 def _as_operand_array(value: Any, operand: Operand, what: str) -> np.ndarray:

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import nnrt
 from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
-from nnrt.hal import ExecutionPreference, ExecutionResult, OutputShape, RequestArgument
+from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+                      OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.model.graph import DataLocation
 
@@ -32,19 +33,64 @@ def _model():
 
 
 ARG = RequestArgument(False, DataLocation(0, 0, 16), (2, 2))
+POOL = p.WirePool(1, 4, True, 0, 4096, 0, 64)
+PERF = PerformanceInfo(1.0, 2.0)
+STATISTICS = p.StatisticsValue(
+    p.WireSchedulerStatistics(1, 1, (p.WireClassStatistics(
+        ("uid", 1000), Priority.HIGH, 1, 0, 3, 1, 0, 0, 0, 0.002, None, 0.5),)),
+    (p.WireJobRecord(("pid", 7), Priority.LOW, 4, 1.0, 1.5, 2.0, 0.5, 0, 0.25,
+                     ErrorStatus.NONE, "ok"),))
+# A call (where the method has one) and a reply of every method of the codec
+# table: test_every_codec_is_fuzzed keeps this list complete.
 MESSAGES = [
     p.Hello(1),
+    p.Reply(1, p.Method.HELLO, value=p.DeviceInfo("dev", DeviceType.CPU, "1.0", 30)),
     p.Query(2, p.Method.CAPABILITIES),
+    p.Reply(2, p.Method.CAPABILITIES,
+            value=Capabilities(PERF, PERF, {T.TENSOR_FLOAT32: PERF}, PERF, PERF)),
+    p.Query(3, p.Method.SUPPORTED_EXTENSIONS),
+    p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=["com.example.ext"]),
+    p.Query(4, p.Method.NUMBER_OF_CACHE_FILES),
+    p.Reply(4, p.Method.NUMBER_OF_CACHE_FILES, value=(1, 2)),
+    p.Query(5, p.Method.STATISTICS),
+    p.Reply(5, p.Method.STATISTICS, value=STATISTICS),
     p.SupportedOperations(3, _model()),
+    p.Reply(3, p.Method.SUPPORTED_OPERATIONS, value=[True, False]),
     p.PrepareModel(4, _model(), ExecutionPreference.FAST_SINGLE_ANSWER, Priority.MEDIUM, 1.5),
-    p.Execute(5, 7, (ARG, ARG), (ARG,), (p.WirePool(1, 4, True, 0, 4096, 0, 64),), (9,), True,
-              None, 2.0),
-    p.ReleaseModel(6, 7),
+    p.Reply(4, p.Method.PREPARE_MODEL, value=12),
+    p.Execute(5, 7, (ARG, ARG), (ARG,), (POOL,), (9,), True, None, 2.0),
     p.Reply(5, p.Method.EXECUTE, ErrorStatus.NONE, "",
             ExecutionResult(ErrorStatus.NONE, (OutputShape((2, 2)),))),
-    p.Reply(4, p.Method.PREPARE_MODEL, value=12),
+    p.ExecuteFenced(6, 7, (ARG,), (ARG,), (POOL,), (), False, 3.0, None, (5, 6), 0.5, 8),
+    p.Reply(6, p.Method.EXECUTE_FENCED, value=p.FencedInfo(
+        ExecutionResult(ErrorStatus.NONE, (OutputShape((2, 2)),), Timing(1, 2)),
+        Timing(3, 4), Timing(5, 6))),
+    p.ReleaseModel(7, 7),
+    p.Reply(7, p.Method.RELEASE_MODEL),
+    p.ConfigureBurst(8, 7, (3, 4, 5, 6, 7, 8)),
+    p.Reply(8, p.Method.CONFIGURE_BURST, value=2),
+    p.ReleaseBurst(9, 2),
+    p.Reply(9, p.Method.RELEASE_BURST),
+    p.FreeBurstSlots(10, 2, (1, 2, 3)),
+    p.Reply(10, p.Method.FREE_BURST_SLOTS),
+    p.GetMemories(11, 2, (4,)),
+    p.Reply(11, p.Method.GET_MEMORIES, value=(POOL,)),
+    p.BurstEnded(12, 2, "its ring is out of sync"),
+    p.Reply(12, p.Method.BURST_ENDED),
+    p.Cancel(13, 5),
+    p.Reply(13, p.Method.CANCEL),
+    p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
 ]
 FRAMES = [p.encode(m) for m in MESSAGES]
+
+
+def test_every_codec_is_fuzzed():
+    calls = {m.method for m in MESSAGES if not isinstance(m, p.Reply)}
+    replies = {m.method for m in MESSAGES if isinstance(m, p.Reply)}
+    assert replies == set(p.CODECS)
+    assert calls == {method for method, codec in p.CODECS.items() if codec.get_call}
+    for (frame, fds), message in zip(FRAMES, MESSAGES):
+        assert p.decode_body(frame[p.FRAME_HEADER_SIZE:], fds) == message
 
 
 def _decode_or_protocol_error(body: bytes, fds) -> None:
@@ -91,6 +137,28 @@ def test_connection_fed_random_chunks_yields_events_or_the_protocol_error(chunks
             conn.receive_data(chunk or b"\0")
             while (event := conn.next_event()) is not None:
                 assert isinstance(event, (p.Malformed, *p.Call.__args__))
+    except p.ProtocolError as e:
+        assert e.status == ErrorStatus.INVALID_ARGUMENT
+        assert conn.state is p.State.CLOSED
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(range(len(FRAMES))), max_size=6), st.data())
+def test_client_connection_fed_frames_and_garbage_yields_events_or_the_protocol_error(
+        picks, data):
+    """The client's side, with calls pending: replies become Answers (with
+    the token of a pending call, or None), anything else a Malformed event,
+    a service call, or the protocol error."""
+    conn = p.ClientConnection()
+    conn.call(lambda cid: p.Hello(cid), "hello")
+    for k in range(2, 16):
+        conn.call(lambda cid: p.Query(cid, p.Method.CAPABILITIES), k)
+    stream = b"".join(FRAMES[i][0] for i in picks) + data.draw(st.binary(max_size=32))
+    try:
+        for start in range(0, len(stream), 7):
+            conn.receive_data(stream[start:start + 7], [])
+            while (event := conn.next_event()) is not None:
+                assert isinstance(event, (p.Answer, p.Malformed, p.GetMemories, p.BurstEnded))
     except p.ProtocolError as e:
         assert e.status == ErrorStatus.INVALID_ARGUMENT
         assert conn.state is p.State.CLOSED

@@ -228,7 +228,7 @@ def wait_on_received(sock: socket.socket) -> None:
     fence = SyncFence.from_fd(fds[0])
     sock.sendall(b"waiting")
     try:
-        fence.wait(30)
+        fence.wait_signaled_blocking(30)
         sock.sendall(b"SIGNALED")
     except NnrtError as e:
         sock.sendall(f"ERROR {e.status.name}".encode())
@@ -256,7 +256,7 @@ def merge_in_child(b: SyncFence) -> None:
     assert merge_statistics() == MergeStatistics(0, 0)
     mine = SyncFence.merge([b])
     b.signal()
-    assert mine.wait(30) is True
+    assert mine.wait_signaled_blocking(30) is True
 
 
 def test_merging_works_in_a_forked_child_while_the_parent_has_a_merge_pending():
@@ -265,6 +265,6 @@ def test_merging_works_in_a_forked_child_while_the_parent_has_a_merge_pending():
     join(fork(merge_in_child, b))
     assert merged.poll() is FenceState.ACTIVE
     a.signal()
-    assert merged.wait(30) is True
+    assert merged.wait_signaled_blocking(30) is True
     for f in (a, b, merged):
         f.close()

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import anyio
@@ -170,6 +171,14 @@ async def test_every_hal_call_over_the_socket(reference_service):
         # Bad requests and bad models are INVALID_ARGUMENT; the connection lives on.
         bad = await prepared.execute(numpy_request([x[:, :2], y], [out]))
         assert bad.status == ErrorStatus.INVALID_ARGUMENT
+        # A region past the end of a staged pool lies inside the (larger)
+        # staging arena, so only the client can tell: it refuses it.
+        past_end = Request((RequestArgument(False, DataLocation(0, 8, 16), ()),
+                            RequestArgument(False, DataLocation(1, 0, 16), ())),
+                           (RequestArgument(False, DataLocation(2, 0, 16), ()),),
+                           (x.view(np.uint8), y.view(np.uint8), out.view(np.uint8)))
+        bad = await prepared.execute(past_end)
+        assert bad.status == ErrorStatus.INVALID_ARGUMENT and "outside pool 0" in bad.message
         broken = model.__class__(model.main.__class__(model.main.operands, model.main.operations,
                                                       (0, 1, 7), model.main.output_indexes))
         with pytest.raises(NnrtError) as e:
@@ -567,3 +576,42 @@ def test_fds_sent_with_malformed_or_refused_calls_are_closed(tmp_path):
         s.close()
     finally:
         stop(proc)
+
+
+def test_a_frame_larger_than_the_socket_buffer_does_not_block_the_sender():
+    """The client writes what the socket takes at once and leaves the rest
+    (with its own copies of the fds) to a worker thread: the caller returns
+    before the service has read anything, and frames keep their order."""
+    from nnrt.drivers.service.client import _Channel
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = _Channel(ours, "a test peer")
+    big = bytes(range(256)) * (16 << 12)        # 16 MiB, far more than the socket buffer
+    r, w = os.pipe()
+    try:
+        def send_both():
+            channel.send_only(lambda proto: (big, []))
+            channel.send_only(lambda proto: (b"second", [r]))
+
+        sender = threading.Thread(target=send_both)
+        sender.start()
+        sender.join(GUARD)
+        assert not sender.is_alive(), "sending waited for the peer to read"
+        os.close(r)     # the backlog holds its own duplicate until it is sent
+        got, fds = bytearray(), []
+        theirs.settimeout(GUARD)
+        while len(got) < len(big) + 6:
+            data, anc, _flags, _ = theirs.recvmsg(1 << 20, socket.CMSG_SPACE(16))
+            assert data, "the channel closed the connection"
+            if anc:
+                fds += list(struct.unpack(f"{len(anc[0][2]) // 4}i", anc[0][2]))
+                assert len(got) + len(data) > len(big), "the fd rides with its own frame"
+            got += data
+        assert bytes(got[:len(big)]) == big and bytes(got[len(big):]) == b"second"
+        assert len(fds) == 1
+        os.write(w, b"!")
+        assert os.read(fds[0], 1) == b"!"
+        os.close(fds[0])
+    finally:
+        os.close(w)
+        channel.close()
+        theirs.close()

@@ -83,12 +83,12 @@ def test_fdinfo_parsing():
 def test_signal_makes_the_fence_readable_for_good_and_every_handle_sees_it():
     with SyncFence.create() as fence, fence.dup() as other:
         assert fence.poll() is FenceState.ACTIVE and other.poll() is FenceState.ACTIVE
-        assert fence.wait(0) is False
+        assert fence.wait_signaled_blocking(0) is False
         fence.signal()
         for _ in range(3):  # observing never consumes the outcome
             assert fence.poll() is FenceState.SIGNALED
             assert other.poll() is FenceState.SIGNALED
-            assert other.wait(0) is True
+            assert other.wait_signaled_blocking(0) is True
         late = SyncFence.from_fd(os.dup(fence.fileno()))
         assert late.poll() is FenceState.SIGNALED and late.status is ErrorStatus.NONE
         late.close()
@@ -102,7 +102,7 @@ def test_signal_error_is_distinguishable_through_the_fd_alone():
             assert seen.poll() is FenceState.ERROR
             assert seen.status is ErrorStatus.MISSED_DEADLINE_TRANSIENT
             with pytest.raises(NnrtError) as e:
-                seen.wait(0)
+                seen.wait_signaled_blocking(0)
             assert e.value.status is ErrorStatus.MISSED_DEADLINE_TRANSIENT
             with pytest.raises(NnrtError) as e:
                 seen.wait_signaled_nowait()
@@ -149,7 +149,7 @@ def test_a_foreign_write_reads_as_an_error_not_as_success():
 
 def test_empty_fence_is_already_signaled_and_has_no_fd():
     fence = SyncFence.empty()
-    assert fence.is_empty and fence.poll() is FenceState.SIGNALED and fence.wait(0) is True
+    assert fence.is_empty and fence.poll() is FenceState.SIGNALED and fence.wait_signaled_blocking(0) is True
     fence.wait_signaled_nowait()
     with pytest.raises(NnrtError, match="no file descriptor"):
         fence.fileno()
@@ -169,7 +169,7 @@ def test_close_is_idempotent_and_later_use_is_bad_state():
     fence.close()
     with pytest.raises(OSError):
         os.fstat(fd)
-    for call in (fence.poll, fence.fileno, fence.signal, lambda: fence.wait(0)):
+    for call in (fence.poll, fence.fileno, fence.signal, lambda: fence.wait_signaled_blocking(0)):
         with pytest.raises(NnrtError) as e:
             call()
         assert e.value.result_code is ResultCode.BAD_STATE
@@ -196,11 +196,11 @@ def test_a_fence_cannot_be_pickled_into_a_meaningless_fd_number():
 
 def test_wait_times_out_and_validates_its_timeout():
     with SyncFence.create() as fence:
-        assert fence.wait(0) is False
-        assert fence.wait(0.01) is False
+        assert fence.wait_signaled_blocking(0) is False
+        assert fence.wait_signaled_blocking(0.01) is False
         for bad in (-1, float("nan"), "1", True):
             with pytest.raises(NnrtError) as e:
-                fence.wait(bad)
+                fence.wait_signaled_blocking(bad)
             assert e.value.status is ErrorStatus.INVALID_ARGUMENT
 
 
@@ -208,7 +208,7 @@ def test_wait_returns_when_another_thread_signals():
     with SyncFence.create() as fence, fence.dup() as signaler:
         thread = threading.Thread(target=signaler.signal)
         thread.start()
-        assert fence.wait(30) is True
+        assert fence.wait_signaled_blocking(30) is True
         thread.join()
 
 
@@ -221,11 +221,11 @@ def test_merge_signals_once_every_member_has_even_when_members_are_closed():
     a.close()  # the watcher holds its own fds on the members
     b.signal()
     c.signal()
-    assert merged.wait(0.02) is False  # a is still active
+    assert merged.wait_signaled_blocking(0.02) is False  # a is still active
     with pytest.raises(NnrtError, match="not by hand"):
         merged.signal()
     a_signaler.signal()
-    assert merged.wait(30) is True
+    assert merged.wait_signaled_blocking(30) is True
     assert merge_statistics() == MergeStatistics(pending_merges=0, watched_fds=0)
     for f in (a_signaler, b, c, merged):
         f.close()
@@ -242,9 +242,9 @@ def test_merge_all_good_and_one_error():
     bad[1].signal_error(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT)
     assert merged_bad.poll() is FenceState.ACTIVE  # waits for all members, even after an error
     bad[2].signal_error(ErrorStatus.DEVICE_UNAVAILABLE)
-    assert merged_good.wait(30) is True
+    assert merged_good.wait_signaled_blocking(30) is True
     with pytest.raises(NnrtError) as e:
-        merged_bad.wait(30)
+        merged_bad.wait_signaled_blocking(30)
     assert e.value.status is ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT  # first failed member in order
     assert merge_statistics() == MergeStatistics(pending_merges=0, watched_fds=0)
     for f in good + bad + [merged_good, merged_bad]:
@@ -265,7 +265,7 @@ def test_merge_of_settled_members_is_settled_at_once():
     assert mixed.poll() is FenceState.ACTIVE
     active.signal()
     with pytest.raises(NnrtError) as e:
-        mixed.wait(30)
+        mixed.wait_signaled_blocking(30)
     assert e.value.status is ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
 
 

@@ -1,6 +1,8 @@
 """Fenced execution in-process: the HAL default ``PreparedModel.execute_fenced``
 and ``nnrt.runtime.fenced.execute_fenced`` chaining a partitioned model's
 steps by fences. tests/integration covers driver services."""
+import contextlib
+
 import anyio
 import numpy as np
 import pytest
@@ -37,12 +39,12 @@ class CountingDevice(OnlyDevice):
         return prepared
 
 
+@contextlib.asynccontextmanager
 async def split_runtime(adder):
-    rt = nnrt.Runtime(devices=[adder, ReferenceDevice()])
-    await rt.open()
-    compiled = await rt.compile(chain_model())
-    assert len(compiled.devices) == 4
-    return rt, compiled
+    async with nnrt.Runtime(devices=[adder, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert len(compiled.devices) == 4
+        yield rt, compiled
 
 
 async def test_hal_default_execute_fenced_waits_then_runs_through_execute():
@@ -69,95 +71,89 @@ async def test_hal_default_execute_fenced_waits_then_runs_through_execute():
 
 async def test_a_split_model_chained_by_fences_matches_execute():
     adder = CountingDevice("adder", {Op.ADD})
-    rt, compiled = await split_runtime(adder)
-    gate = nnrt.SyncFence.create()
-    fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate], measure_timing=True)
-    await anyio.sleep(0.01)
-    assert fence.poll() is FenceState.ACTIVE and adder.executions == 0
-    for get in (cb.get_result, cb.get_execution_info):
-        with pytest.raises(NnrtError) as e:
-            get()  # nothing before the fence: outputs the runtime owns stay hidden
-        assert e.value.result_code == ResultCode.BAD_STATE
-    gate.signal()
-    r = await cb.result()
-    assert adder.executions == 2 and fence.poll() is FenceState.SIGNALED
-    assert np.array_equal(r.outputs[0], EXPECTED_Y) and np.array_equal(r.outputs[1], EXPECTED_T1)
-    assert r.output_shapes == [(1, 2, 2, 1), (1, 2, 2, 1)]
-    status, launched, fenced = cb.get_execution_info()
-    assert status is ErrorStatus.NONE
-    assert fenced.in_driver <= launched.in_driver
-    assert launched.in_driver >= launched.on_device and fenced.in_driver >= fenced.on_device
-    assert r.timing.in_driver >= r.timing.on_device
-    gate.close()
-    fence.close()
-    rt.close()
+    async with split_runtime(adder) as (rt, compiled):
+        gate = nnrt.SyncFence.create()
+        fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate], measure_timing=True)
+        await anyio.sleep(0.01)
+        assert fence.poll() is FenceState.ACTIVE and adder.executions == 0
+        for get in (cb.get_result, cb.get_execution_info):
+            with pytest.raises(NnrtError) as e:
+                get()  # nothing before the fence: outputs the runtime owns stay hidden
+            assert e.value.result_code == ResultCode.BAD_STATE
+        gate.signal()
+        r = await cb.result()
+        assert adder.executions == 2 and fence.poll() is FenceState.SIGNALED
+        assert np.array_equal(r.outputs[0], EXPECTED_Y) and np.array_equal(r.outputs[1], EXPECTED_T1)
+        assert r.output_shapes == [(1, 2, 2, 1), (1, 2, 2, 1)]
+        status, launched, fenced = cb.get_execution_info()
+        assert status is ErrorStatus.NONE
+        assert fenced.in_driver <= launched.in_driver
+        assert launched.in_driver >= launched.on_device and fenced.in_driver >= fenced.on_device
+        assert r.timing.in_driver >= r.timing.on_device
+        gate.close()
+        fence.close()
 
 
 async def test_app_output_arrays_hold_the_results_once_the_fence_is_signaled():
-    rt, compiled = await split_runtime(OnlyDevice("adder", {Op.ADD}))
-    outs = [np.zeros((1, 2, 2, 1), np.float32) for _ in range(2)]
-    fence, cb = await execute_fenced(compiled, [X, C], outputs=outs)
-    await fence.wait_signaled()  # no call into the callback: the fence alone says "ready"
-    assert np.array_equal(outs[0], EXPECTED_Y) and np.array_equal(outs[1], EXPECTED_T1)
-    fence.close()
-    rt.close()
+    async with split_runtime(OnlyDevice("adder", {Op.ADD})) as (rt, compiled):
+        outs = [np.zeros((1, 2, 2, 1), np.float32) for _ in range(2)]
+        fence, cb = await execute_fenced(compiled, [X, C], outputs=outs)
+        await fence.wait_signaled()  # no call into the callback: the fence alone says "ready"
+        assert np.array_equal(outs[0], EXPECTED_Y) and np.array_equal(outs[1], EXPECTED_T1)
+        fence.close()
 
 
 async def test_a_step_of_unknown_output_shape_is_awaited_and_the_rest_still_chains():
-    rt, compiled = await split_runtime(OnlyDevice("adder", {Op.ADD}))
-    compiled._steps[2].output_guess = [(0, 0, 0, 0)]  # as after compiling a dynamic shape
-    fence, cb = await execute_fenced(compiled, [X, C])
-    r = await cb.result()
-    assert np.array_equal(r.outputs[0], EXPECTED_Y)
-    assert compiled._steps[2].output_guess == [(1, 2, 2, 1)]  # learned for the next time
-    fence.close()
-    rt.close()
+    async with split_runtime(OnlyDevice("adder", {Op.ADD})) as (rt, compiled):
+        compiled._steps[2].output_guess = [(0, 0, 0, 0)]  # as after compiling a dynamic shape
+        fence, cb = await execute_fenced(compiled, [X, C])
+        r = await cb.result()
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert compiled._steps[2].output_guess == [(1, 2, 2, 1)]  # learned for the next time
+        fence.close()
 
 
 async def test_an_error_on_the_app_fence_fails_every_step_without_running_any():
     adder = CountingDevice("adder", {Op.ADD})
-    rt, compiled = await split_runtime(adder)
-    gate = nnrt.SyncFence.create()
-    fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate], measure_timing=True)
-    gate.signal_error(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT)
-    with pytest.raises(NnrtError) as e:
-        await cb.result()
-    assert e.value.status is ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
-    assert fence.poll() is FenceState.ERROR
-    assert fence.status is ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
-    assert cb.get_execution_info() == (ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
-                                       nnrt.ExecutionTiming(None, None),
-                                       nnrt.ExecutionTiming(None, None))
-    assert adder.executions == 0
-    gate.close()
-    fence.close()
-    rt.close()
+    async with split_runtime(adder) as (rt, compiled):
+        gate = nnrt.SyncFence.create()
+        fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate], measure_timing=True)
+        gate.signal_error(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT)
+        with pytest.raises(NnrtError) as e:
+            await cb.result()
+        assert e.value.status is ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
+        assert fence.poll() is FenceState.ERROR
+        assert fence.status is ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
+        assert cb.get_execution_info() == (ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                                           nnrt.ExecutionTiming(None, None),
+                                           nnrt.ExecutionTiming(None, None))
+        assert adder.executions == 0
+        gate.close()
+        fence.close()
 
 
 async def test_a_failing_step_fails_the_chain_with_its_status():
-    rt, compiled = await split_runtime(FailsAtRun("adder", {Op.ADD},
-                                                  ErrorStatus.DEVICE_UNAVAILABLE))
-    fence, cb = await execute_fenced(compiled, [X, C])
-    with pytest.raises(NnrtError) as e:
-        await cb.result()
-    assert e.value.status is ErrorStatus.DEVICE_UNAVAILABLE
-    assert "fell over" in e.value.message
-    assert fence.poll() is FenceState.ERROR
-    fence.close()
-    rt.close()
+    failing = FailsAtRun("adder", {Op.ADD}, ErrorStatus.DEVICE_UNAVAILABLE)
+    async with split_runtime(failing) as (rt, compiled):
+        fence, cb = await execute_fenced(compiled, [X, C])
+        with pytest.raises(NnrtError) as e:
+            await cb.result()
+        assert e.value.status is ErrorStatus.DEVICE_UNAVAILABLE
+        assert "fell over" in e.value.message
+        assert fence.poll() is FenceState.ERROR
+        fence.close()
 
 
 async def test_a_deadline_before_the_fence_is_signaled_misses():
-    rt, compiled = await split_runtime(OnlyDevice("adder", {Op.ADD}))
-    gate = nnrt.SyncFence.create()
-    fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate],
-                                     deadline=deadline_in(ms=20))
-    with pytest.raises(NnrtError) as e:
-        await cb.result()
-    assert e.value.status is ErrorStatus.MISSED_DEADLINE_TRANSIENT
-    gate.close()
-    fence.close()
-    rt.close()
+    async with split_runtime(OnlyDevice("adder", {Op.ADD})) as (rt, compiled):
+        gate = nnrt.SyncFence.create()
+        fence, cb = await execute_fenced(compiled, [X, C], wait_for=[gate],
+                                         deadline=deadline_in(ms=20))
+        with pytest.raises(NnrtError) as e:
+            await cb.result()
+        assert e.value.status is ErrorStatus.MISSED_DEADLINE_TRANSIENT
+        gate.close()
+        fence.close()
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -88,7 +88,7 @@ def test_frames_larger_than_half_the_ring_are_refused(native):
         with pytest.raises(FrameTooLarge):
             ring.write(b"m" * 4096, timeout=0)   # refused up front, not waited for
         with pytest.raises(FrameTooLarge):
-            ring.wait_write_sync(505, timeout=0)
+            ring.wait_write_blocking(505, timeout=0)
         assert ring.read_nowait() == b"m" * 504
     with pytest.raises(ValueError, match="max_frame"):
         Ring.create(1024, max_frame=600)
@@ -169,9 +169,9 @@ def test_timeouts(native):
         with pytest.raises(TimeoutError):
             ring.write(b"y", timeout=0.05)
         with pytest.raises(TimeoutError):
-            ring.wait_write_sync(1, timeout=0.01)
+            ring.wait_write_blocking(1, timeout=0.01)
         assert ring.read(timeout=0) == b"x" * 24
-        assert ring.wait_write_sync(24, timeout=0) is Ready.RING
+        assert ring.wait_write_blocking(24, timeout=0) is Ready.RING
 
 
 def test_blocking_reader_and_writer_wake_each_other(native):
@@ -240,11 +240,11 @@ def test_wait_with_also_reports_which_fired(native):
         also = os.eventfd(0, os.EFD_NONBLOCK)
         try:
             with pytest.raises(TimeoutError):
-                ring.wait_read_sync(timeout=0.01, also=also)
+                ring.wait_read_blocking(timeout=0.01, also=also)
             os.eventfd_write(also, 1)
-            assert ring.wait_read_sync(timeout=1, also=also) is Ready.ALSO
+            assert ring.wait_read_blocking(timeout=1, also=also) is Ready.ALSO
             ring.write_nowait(b"f")
-            assert ring.wait_read_sync(timeout=1, also=also) is Ready.RING   # a frame wins
+            assert ring.wait_read_blocking(timeout=1, also=also) is Ready.RING   # a frame wins
             assert ring.read_nowait() == b"f"
         finally:
             os.close(also)
@@ -482,10 +482,10 @@ def test_fd_handoff_to_a_second_process_and_peer_death():
         for i in range(200):
             frame = os.urandom(i % 300)
             requests.write(frame)
-            assert replies.wait_read_sync(timeout=10, also=pidfd) is Ready.RING
+            assert replies.wait_read_blocking(timeout=10, also=pidfd) is Ready.RING
             assert replies.read_nowait() == frame[::-1]
         requests.write(b"quit")
-        assert replies.wait_read_sync(timeout=10, also=pidfd) is Ready.ALSO   # it exited
+        assert replies.wait_read_blocking(timeout=10, also=pidfd) is Ready.ALSO   # it exited
         assert child.wait(10) == 0
     finally:
         child.kill()

@@ -218,23 +218,176 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
     assert p.decode_body(frame_body(frame), fds) == message
 
 
+def statistics_value():
+    stats = p.WireSchedulerStatistics(2, 1, (p.WireClassStatistics(
+        ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),))
+    job = p.WireJobRecord(("uid", 7), Priority.LOW, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
+                          ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
+    return p.StatisticsValue(stats, (job,))
+
+
 def test_statistics_reply_round_trips():
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service import protocol as proto
-    from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
-    from nnrt.hal.types import Priority
-    from nnrt.errors import ErrorStatus
-    stats = SchedulerStatistics(2, 1, (ClassStatistics(("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1,
-                                                       0, 0, 0.001, None, 0.25),))
-    job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
-                    ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
-    for value in (proto.StatisticsValue(stats, (job,)), proto.StatisticsValue(None, ())):
-        data, fds = proto.encode(proto.Reply(9, proto.Method.STATISTICS, ErrorStatus.NONE, "",
-                                             value))
-        assert proto.decode_body(data[proto.FRAME_HEADER_SIZE:], fds).value == value
-        for cut in range(proto.FRAME_HEADER_SIZE, len(data) - 1):
-            try:
-                proto.decode_body(data[proto.FRAME_HEADER_SIZE:cut], [])
-            except proto.ProtocolError:
-                pass
+    for value in (statistics_value(), p.StatisticsValue(None, ()),
+                  p.StatisticsValue(None, (p.WireJobRecord("app", Priority.MEDIUM, 1, 0.0, 0.5,
+                                                           1.0, 0.5, 0, 0.5, ErrorStatus.NONE,
+                                                           ""),))):
+        data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
+        assert p.decode_body(data[p.FRAME_HEADER_SIZE:], fds).value == value
+        for cut in range(p.FRAME_HEADER_SIZE, len(data) - 1):
+            with pytest.raises(p.ProtocolError):
+                p.decode_body(data[p.FRAME_HEADER_SIZE:cut], [])
     assert anyio.run(ReferenceDevice().finished_jobs) == ()  # no scheduler of its own
+
+
+def test_every_method_has_one_codec_and_sample_messages_cover_it():
+    covered = {m.method for m in sample_messages() + all_method_messages()}
+    assert set(p.CODECS) == set(p.Method) == covered
+
+
+def all_method_messages():
+    """A call and a successful reply of every method the samples above leave out."""
+    pool = p.WirePool(2, 11, True, 0, 4096, 0, 4096)
+    info = p.FencedInfo(ExecutionResult(ErrorStatus.NONE, (OutputShape((1,)),), Timing(1, 2)),
+                        Timing(3, 4), Timing(5, 6))
+    return [
+        p.Query(11, p.Method.STATISTICS),
+        p.Reply(11, p.Method.STATISTICS, value=statistics_value()),
+        p.ExecuteFenced(12, 7, (), (), (pool,), (), False, None, None, (5,), 0.5, 6),
+        p.Reply(12, p.Method.EXECUTE_FENCED, value=info),
+        p.ConfigureBurst(13, 42, (3, 4, 5, 6, 7, 8)),
+        p.Reply(13, p.Method.CONFIGURE_BURST, value=77),
+        p.ReleaseBurst(14, 9),
+        p.Reply(14, p.Method.RELEASE_BURST),
+        p.FreeBurstSlots(15, 9, (1, 5)),
+        p.Reply(15, p.Method.FREE_BURST_SLOTS),
+        p.GetMemories(16, 9, (2,)),
+        p.Reply(16, p.Method.GET_MEMORIES, value=(pool,)),
+        p.BurstEnded(17, 9, "its ring is out of sync"),
+        p.Reply(17, p.Method.BURST_ENDED),
+    ]
+
+
+@pytest.mark.parametrize("message", all_method_messages(), ids=lambda m: type(m).__name__)
+def test_every_other_method_round_trips_and_refuses_cuts(message):
+    frame, fds = p.encode(message)
+    body = frame_body(frame)
+    assert p.decode_body(body, fds) == message
+    for cut in range(len(body)):
+        with pytest.raises(p.ProtocolError):
+            p.decode_body(body[:cut], fds)
+    with pytest.raises(p.ProtocolError, match="trailing"):
+        p.decode_body(body + b"\0", fds)
+
+
+def test_error_replies_carry_what_the_codec_says():
+    dead = p.error_reply(3, p.Method.EXECUTE, ErrorStatus.DEAD_OBJECT, "gone")
+    assert dead.value == ExecutionResult(ErrorStatus.DEAD_OBJECT, message="gone")
+    fenced = p.error_reply(4, p.Method.EXECUTE_FENCED, ErrorStatus.DEAD_OBJECT, "gone")
+    assert fenced.value.result.status == ErrorStatus.DEAD_OBJECT
+    assert p.error_reply(5, p.Method.PREPARE_MODEL, ErrorStatus.DEAD_OBJECT, "gone").value is None
+    for reply in (dead, fenced):
+        frame, fds = p.encode(reply)
+        assert p.decode_body(frame_body(frame), fds) == reply
+
+
+# -- the state of calls in flight lives in the connection objects ---------------------
+
+def _answer(conn, reply):
+    conn.receive_data(*p.encode(reply))
+    return conn.next_event()
+
+
+def test_client_connection_numbers_calls_and_hands_replies_to_their_tokens():
+    client = p.ClientConnection()
+    call_id, frame, _ = client.call(lambda cid: p.Hello(cid), "hello token")
+    assert p.decode_body(frame_body(frame)) == p.Hello(call_id)
+    q_id, _, _ = client.call(lambda cid: p.Query(cid, p.Method.CAPABILITIES), "query token")
+    assert q_id != call_id
+    event = _answer(client, p.Reply(q_id, p.Method.CAPABILITIES, ErrorStatus.GENERAL_FAILURE,
+                                    "no"))
+    assert event == p.Answer("query token", event.reply) and event.reply.call_id == q_id
+    # A reply nobody waits for (answered already, or abandoned) has no token.
+    assert _answer(client, p.Reply(q_id, p.Method.CAPABILITIES, ErrorStatus.GENERAL_FAILURE,
+                                   "again")).token is None
+    # CANCEL only for a call still pending.
+    assert client.cancel(q_id) is None
+    data, _ = client.cancel(call_id)
+    assert p.decode_body(frame_body(data)).target == call_id
+    client.abandon(call_id)
+    assert _answer(client, p.Reply(call_id, p.Method.HELLO, ErrorStatus.INVALID_ARGUMENT,
+                                   "late")).token is None
+
+
+def test_a_dead_client_connection_fails_every_pending_call_with_its_token():
+    from nnrt.memory import Memory
+    from nnrt.memory.staging import Place
+    client = p.ClientConnection()
+    client.call(lambda cid: p.Hello(cid), "hello")
+    with Memory.create(64) as mem:
+        client.execute("run", 5, (), (), (Place(mem, 0, 64),), False, None, None)
+        answers = {a.token: a.reply for a in client.fail("the service died")}
+    assert set(answers) == {"hello", "run"} and client.dead == "the service died"
+    assert answers["hello"].status == ErrorStatus.DEAD_OBJECT
+    assert answers["run"].value == ExecutionResult(ErrorStatus.DEAD_OBJECT,
+                                                   message="the service died")
+    assert client.fail("again") == []
+
+
+def test_client_pool_cache_sends_an_fd_once_and_releases_closed_memories():
+    from nnrt.memory import Memory
+    from nnrt.memory.staging import Place
+    client = p.ClientConnection()
+    client.send(p.Hello(1))
+
+    def execute(*mems):
+        call_id, frame, fds = client.execute(None, 5, (), (), tuple(Place(m, 0, m.size)
+                                                                   for m in mems),
+                                             False, None, None)
+        return call_id, p.decode_body(frame_body(frame), fds), fds
+
+    a, b = Memory.create(64), Memory.create(128)
+    call_id, first, fds = execute(a)
+    assert fds == [a.fileno()] and first.pools[0].fd == a.fileno()
+    # The call failed: the service may not have mapped it, so the fd goes again.
+    _answer(client, p.error_reply(call_id, p.Method.EXECUTE, ErrorStatus.GENERAL_FAILURE, "x"))
+    call_id, again, fds = execute(a)
+    assert fds == [a.fileno()] and again.pools[0].pool_id == first.pools[0].pool_id
+    _answer(client, p.reply_for(again, ExecutionResult(ErrorStatus.NONE)))
+    _, by_id, fds = execute(a, b)
+    assert by_id.pools[0].fd is None and by_id.pools[1].fd == b.fileno()
+    a.close()
+    _, released, _ = execute(b)
+    assert released.release == (first.pools[0].pool_id,)
+    # Another prepared model has its own cache; releasing a model drops it.
+    _, other, fds = client.execute(None, 6, (), (), (Place(b, 0, b.size),), False, None, None)
+    assert fds == [b.fileno()]
+    data, _ = client.release_model(6)
+    assert p.decode_body(frame_body(data)) == p.ReleaseModel(p.decode_body(frame_body(data)).call_id, 6)
+    b.close()
+
+
+def test_server_connection_keeps_cancel_targets_its_own_calls_and_the_pool_cache():
+    server = p.ServerConnection()
+    server.receive_data(*p.encode(p.Hello(1)))
+    assert server.next_event() == p.Hello(1)
+    server.running(7, "scope of call 7")
+    assert server.cancel_target(p.Cancel(8, 7)) == "scope of call 7"
+    server.finished(7)
+    assert server.cancel_target(p.Cancel(9, 7)) is None
+    # Our GET_MEMORIES: the client's reply comes back with our token.
+    call_id, frame, _ = server.call(lambda cid: p.GetMemories(cid, 3, (1,)), "waiting task")
+    reply = p.Reply(call_id, p.Method.GET_MEMORIES, ErrorStatus.INVALID_ARGUMENT, "no slot")
+    assert _answer(server, reply) == p.Answer("waiting task", reply)
+    assert _answer(server, reply) == p.Answer(None, reply)
+    # The pool cache of each prepared model.
+    assert server.cache_pool(5, 1, "pool 1") == []
+    assert server.cache_pool(5, 1, "pool 1 again") == ["pool 1"]
+    assert server.cached_pool(5, 1) == "pool 1 again" and server.cached_pool(6, 1) is None
+    for k in range(2, p.MAX_CACHED_POOLS + 1):
+        server.cache_pool(5, k, k)
+    with pytest.raises(p.ProtocolError, match="cached"):
+        server.cache_pool(5, p.MAX_CACHED_POOLS + 1, "one too many")
+    assert server.release_pools(5, (1, 2, 999)) == ["pool 1 again", 2]
+    assert len(server.drop_model(5)) == p.MAX_CACHED_POOLS - 2
+    assert server.drop_model(5) == []

@@ -3,22 +3,42 @@ whose calls go over the service's Unix socket.
 
 Theory of operation
 -------------------
-A :class:`ServiceDevice` owns one connection. Calls are sent from the
-caller's thread under a lock (so frames never interleave and the pool cache
-decisions below are made in the order the service sees them); a reader
-thread receives every reply and hands it to the caller waiting on that call
-id — an asyncio future (via ``call_soon_threadsafe``), a trio task (via its
-token's ``run_sync_soon``) or a blocked thread (``threading.Event``). Many
-calls may be in flight at once; replies come in completion order.
+This module is the transport only: a socket, SCM_RIGHTS fds and threads.
+What goes on the wire and why — call ids, the calls waiting for a reply,
+CANCEL, the pool-id cache of each prepared model, the burst registry — is
+the sans-I/O :class:`~.protocol.ClientConnection`; the transport feeds it
+bytes and sends the frames it makes.
 
-Why a reader thread rather than a task on the app's loop: the HAL's query
-methods and ``execute_synchronously`` are synchronous, the app may run
-asyncio or trio, and a dead service must be noticed even when nobody is
-awaiting it. The reader thread blocks in ``recvmsg``; when the service dies
-(EOF, ECONNRESET, a reply that does not decode) it fails every pending call
-with DEAD_OBJECT at once — executions get an ``ExecutionResult`` with that
+A :class:`ServiceDevice` owns one connection, a :class:`_Channel`. The
+connection object is used from the caller's threads and from a reader
+thread, so every use of it is under the channel's one lock, which also
+fixes the order of the frames (the order in which the pool cache decided).
+A caller leaves a *token* with its call — a :class:`~nnrt.handoff.Waiter`
+(an asyncio or trio task, or a blocked thread) or a fenced execution's
+callback — and the reader thread delivers the reply to it.
+
+Sending never blocks the caller's loop: under the lock a frame is written
+with ``MSG_DONTWAIT``; what does not fit in the socket buffer (a large
+model, a staged pool) waits in a backlog that a worker thread
+(:func:`nnrt.handoff.run_soon`) writes out, blocking there, not here, and
+frames behind it queue after it, so the order holds. A backlogged frame
+keeps its own duplicates of its fds until sent, since a caller may close
+its fds once the call is made.
+
+Why a reader thread rather than a task on the app's loop: the HAL's
+``execute_synchronously`` is synchronous, the app may run asyncio or trio,
+and a dead service must be noticed even when nobody is awaiting it. The
+reader thread blocks in ``recvmsg``; when the service dies (EOF,
+ECONNRESET, a reply that does not decode) it fails every pending call with
+DEAD_OBJECT at once — executions get an ``ExecutionResult`` with that
 status, other calls raise ``NnrtError(DEAD_OBJECT)`` — and every later call
-fails the same way without touching the socket.
+fails the same way without touching the socket. ``close`` fails the calls
+and shuts the socket down without waiting for the reader: the last of the
+reader and the backlog writer to finish closes the socket.
+
+The reader thread also answers the service's own calls (GET_MEMORIES of a
+burst, BURST_ENDED) from the table :data:`_SERVICE_CALL_HANDLERS`: the app's
+loop may be parked in the burst's ``execute`` at that moment.
 
 Cancelling the task awaiting ``execute`` sends CANCEL for that call and
 waits (shielded, bounded) for the call's own reply: the service sends it once
@@ -29,11 +49,9 @@ Device queries answer the same for a device's whole life, so ``connect``
 asks them once and the proxy answers from that copy.
 
 Pools. A request pool that is an :class:`nnrt.memory.Memory` travels by fd
-the first time a prepared model sees it and by id after that (the service
-keeps it mapped); ids whose Memory was closed or collected are released in
-the next execution. Any other pool (numpy arrays, bytes) is staged: copied
-into a shared-memory *arena* (reused across executions, itself cached on the
-service by id), and output regions are copied back after the reply.
+the first time a prepared model sees it and by id after that; any other
+pool is staged through an arena (:mod:`nnrt.memory.staging`, shared with the
+burst controller), itself a Memory cached by id on the service.
 
 Fenced executions send their wait_for fences' fds with the call, and the
 result fence too: the client creates it and returns it without waiting for
@@ -47,39 +65,35 @@ the result fence (anyone holding an eventfd may), so its waiters wake.
 """
 from __future__ import annotations
 
-import array
 import collections
-import itertools
 import os
 import socket
 import threading
-import weakref
 
 import anyio
 
+from ...burst.controller import BurstController, BurstLink
 from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
-from ...memory import Memory
-from ...model.graph import HalModel
+from ...handoff import Waiter, run_soon
+from ...hal import (Capabilities, Device, ExecutionPreference, ExecutionResult, FencedCallback,
+                    PreparedModel, Request, Scheduling, Timing)
 from ...hal.types import Priority
+from ...memory import Memory
+from ...memory.staging import ArenaPool, Staging, stage
+from ...model.graph import HalModel
+from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ...vlog import vlog
-from ...burst.controller import BurstController, BurstLink
-from ...handoff import Waiter
-from ...hal import (NO_TIMING, Capabilities, Device, ExecutionPreference, ExecutionResult,
-                   PreparedModel, Request, Scheduling, Timing)
 from . import protocol as p
+from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
-_ALIGN = 64
 _MAX_FREE_ARENAS = 8
 # How long a cancelled execution waits for the service to let go of its
 # pools (it stops at the next operation boundary; a live service answers
 # in one operation's time, a dead one at once with DEAD_OBJECT).
 _CANCEL_GRACE = 10.0
-# The service caches at most protocol.MAX_CACHED_POOLS pools per prepared
-# model; the client evicts its oldest ids well before that.
-_CLIENT_CACHE_LIMIT = p.MAX_CACHED_POOLS - 32
 
 
 def _dead(message: str) -> NnrtError:
@@ -89,7 +103,7 @@ def _dead(message: str) -> NnrtError:
 class _Waiter(Waiter):
     """Where the reply to one call goes: delivered from the reader thread."""
 
-    __slots__ = ("call_id",)
+    __slots__ = ()
 
     @property
     def reply(self) -> p.Reply | None:
@@ -97,106 +111,138 @@ class _Waiter(Waiter):
 
 
 class _Channel:
-    """One connection: sending under a lock, a reader thread for replies."""
+    """One connection: its protocol state under one lock, a reader thread,
+    and a backlog of frames the socket could not take at once."""
 
     def __init__(self, sock: socket.socket, label: str):
         self.sock = sock
         self.label = label
-        self.proto = p.Connection("client")
-        self._send_lock = threading.Lock()
-        self._pending_lock = threading.Lock()
-        self._pending: dict[int, tuple[_Waiter, p.Method]] = {}
-        self._call_ids = itertools.count(1)
-        self._pool_ids = itertools.count(1)
+        self.proto = p.ClientConnection()
+        self._lock = threading.Lock()
+        self._backlog: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
+        self._draining = False
+        self._reader_done = False
         self.dead: NnrtError | None = None
-        # Burst controllers by burst id: they answer the service's
-        # GET_MEMORIES calls and are told when the connection dies.
-        self.bursts: dict[int, object] = {}
-        self._reader = threading.Thread(target=self._read_loop, name=f"nnrt-client-{label}",
-                                        daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read_loop, name=f"nnrt-client-{label}",
+                         daemon=True).start()
 
-    def next_pool_id(self) -> int:
-        return next(self._pool_ids)
+    # sending (always under self._lock, so frames go out in the core's order)
+
+    def _send_locked(self, data: bytes, fds) -> None:
+        if self._draining:
+            self._backlog.append((memoryview(data), [os.dup(fd) for fd in fds]))
+            return
+        try:
+            sent = self.sock.sendmsg([data], rights(fds), socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            # The fds ride with the first bytes: sent already unless nothing was.
+            self._backlog.append((memoryview(data)[sent:],
+                                  [os.dup(fd) for fd in fds] if sent == 0 else []))
+            self._draining = True
+            run_soon(self._drain)
+
+    def _drain(self) -> None:
+        """On a worker thread: write the backlog out, blocking here."""
+        while True:
+            with self._lock:
+                if not self._backlog or self.dead is not None:
+                    dropped, self._backlog = self._backlog, collections.deque()
+                    self._draining = False
+                    close_socket = self._reader_done
+                    break
+                view, fds = self._backlog[0]
+            try:
+                sent = self.sock.sendmsg([view], rights(fds), socket.MSG_NOSIGNAL)
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self._die(f"sending to the service failed: {e}")
+                continue
+            with self._lock:
+                for fd in fds:
+                    os.close(fd)
+                if sent < len(view):
+                    self._backlog[0] = (view[sent:], [])
+                else:
+                    self._backlog.popleft()
+        for _view, fds in dropped:
+            for fd in fds:
+                os.close(fd)
+        if close_socket:
+            self.sock.close()
+
+    def _start(self, make):
+        """``make(proto)`` under the lock (it numbers, encodes and registers
+        a call: ``(call_id, frame, fds)``), then send the frame; the call id."""
+        failed = None
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            call_id, data, fds = make(self.proto)
+            try:
+                self._send_locked(data, fds)
+            except OSError as e:
+                failed = e
+        if failed is not None:
+            self._die(f"sending to the service failed: {failed}")
+        return call_id
+
+    def send_only(self, make) -> None:
+        """Send the frame ``make(proto)`` returns ``(frame, fds)``; no reply
+        awaited. Nothing happens on a dead channel."""
+        failed = None
+        with self._lock:
+            if self.dead is not None:
+                return
+            made = make(self.proto)
+            if made is None:
+                return
+            try:
+                self._send_locked(*made)
+            except OSError as e:
+                failed = e
+        if failed is not None:
+            self._die(f"sending to the service failed: {failed}")
 
     # calls
 
-    def _start(self, build, blocking: bool, waiter: _Waiter | None = None) -> _Waiter:
-        """Register a waiter (a new one unless given) and send the message
-        ``build(call_id)`` returns."""
-        if self.dead is not None:
-            raise self.dead
-        waiter = _Waiter(blocking) if waiter is None else waiter
-        with self._send_lock:
-            if self.dead is not None:
-                raise self.dead
-            call_id = waiter.call_id = next(self._call_ids)
-            message = build(call_id)
-            data, fds = self.proto.send(message)
-            with self._pending_lock:
-                self._pending[call_id] = (waiter, message.method)
-            try:
-                self._send(data, fds)
-            except OSError as e:
-                self._die(f"sending to the service failed: {e}")
-        return waiter
+    async def call(self, build) -> p.Reply:
+        """Send ``build(call_id)`` and await its reply."""
+        return await self.await_call(lambda proto, token: proto.call(build, token))
 
-    def _send(self, data: bytes, fds: list[int]) -> None:
-        view = memoryview(data)
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        while view:
-            sent = self.sock.sendmsg([view], anc, socket.MSG_NOSIGNAL)
-            anc = []  # the fds ride with the first bytes only
-            view = view[sent:]
-
-    async def call(self, build, on_cancel=None) -> p.Reply:
-        """Send ``build(call_id)`` and await its reply. With ``on_cancel``,
-        cancelling the awaiting task also cancels the call in the service
-        (CANCEL) and waits, shielded and at most ``_CANCEL_GRACE`` seconds,
-        for the call's own reply, which the service sends once the driver
-        has let go of the request's pools; ``on_cancel(reply)`` then runs
-        with that reply (None if it did not come) before the cancellation
-        propagates."""
-        waiter = self._start(build, blocking=False)
+    async def await_call(self, make, on_cancel=None) -> p.Reply:
+        """Send the call ``make(proto, token)`` registers and await its
+        reply. With ``on_cancel``, cancelling the awaiting task also cancels
+        the call in the service (CANCEL) and waits, shielded and at most
+        ``_CANCEL_GRACE`` seconds, for the call's own reply, which the
+        service sends once the driver has let go of the request's pools;
+        ``on_cancel(reply)`` then runs with that reply (None if it did not
+        come) before the cancellation propagates."""
+        waiter = _Waiter(blocking=False)
+        call_id = self._start(lambda proto: make(proto, waiter))
         try:
             return await waiter.wait()
         except BaseException:
             if on_cancel is not None and not waiter.delivered:
-                self.send_only(lambda cid: p.Cancel(cid, waiter.call_id))
+                self.send_only(lambda proto: proto.cancel(call_id))
                 with anyio.CancelScope(shield=True):
                     with anyio.move_on_after(_CANCEL_GRACE):
                         await waiter.wait()
                 on_cancel(waiter.reply)
             raise
         finally:
-            self._forget(waiter)
+            if not waiter.delivered:
+                with self._lock:
+                    self.proto.abandon(call_id)
 
-    def call_blocking(self, build) -> p.Reply:
-        waiter = self._start(build, blocking=True)
-        try:
-            return waiter.wait_blocking()
-        finally:
-            self._forget(waiter)
-
-    def send_only(self, build) -> None:
-        """Send a call whose reply nobody waits for."""
-        if self.dead is not None:
-            return
-        with self._send_lock:
-            if self.dead is not None:
-                return
-            data, fds = self.proto.send(build(next(self._call_ids)))
-            try:
-                self._send(data, fds)
-            except OSError as e:
-                self._die(f"sending to the service failed: {e}")
-
-    def _forget(self, waiter: _Waiter) -> None:
-        if waiter.reply is None:  # cancelled: drop the entry, ignore the reply
-            with self._pending_lock:
-                for k, (w, _m) in list(self._pending.items()):
-                    if w is waiter:
-                        del self._pending[k]
+    def call_blocking(self, make) -> p.Reply:
+        """The reply to the call ``make(proto, token)`` registers, waiting in
+        this thread."""
+        waiter = _Waiter(blocking=True)
+        self._start(lambda proto: make(proto, waiter))
+        return waiter.wait_blocking()
 
     # the reader thread
 
@@ -212,51 +258,66 @@ class _Channel:
                 except OSError as e:
                     reason = f"the connection to the service failed: {e}"
                     return
-                fds = []  # a fenced execution's sync fence comes with its reply
-                for level, kind, fd_data in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.extend(array.array("i", fd_data[:len(fd_data) - len(fd_data) % 4]))
+                fds = received_fds(ancdata)
                 if not data:
                     for fd in fds:
                         os.close(fd)
                     return
-                self.proto.receive_data(data, fds)
-                while True:
-                    event = self.proto.next_event()
-                    if event is None:
-                        break
-                    if isinstance(event, p.Malformed):
-                        for fd in event.fds:
-                            os.close(fd)
-                        raise event.error
-                    if isinstance(event, (p.GetMemories, p.BurstEnded)):  # from the service
-                        self._answer_service_call(event)
-                        continue
-                    with self._pending_lock:
-                        entry = self._pending.pop(event.call_id, None)
-                    if entry is not None:
-                        entry[0].deliver(event)
+                events, error = [], None
+                with self._lock:
+                    self.proto.receive_data(data, fds)
+                    try:
+                        while (event := self.proto.next_event()) is not None:
+                            events.append(event)
+                    except p.ProtocolError as e:
+                        error = e
+                for event in events:
+                    self._dispatch(event)
+                if error is not None:
+                    raise error
         except p.ProtocolError as e:
             reason = f"the service sent a message that does not decode: {e.message}"
         finally:
-            for fd in self.proto.take_fds():
+            with self._lock:
+                leftover = self.proto.take_fds()
+            for fd in leftover:
                 os.close(fd)
             self._die(reason)
+            with self._lock:
+                self._reader_done = True
+                close_socket = not self._draining
+            if close_socket:
+                self.sock.close()
+
+    def _dispatch(self, event) -> None:
+        if isinstance(event, p.Answer):
+            if event.token is not None:
+                event.token.deliver(event.reply)
+        elif isinstance(event, p.Malformed):
+            for fd in event.fds:
+                os.close(fd)
+            raise event.error
+        else:   # a call of the service's (GET_MEMORIES, BURST_ENDED)
+            reply, fds = _SERVICE_CALL_HANDLERS[event.method](self, event)
+            try:
+                self.send_only(lambda proto: proto.send(reply))
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def _die(self, reason: str) -> None:
-        with self._pending_lock:
+        with self._lock:
             if self.dead is None:
                 self.dead = _dead(f"{self.label}: {reason}")
                 vlog("driver", "%s", self.dead.message)
-            pending, self._pending = self._pending, {}
+            answers = self.proto.fail(self.dead.message)
+            bursts, self.proto.bursts = self.proto.bursts, {}
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        for call_id, (waiter, method) in pending.items():
-            waiter.deliver(_dead_reply(call_id, method, self.dead.message))
-        with self._pending_lock:
-            bursts, self.bursts = self.bursts, {}
+        for answer in answers:
+            answer.token.deliver(answer.reply)
         for controller in bursts.values():
             controller.on_channel_dead(self.dead.message)
 
@@ -265,70 +326,75 @@ class _Channel:
     def register_burst(self, burst_id: int, controller) -> None:
         """Route GET_MEMORIES for ``burst_id`` to ``controller``; a dead
         channel tells it at once (now, if it is dead already)."""
-        with self._pending_lock:
+        with self._lock:
             if self.dead is None:
-                self.bursts[burst_id] = controller
+                self.proto.bursts[burst_id] = controller
                 return
         controller.on_channel_dead(self.dead.message)
 
-    def unregister_burst(self, burst_id: int) -> None:
-        with self._pending_lock:
-            self.bursts.pop(burst_id, None)
+    def unregister_burst(self, burst_id: int):
+        with self._lock:
+            return self.proto.bursts.pop(burst_id, None)
 
-    def _answer_service_call(self, call) -> None:
-        """Answer from the reader thread: the app's loop may be busy, and the
-        burst server waits on GET_MEMORIES to run an execution the app awaits."""
-        controller = self.bursts.get(call.burst_id)
-        fds = []
-        if isinstance(call, p.BurstEnded):
-            if controller is not None:
-                self.unregister_burst(call.burst_id)
-                controller.on_burst_ended(call.reason)
-            reply = p.Reply(call.call_id, call.method)
-        elif controller is None:
-            reply = p.Reply(call.call_id, call.method, ErrorStatus.INVALID_ARGUMENT,
-                            f"burst {call.burst_id} is not open on this client")
-        else:
-            try:
-                grants = controller.grant_memories(call.slots)
-            except NnrtError as e:
-                reply = p.Reply(call.call_id, call.method, e.status, e.message)
-            else:
-                fds = [g.fd for g in grants]
-                reply = p.Reply(call.call_id, call.method, value=tuple(
-                    p.WirePool(g.slot, g.fd, g.writable, g.offset, g.size, 0, g.size)
-                    for g in grants))
-        try:
-            with self._send_lock:
-                data, send_fds = self.proto.send(reply)
-                self._send(data, send_fds)
-        except OSError as e:
-            self._die(f"sending to the service failed: {e}")
-        finally:
-            for fd in fds:
-                os.close(fd)
+    def bursts(self) -> list:
+        with self._lock:
+            return list(self.proto.bursts.values())
 
     def close(self) -> None:
+        """Fail what is pending and shut the socket down; the reader thread
+        closes it (no join: this may run on the app's loop)."""
         self._die("the connection was closed by this client")
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout=5)
-        self.sock.close()
 
 
-def _dead_reply(call_id: int, method: p.Method, message: str) -> p.Reply:
-    value = None
-    if method == p.Method.EXECUTE:
-        value = ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message)
-    elif method == p.Method.EXECUTE_FENCED:
-        value = p.FencedInfo(ExecutionResult(ErrorStatus.DEAD_OBJECT, message=message),
-                             NO_TIMING, NO_TIMING)
-    return p.Reply(call_id, method, ErrorStatus.DEAD_OBJECT, message, value)
+def _get_memories(channel: _Channel, call: p.GetMemories) -> tuple[p.Reply, list[int]]:
+    """The memories of a burst's slots, from its controller (duplicate fds,
+    closed once the reply is sent)."""
+    with channel._lock:
+        controller = channel.proto.bursts.get(call.burst_id)
+    if controller is None:
+        return p.error_reply(call.call_id, call.method, ErrorStatus.INVALID_ARGUMENT,
+                             f"burst {call.burst_id} is not open on this client"), []
+    try:
+        grants = controller.grant_memories(call.slots)
+    except NnrtError as e:
+        return p.error_reply(call.call_id, call.method, e.status, e.message), []
+    return p.Reply(call.call_id, call.method, value=tuple(
+        p.WirePool(g.slot, g.fd, g.writable, g.offset, g.size, 0, g.size)
+        for g in grants)), [g.fd for g in grants]
+
+
+def _burst_ended(channel: _Channel, call: p.BurstEnded) -> tuple[p.Reply, list[int]]:
+    controller = channel.unregister_burst(call.burst_id)
+    if controller is not None:
+        controller.on_burst_ended(call.reason)
+    return p.Reply(call.call_id, call.method), []
+
+
+_SERVICE_CALL_HANDLERS = {
+    p.Method.GET_MEMORIES: _get_memories,
+    p.Method.BURST_ENDED: _burst_ended,
+}
+assert set(_SERVICE_CALL_HANDLERS) == p.SERVICE_CALLS
 
 
 def _value(reply: p.Reply, what: str):
     if reply.status != ErrorStatus.NONE:
         raise NnrtError(reply.status, reply.message or f"{what} failed")
     return reply.value
+
+
+def _scheduler_statistics(value: p.StatisticsValue):
+    """The scheduler's statistics and finished jobs from their wire form."""
+    st = value.statistics
+    stats = None if st is None else SchedulerStatistics(
+        st.slots, st.busy, tuple(ClassStatistics(
+            c.app, c.priority, c.queued, c.running, c.completed, c.preempted,
+            c.deadline_misses, c.cancelled, c.failed, c.wait_p50, c.wait_p99, c.run_time)
+            for c in st.classes))
+    jobs = tuple(JobRecord(j.app, j.priority, None, j.seq, j.submitted_at, j.started_at,
+                           j.finished_at, j.ran, j.preemptions, j.longest_step, j.status,
+                           j.message) for j in value.jobs)
+    return stats, jobs
 
 
 class ServiceDevice(Device):
@@ -396,14 +462,14 @@ class ServiceDevice(Device):
         return Scheduling(fronted=True)
 
     async def statistics(self):
-        return (await self._statistics()).statistics
+        return (await self._statistics())[0]
 
     async def finished_jobs(self) -> tuple:
-        return (await self._statistics()).jobs
+        return (await self._statistics())[1]
 
-    async def _statistics(self) -> p.StatisticsValue:
-        return _value(await self._channel.call(lambda cid: p.Query(cid, p.Method.STATISTICS)),
-                      "statistics")
+    async def _statistics(self):
+        reply = await self._channel.call(lambda cid: p.Query(cid, p.Method.STATISTICS))
+        return _scheduler_statistics(_value(reply, "statistics"))
 
     async def supported_operations(self, model: HalModel) -> list[bool]:
         """Asks the service."""
@@ -471,8 +537,7 @@ def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
         for m in staged:
             m.close()
         raise
-    return HalModel(model.main, model.referenced, model.operand_values, tuple(wire),
-                 model.relax_computation_float32_to_float16, model.extension_prefixes), staged
+    return p.with_pools(model, wire), staged
 
 
 class _BurstLink(BurstLink):
@@ -492,11 +557,13 @@ class _BurstLink(BurstLink):
     def free_slots(self, burst_id: int, slots: tuple[int, ...]) -> None:
         for start in range(0, len(slots), p.MAX_BURST_SLOTS):
             chunk = slots[start:start + p.MAX_BURST_SLOTS]
-            self._channel.send_only(lambda cid, c=chunk: p.FreeBurstSlots(cid, burst_id, c))
+            self._channel.send_only(
+                lambda proto, c=chunk: proto.notify(lambda cid: p.FreeBurstSlots(cid, burst_id, c)))
 
     def release(self, burst_id: int) -> None:
         self._channel.unregister_burst(burst_id)
-        self._channel.send_only(lambda cid: p.ReleaseBurst(cid, burst_id))
+        self._channel.send_only(
+            lambda proto: proto.notify(lambda cid: p.ReleaseBurst(cid, burst_id)))
 
 
 class ServicePreparedModel(PreparedModel):
@@ -508,36 +575,57 @@ class ServicePreparedModel(PreparedModel):
         self.device = device
         self.model_id = model_id
         self._channel = device._channel
-        # pool id -> weak reference to the Memory the service holds mapped
-        # for this prepared model, oldest first. Touched only under the
-        # channel's send lock, in the order the service sees the frames.
-        self._sent: collections.OrderedDict[int, weakref.ref] = collections.OrderedDict()
-        self._ids: weakref.WeakKeyDictionary[Memory, int] = weakref.WeakKeyDictionary()
-        self._free_arenas: list[Memory] = []
-        self._arena_lock = threading.Lock()
+        self._arenas = ArenaPool("nnrt-request-arena", _MAX_FREE_ARENAS)
         self._released = False
-        # Pool ids sent with fenced calls that failed (appended by the reader
-        # thread, applied to _sent under the send lock by _message).
-        self._forget_later: list[set[int]] = []
+
+    def _stage(self, request: Request) -> Staging | ExecutionResult:
+        """The request's pools placed in shared memory; an ExecutionResult
+        when the request cannot go."""
+        if self._released:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the prepared model was released")
+        if self._channel.dead is not None:
+            return ExecutionResult(ErrorStatus.DEAD_OBJECT, message=self._channel.dead.message)
+        try:
+            return stage(request.pools, request.inputs, request.outputs, self._arenas)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+
+    def _make_execute(self, request: Request, staging: Staging, measure, deadline,
+                      loop_timeout, fenced=None):
+        return lambda proto, token: proto.execute(
+            token, self.model_id, request.inputs, request.outputs, staging.places, measure,
+            deadline, loop_timeout, fenced)
+
+    def _finish(self, staging: Staging, reply: p.Reply) -> ExecutionResult:
+        if reply.method == p.Method.EXECUTE:
+            result = reply.value
+        else:  # the service could not read the call at all
+            result = ExecutionResult(reply.status, message=reply.message)
+        if result.status == ErrorStatus.NONE:
+            staging.copy_out()
+        staging.finish()
+        return result
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
-        plan = self._plan(request)
-        if isinstance(plan, ExecutionResult):
-            return plan
+        staging = self._stage(request)
+        if isinstance(staging, ExecutionResult):
+            return staging
+
         def cancelled(reply: p.Reply | None) -> None:
-            if reply is not None:       # the service let go of the arena: reuse it
-                self._finish(plan, None)
+            # With the reply the service has let go of the arena: reuse it.
+            staging.finish(reuse=reply is not None)
 
         try:
-            reply = await self._channel.call(
-                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout),
+            reply = await self._channel.await_call(
+                self._make_execute(request, staging, measure, deadline, loop_timeout),
                 on_cancel=cancelled)
         except NnrtError as e:
-            self._finish(plan, None)
+            staging.finish()
             return ExecutionResult(e.status, message=e.message)
-        return self._finish(plan, reply)
+        return self._finish(staging, reply)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -548,16 +636,16 @@ class ServicePreparedModel(PreparedModel):
         if checkpoint is not None:
             return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
                                    message="a service execution takes no outside checkpoint")
-        plan = self._plan(request)
-        if isinstance(plan, ExecutionResult):
-            return plan
+        staging = self._stage(request)
+        if isinstance(staging, ExecutionResult):
+            return staging
         try:
             reply = self._channel.call_blocking(
-                lambda cid: self._message(cid, request, plan, measure, deadline, loop_timeout))
+                self._make_execute(request, staging, measure, deadline, loop_timeout))
         except NnrtError as e:
-            self._finish(plan, None)
+            staging.finish()
             return ExecutionResult(e.status, message=e.message)
-        return self._finish(plan, reply)
+        return self._finish(staging, reply)
 
     async def execute_fenced(self, task_group, request: Request, wait_for=(),
                              measure: bool = False, deadline: float | None = None,
@@ -591,29 +679,25 @@ class ServicePreparedModel(PreparedModel):
             if not isinstance(pool, Memory):
                 raise invalid(f"request pool {k} is a {type(pool).__name__}: a fenced execution "
                               f"on a driver service needs nnrt.memory.Memory pools")
-        plan = self._plan(request)
-        if isinstance(plan, ExecutionResult):
-            raise NnrtError(plan.status, plan.message)
+        staging = self._stage(request)
+        if isinstance(staging, ExecutionResult):
+            raise NnrtError(staging.status, staging.message)
         fence = SyncFence.create()
         try:
             # Handles for the caller (who may pass the fence on but not signal
-            # it: the service does) and for the callback; the waiter's own
-            # (signalable) handle is closed by the reader thread on delivery.
+            # it: the service does) and for the callback, which also keeps a
+            # signalable one until the reply (closed by the reader thread).
             caller_fence = fence._dup(can_signal=False)
-            callback = ServiceFencedCallback(_InfoWaiter(fence.dup(), self, plan),
-                                             fence._dup(can_signal=False))
-
-            def build(call_id: int) -> p.ExecuteFenced:
-                m = self._message(call_id, request, plan, measure, deadline, loop_timeout)
-                return p.ExecuteFenced(m.call_id, m.model_id, m.inputs, m.outputs, m.pools,
-                                       m.release, m.measure, m.deadline, m.loop_timeout,
-                                       tuple(f.fileno() for f in fences), timeout_after_fence,
-                                       fence.fileno())
-
-            self._channel._start(build, blocking=False, waiter=callback._waiter)
-        except BaseException:
-            self._finish(plan, None)
-            raise
+            callback = ServiceFencedCallback(fence.dup(), fence._dup(can_signal=False))
+            fenced = dict(wait_for=tuple(f.fileno() for f in fences),
+                          timeout_after_fence=timeout_after_fence, fence=fence.fileno())
+            try:
+                self._channel._start(lambda proto: self._make_execute(
+                    request, staging, measure, deadline, loop_timeout, fenced)(proto, callback))
+            except BaseException:
+                caller_fence.close()
+                callback.close()
+                raise
         finally:
             fence.close()  # sent (or not): our copies above live on
         return caller_fence, callback
@@ -630,211 +714,71 @@ class ServicePreparedModel(PreparedModel):
         if self._released:
             return
         self._released = True
-        for burst in list(self._channel.bursts.values()):  # its bursts end with it
+        for burst in self._channel.bursts():  # its bursts end with it
             if burst.prepared is self:
                 burst.close()
-        self._channel.send_only(lambda cid: p.ReleaseModel(cid, self.model_id))
-        with self._arena_lock:
-            arenas, self._free_arenas = self._free_arenas, []
-        for a in arenas:
-            a.close()
-
-    # -- pools --------------------------------------------------------------
-
-    def _plan(self, request: Request):
-        """Which pools are Memory (by fd or id) and which are staged into an
-        arena at which offset; an ExecutionResult when the request cannot go."""
-        if self._released:
-            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
-                                   message="the prepared model was released")
-        if self._channel.dead is not None:
-            return ExecutionResult(ErrorStatus.DEAD_OBJECT, message=self._channel.dead.message)
-        output_pools = {a.location.pool_index for a in request.outputs
-                        if a.location is not None and not a.has_no_value}
-        input_pools = {a.location.pool_index for a in request.inputs
-                       if a.location is not None and not a.has_no_value}
-        staged, total = {}, 0
-        for k, pool in enumerate(request.pools):
-            if isinstance(pool, Memory):
-                if pool.closed:
-                    return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
-                                           message=f"request pool {k} is a closed Memory")
-                continue
-            try:
-                raw = memoryview(pool).cast("B")
-            except (TypeError, ValueError) as e:
-                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
-                                       message=f"request pool {k} is not a contiguous buffer: {e}")
-            if k in output_pools and raw.readonly:
-                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
-                                       message=f"request pool {k} holds an output but is read-only")
-            staged[k] = (raw, total)
-            total += -(-raw.nbytes // _ALIGN) * _ALIGN
-        arena = self._take_arena(total) if total else None
-        if arena is not None:
-            view = arena.view()
-            for k, (raw, base) in staged.items():
-                if k in input_pools and raw.nbytes:
-                    view[base:base + raw.nbytes] = raw
-        return _Plan(staged, arena, output_pools)
-
-    def _message(self, call_id: int, request: Request, plan: "_Plan", measure, deadline,
-                 loop_timeout) -> p.Execute:
-        # Runs under the channel's send lock: cache decisions happen in
-        # the order the service will apply them.
-        while self._forget_later:
-            for pool_id in self._forget_later.pop():
-                self._sent.pop(pool_id, None)
-        in_use = {id(x) for x in request.pools if isinstance(x, Memory)}
-        if plan.arena is not None:
-            in_use.add(id(plan.arena))
-        release = []
-        for pool_id, ref in list(self._sent.items()):
-            mem = ref()
-            if mem is None or mem.closed:
-                del self._sent[pool_id]
-                release.append(pool_id)
-        while len(self._sent) >= _CLIENT_CACHE_LIMIT:
-            pool_id, ref = next((i, r) for i, r in self._sent.items() if id(r()) not in in_use)
-            del self._sent[pool_id]
-            mem = ref()
-            if mem is not None:
-                self._ids.pop(mem, None)
-            release.append(pool_id)
-        pools = []
-        for k, pool in enumerate(request.pools):
-            if isinstance(pool, Memory):
-                pools.append(self._wire(pool, 0, pool.size, plan))
-            else:
-                raw, base = plan.staged[k]
-                if raw.nbytes == 0:
-                    pools.append(p.WirePool(0, None, True, 0, 0, 0, 0))
-                else:
-                    pools.append(self._wire(plan.arena, base, raw.nbytes, plan))
-        return p.Execute(call_id, self.model_id, tuple(request.inputs), tuple(request.outputs),
-                         tuple(pools), tuple(release), bool(measure), deadline, loop_timeout)
-
-    def _wire(self, mem: Memory, offset: int, length: int, plan: "_Plan") -> p.WirePool:
-        pool_id = self._ids.get(mem)
-        if pool_id is None:
-            pool_id = self._channel.next_pool_id()
-            self._ids[mem] = pool_id
-        fd = None
-        if pool_id in self._sent:
-            self._sent.move_to_end(pool_id)
-        elif pool_id not in plan.new_ids:
-            self._sent[pool_id] = weakref.ref(mem)
-            plan.new_ids.add(pool_id)
-            fd = mem.fileno()
-        return p.WirePool(pool_id, fd, mem.writable, mem.fd_offset, mem.size, offset, length)
-
-    def _finish(self, plan: "_Plan", reply: p.Reply | None) -> ExecutionResult:
-        if reply is None:
-            result = None
-        elif reply.method == p.Method.EXECUTE:
-            result = reply.value
-        else:  # the service could not read the call at all
-            result = ExecutionResult(reply.status, message=reply.message)
-        if result is None or result.status not in (ErrorStatus.NONE,
-                                                   ErrorStatus.OUTPUT_INSUFFICIENT_SIZE):
-            # The service may not have mapped what we sent with this call:
-            # send those fds again next time rather than trust the cache.
-            with self._channel._send_lock:
-                for pool_id in plan.new_ids:
-                    self._sent.pop(pool_id, None)
-        if result is not None and result.status == ErrorStatus.NONE and plan.arena is not None:
-            view = plan.arena.view()
-            for k in plan.output_pools:
-                staged = plan.staged.get(k)
-                if staged is not None and staged[0].nbytes:
-                    raw, base = staged
-                    raw[:] = view[base:base + raw.nbytes]
-        if plan.arena is not None:
-            self._give_back_arena(plan.arena)
-        return result
-
-    def _take_arena(self, size: int) -> Memory:
-        with self._arena_lock:
-            for i, a in enumerate(self._free_arenas):
-                if a.size >= size:
-                    return self._free_arenas.pop(i)
-        return Memory.create(max(4096, 1 << (size - 1).bit_length()), "nnrt-request-arena")
-
-    def _give_back_arena(self, arena: Memory) -> None:
-        with self._arena_lock:
-            if not self._released and len(self._free_arenas) < _MAX_FREE_ARENAS:
-                self._free_arenas.append(arena)
-                return
-        arena.close()  # its id is released with the next execution
+        self._channel.send_only(lambda proto: proto.release_model(self.model_id))
+        self._arenas.close()
 
 
-class _InfoWaiter(_Waiter):
-    """The EXECUTE_FENCED reply of one fenced execution. Also a thread event,
-    so the synchronous ``get_execution_info`` can wait the moment between
-    the fence being signaled and the reply arriving; and the owner of a
-    signalable handle on the fence, written with the reply's error (from
-    the reader thread: an eventfd write) when the service could not."""
+class ServiceFencedCallback(FencedCallback):
+    """HAL ``IFencedExecutionCallback`` of an execution in a driver service,
+    and the token its EXECUTE_FENCED call waits with: the reader thread
+    delivers the reply here. Nothing is available before the fence is
+    signaled (BAD_STATE).
 
-    __slots__ = ("arrived", "fence", "prepared", "plan")
-
-    def __init__(self, fence: SyncFence, prepared: "ServicePreparedModel", plan: "_Plan"):
-        super().__init__(blocking=False)
-        self.arrived = threading.Event()
-        self.fence = fence
-        self.prepared = prepared
-        self.plan = plan
-
-    def deliver(self, reply: p.Reply) -> None:
-        failed = reply.status not in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE)
-        if failed:
-            # The service may not have mapped what came with the call: send
-            # those fds again next time (applied under the send lock).
-            self.prepared._forget_later.append(self.plan.new_ids)
-        fence, self.fence = self.fence, None
-        if fence is not None:
-            try:
-                # The service signals before replying; an error reply to a fence
-                # still ACTIVE means it never took the fence (refused call,
-                # malformed frame, dead service).
-                if reply.status != ErrorStatus.NONE and fence.poll() is FenceState.ACTIVE:
-                    fence.signal_error(reply.status)
-            except NnrtError:
-                pass  # settled meanwhile: the service got there first
-            finally:
-                fence.close()
-        super().deliver(reply)
-        self.arrived.set()
-
-
-class ServiceFencedCallback:
-    """HAL ``IFencedExecutionCallback`` of an execution in a driver service.
-    Nothing is available before the fence is signaled (BAD_STATE)."""
+    It owns a signalable handle on the fence until the reply: an error reply
+    to a fence still ACTIVE means the service never took the fence
+    (refused call, malformed frame, dead service), so the error is written
+    into it here (an eventfd write, from the reader thread) and its waiters
+    wake."""
 
     # How long get_execution_info waits for the info reply once the fence is
     # signaled: the service sends it right after signaling, so this only
     # bounds a service that is alive but stuck.
     _INFO_GRACE = 10.0
 
-    def __init__(self, waiter: _InfoWaiter, fence: SyncFence):
-        self._waiter = waiter
-        self._fence = fence  # our own handle: the waiter's is closed by the reader thread
+    def __init__(self, signalable: SyncFence, fence: SyncFence):
+        self._signalable: SyncFence | None = signalable
+        self._fence = fence  # our own handle, for polling
+        self._waiter = _Waiter(blocking=False)
+        self._arrived = threading.Event()   # for the synchronous get_execution_info
+
+    def deliver(self, reply: p.Reply) -> None:
+        fence, self._signalable = self._signalable, None
+        if fence is not None:
+            try:
+                if reply.status != ErrorStatus.NONE and fence.poll() is FenceState.ACTIVE:
+                    fence.signal_error(reply.status)
+            except NnrtError:
+                pass  # settled meanwhile: the service got there first
+            finally:
+                fence.close()
+        self._waiter.deliver(reply)
+        self._arrived.set()
+
+    def close(self) -> None:
+        """Let go of the fence handles (the call never went out)."""
+        for fence in (self._signalable, self._fence):
+            if fence is not None:
+                fence.close()
+        self._signalable = None
 
     @property
     def done(self) -> bool:
         return self._waiter.reply is not None
 
     def _info(self) -> p.FencedInfo:
-        w = self._waiter
-        if w.reply is None:
+        if self._waiter.reply is None:
             if self._fence.poll() is FenceState.ACTIVE:
                 raise bad_state("the fenced execution's fence is not signaled yet")
-            if not w.arrived.wait(self._INFO_GRACE):
+            if not self._arrived.wait(self._INFO_GRACE):
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                                 "the driver service signaled the fence but sent no execution info")
-        reply = w.reply
+        reply = self._waiter.reply
         if not isinstance(reply.value, p.FencedInfo):  # an ERROR reply: the call did not decode
-            return p.FencedInfo(ExecutionResult(reply.status, message=reply.message),
-                                NO_TIMING, NO_TIMING)
+            return p.error_reply(reply.call_id, p.Method.EXECUTE_FENCED, reply.status,
+                                 reply.message).value
         return reply.value
 
     def get_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
@@ -851,13 +795,3 @@ class ServiceFencedCallback:
     async def wait_execution_info(self) -> tuple[ErrorStatus, Timing, Timing]:
         await self._waiter.wait()
         return self.get_execution_info()
-
-
-class _Plan:
-    __slots__ = ("staged", "arena", "output_pools", "new_ids")
-
-    def __init__(self, staged, arena, output_pools):
-        self.staged = staged          # pool index -> (user buffer, offset in the arena)
-        self.arena = arena
-        self.output_pools = output_pools
-        self.new_ids: set[int] = set()  # ids whose fd went with this call

@@ -21,7 +21,14 @@ becomes a :class:`Malformed` event: the service answers INVALID_ARGUMENT for
 that call id and keeps the connection. Decoding any bytes either returns a
 message or raises :class:`ProtocolError` (an ``NnrtError`` with
 INVALID_ARGUMENT) — never anything else; every count and length is bounded
-by what is left of the frame and by fixed caps.
+by what is left of the frame and by fixed caps (the reader is
+:class:`nnrt.wirecodec.Reader`, shared with the burst wire format).
+
+Codecs. Each method has one :class:`Codec` in :data:`CODECS`, the one table
+that says how its call and its reply's value cross the wire, which fds its
+call carries, and what value an error reply still carries. Encoding and
+decoding look the codec up by ``Method``; a new method is one entry here and
+one handler in the service.
 
 The client calls, the service replies; a reply names the call id it answers,
 and many calls may be in flight at once (replies come in completion order).
@@ -30,29 +37,42 @@ the table :data:`TRANSITIONS`. The one exception to "the client calls" is
 :data:`SERVICE_CALLS` (a burst server asking for memories, or telling that a
 burst ended): the service numbers those calls itself and the client replies.
 
+State. Everything that decides what goes on the wire lives in the connection
+objects, not in the transports: :class:`ClientConnection` numbers calls,
+keeps the pending ones (with the caller's opaque token), builds CANCEL for
+them, keeps the pool-id cache of each prepared model and the burst registry,
+and fails everything pending when the connection dies;
+:class:`ServerConnection` keeps the cancel targets of running executions,
+its own calls to the client (GET_MEMORIES) and the pools cached for each
+prepared model. Neither does I/O or takes a lock: a transport that touches
+one from several threads serializes its calls.
+
 Memory pools (the HAL model's constant pools and a request's pools) are
 :class:`WirePool` entries. The client numbers each shared memory it sends by
 ``pool_id`` (0 = not cached) and sends its fd the first time; later
 executions of the same prepared model name the id only, and ``release``
 lists ids the client has forgotten. Both sides thereby agree on the cache
-without the service ever asking.
+without the service ever asking: the client's :class:`ClientConnection`
+decides, in the order the frames go out, and the service follows.
 """
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import ErrorStatus, NnrtError
+from ...hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+                    OutputShape, PerformanceInfo, RequestArgument, Timing)
+from ...hal.types import Priority
+from ...memory.staging import SlotCache
 from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
 from ...model.types import OperandLifeTime, OperandType, OperationType
-from ...hal.types import Priority
-from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
-from ...hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
-                   PerformanceInfo, RequestArgument, Timing)
+from ...wirecodec import Reader, Writer
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20     # bytes of one frame body
@@ -60,6 +80,11 @@ MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
 MAX_STRING = 1 << 16     # bytes of any string
 MAX_CACHED_POOLS = 256   # request pools a service caches per prepared model
+# The client evicts its oldest pool ids well before the service's limit.
+CLIENT_CACHED_POOLS = MAX_CACHED_POOLS - 32
+BURST_RING_FDS = 6
+MAX_BURST_SLOTS = 1024   # slots named in one FREE_BURST_SLOTS or GET_MEMORIES
+MAX_JOB_RECORDS = 4096
 
 _FRAME = struct.Struct("<IB")
 _BODY = struct.Struct("<BBQ")
@@ -103,11 +128,6 @@ class Method(enum.IntEnum):
 # controller for memories, HAL ``IBurstCallback.getMemories``): their call
 # ids are the service's own, and the client answers them with a REPLY.
 SERVICE_CALLS = frozenset({Method.GET_MEMORIES, Method.BURST_ENDED})
-
-
-# Methods whose reply carries a value whatever its status: an execution
-# reports shapes and timing even when it failed.
-_ALWAYS_VALUED = (Method.EXECUTE, Method.EXECUTE_FENCED)
 
 
 # -- messages -----------------------------------------------------------------
@@ -185,7 +205,7 @@ class Execute:
 
 
 @dataclass(frozen=True, slots=True)
-class ExecuteFenced:
+class ExecuteFenced(Execute):
     """HAL ``executeFenced``: an :class:`Execute` that starts once every
     fence of ``wait_for`` (eventfds, travelling as SCM_RIGHTS) is signaled;
     the service then signals ``fence``, an eventfd the *client* created and
@@ -198,15 +218,6 @@ class ExecuteFenced:
     callback's info. The pools are used until the fence is signaled, so each
     must be a shared memory (fd or cached id), never staged by the client."""
 
-    call_id: int
-    model_id: int
-    inputs: tuple[RequestArgument, ...]
-    outputs: tuple[RequestArgument, ...]
-    pools: tuple[WirePool, ...]
-    release: tuple[int, ...] = ()
-    measure: bool = False
-    deadline: float | None = None
-    loop_timeout: float | None = None
     wait_for: tuple[int, ...] = ()          # fence fds, received with the call
     timeout_after_fence: float | None = None
     fence: int | None = None                # the result fence's fd (required on the wire)
@@ -221,6 +232,14 @@ class FencedInfo:
     result: ExecutionResult        # status, output shapes, the run's own timing, message
     timing_launched: Timing
     timing_fenced: Timing
+
+    @property
+    def status(self) -> ErrorStatus:
+        return self.result.status
+
+    @property
+    def message(self) -> str:
+        return self.result.message
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,19 +346,59 @@ class Malformed:
 Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
         | ExecuteFenced | Cancel)
 
-_QUERIES = (Method.CAPABILITIES, Method.SUPPORTED_EXTENSIONS, Method.NUMBER_OF_CACHE_FILES,
-            Method.STATISTICS)
+
+# -- statistics on the wire ---------------------------------------------------
+#
+# The protocol's own types: the service converts its scheduler's statistics
+# into these and the client converts them back (at the edge, in server.py
+# and client.py), so a change of the scheduler's dataclasses never changes
+# the wire silently. An app key is ("uid", n) / ("pid", n) or text.
+
+@dataclass(frozen=True, slots=True)
+class WireClassStatistics:
+    app: Any
+    priority: Priority
+    queued: int
+    running: int
+    completed: int
+    preempted: int
+    deadline_misses: int
+    cancelled: int
+    failed: int
+    wait_p50: float | None
+    wait_p99: float | None
+    run_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class WireSchedulerStatistics:
+    slots: int
+    busy: int
+    classes: tuple[WireClassStatistics, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WireJobRecord:
+    app: Any
+    priority: Priority
+    seq: int
+    submitted_at: float
+    started_at: float | None
+    finished_at: float
+    ran: float
+    preemptions: int
+    longest_step: float
+    status: ErrorStatus
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
 class StatisticsValue:
-    """The reply to STATISTICS: None when the driver has no scheduler."""
+    """The reply to STATISTICS: ``statistics`` is None when the driver has
+    no scheduler; ``jobs`` are its recent finished jobs."""
 
-    statistics: SchedulerStatistics | None
-    jobs: tuple[JobRecord, ...] = ()
-
-
-MAX_JOB_RECORDS = 4096
+    statistics: WireSchedulerStatistics | None
+    jobs: tuple[WireJobRecord, ...] = ()
 
 
 # -- the call stream's state machine -----------------------------------------
@@ -372,9 +431,766 @@ def transition(state: State, event: Event) -> State:
         raise ProtocolError(f"{event.value} is not allowed in state {state.value}") from None
 
 
+# -- the bytes: reader and writer ----------------------------------------------
+
+class _Reader(Reader):
+    """The shared bounds-checked reader, plus this protocol's compound
+    fields (flags, counted lists, strings, enums, fds beside the frame)."""
+
+    __slots__ = ("fds", "fd_pos")
+
+    def __init__(self, data: bytes, fds):
+        super().__init__(data, ProtocolError)
+        self.fds = list(fds)
+        self.fd_pos = 0
+
+    def flag(self, what: str) -> bool:
+        v = self.u8(what)
+        if v > 1:
+            raise ProtocolError(f"{what}: flag byte {v} is neither 0 nor 1")
+        return bool(v)
+
+    def count(self, what: str, element_size: int = 1) -> int:
+        """A u32 count of elements at least ``element_size`` bytes each."""
+        n = self.u32(what)
+        if n > MAX_COUNT or n * element_size > self.left:
+            raise ProtocolError(f"{what}: count {n} exceeds what the message holds")
+        return n
+
+    def bytes_(self, what: str, limit: int = MAX_FRAME) -> bytes:
+        n = self.u32(what)
+        if n > limit or n > self.left:
+            raise ProtocolError(f"{what}: length {n} exceeds what the message holds")
+        return self.raw(n, what)
+
+    def str_(self, what: str) -> str:
+        try:
+            return self.bytes_(what, MAX_STRING).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{what}: not UTF-8") from None
+
+    def u32s(self, what: str) -> tuple[int, ...]:
+        return self.u32_array(self.count(what, 4), what)
+
+    def opt_f64(self, what: str) -> float | None:
+        return self.f64(what) if self.flag(what) else None
+
+    def finite(self, what: str) -> float | None:
+        v = self.opt_f64(what)
+        if v is not None and not math.isfinite(v):
+            raise ProtocolError(f"{what} {v} is not a finite number")
+        return v
+
+    def nan_or_f64(self, what: str) -> float | None:
+        v = self.f64(what)
+        return None if math.isnan(v) else v
+
+    def enum(self, cls, what: str):
+        v = self.u32(what)
+        try:
+            return cls(v)
+        except ValueError:
+            raise ProtocolError(f"{what}: {v} is not a {cls.__name__}") from None
+
+    def fd(self, what: str) -> int:
+        if self.fd_pos >= len(self.fds):
+            raise ProtocolError(f"{what}: the message names more fds than came with it")
+        self.fd_pos += 1
+        return self.fds[self.fd_pos - 1]
+
+
+class _Writer(Writer):
+    __slots__ = ("fds",)
+
+    def __init__(self, head: bytes):
+        super().__init__(head)
+        self.fds: list[int] = []
+
+    def flag(self, v) -> None:
+        self.out += b"\x01" if v else b"\x00"
+
+    def bytes_(self, v) -> None:
+        v = bytes(v)
+        self.u32(len(v))
+        self.raw(v)
+
+    def str_(self, v: str) -> None:
+        self.bytes_(v.encode("utf-8"))
+
+    def u32s(self, values) -> None:
+        values = tuple(values)
+        self.u32(len(values))
+        self.u32_array(values)
+
+    def opt_f64(self, v: float | None) -> None:
+        self.u8(v is not None)
+        if v is not None:
+            self.f64(v)
+
+    def nan_or_f64(self, v: float | None) -> None:
+        self.f64(math.nan if v is None else v)
+
+
+# -- codecs of the fields that several messages share -------------------------
+
+def _put_location(w: _Writer, loc: DataLocation | None) -> None:
+    w.flag(loc is not None)
+    if loc is not None:
+        w.i32(loc.pool_index)
+        w.u32(loc.offset)
+        w.u32(loc.length)
+
+
+def _get_location(r: _Reader, what: str) -> DataLocation | None:
+    if not r.flag(f"{what} location flag"):
+        return None
+    return DataLocation(r.i32(f"{what} pool index"), r.u32(f"{what} offset"),
+                        r.u32(f"{what} length"))
+
+
+def _put_pools(w: _Writer, pools) -> None:
+    w.u32(len(pools))
+    for p in pools:
+        if not isinstance(p, WirePool):
+            raise TypeError(f"pools must be WirePool entries on the wire, got {type(p).__name__}")
+        w.u64(p.pool_id)
+        w.flag(p.fd is not None)
+        w.flag(p.writable)
+        for v in (p.fd_offset, p.map_size, p.offset, p.length):
+            w.u64(v)
+        if p.fd is not None:
+            w.fds.append(p.fd)
+
+
+def _get_pools(r: _Reader, what: str) -> tuple[WirePool, ...]:
+    n = r.count(f"{what} pool count", 42)
+    pools = []
+    for k in range(n):
+        w = f"{what} pool {k}"
+        pool_id = r.u64(f"{w} id")
+        has_fd = r.flag(f"{w} fd flag")
+        writable = r.flag(f"{w} writable flag")
+        fd_offset, map_size, offset, length = (r.u64(f"{w} {x}") for x in
+                                               ("fd offset", "map size", "offset", "length"))
+        if offset + length > map_size:
+            raise ProtocolError(f"{w}: region [{offset}, {offset + length}) lies outside "
+                                f"its {map_size}-byte mapping")
+        if map_size == 0 and has_fd:
+            raise ProtocolError(f"{w}: an fd with an empty mapping")
+        fd = r.fd(w) if has_fd else None
+        pools.append(WirePool(pool_id, fd, writable, fd_offset, map_size, offset, length))
+    return tuple(pools)
+
+
+def _pool_fds(pools) -> tuple[int, ...]:
+    return tuple(wp.fd for wp in pools if wp.fd is not None)
+
+
+def _put_subgraph(w: _Writer, s: Subgraph) -> None:
+    w.u32(len(s.operands))
+    for o in s.operands:
+        w.u32(o.type)
+        w.u32s(o.dimensions)
+        w.f64(o.scale)
+        w.i32(o.zero_point)
+        w.u8(o.lifetime)
+        _put_location(w, o.location)
+        w.flag(o.channel_quant is not None)
+        if o.channel_quant is not None:
+            w.u32(o.channel_quant.channel_dim)
+            w.u32(len(o.channel_quant.scales))
+            for scale in o.channel_quant.scales:
+                w.f64(scale)
+        w.flag(o.extra_params is not None)
+        if o.extra_params is not None:
+            w.bytes_(o.extra_params)
+    w.u32(len(s.operations))
+    for op in s.operations:
+        w.u32(op.type)
+        w.u32s(op.inputs)
+        w.u32s(op.outputs)
+    w.u32s(s.input_indexes)
+    w.u32s(s.output_indexes)
+
+
+def _get_subgraph(r: _Reader, what: str) -> Subgraph:
+    n = r.count(f"{what} operand count", 24)
+    operands = []
+    for k in range(n):
+        w = f"{what} operand {k}"
+        t = r.enum(OperandType, f"{w} type")
+        dims = r.u32s(f"{w} dimensions")
+        scale = r.f64(f"{w} scale")
+        zero_point = r.i32(f"{w} zero point")
+        lifetime_raw = r.u8(f"{w} lifetime")
+        try:
+            lifetime = OperandLifeTime(lifetime_raw)
+        except ValueError:
+            raise ProtocolError(f"{w} lifetime: {lifetime_raw} is not an OperandLifeTime") from None
+        loc = _get_location(r, w)
+        cq = None
+        if r.flag(f"{w} channel quant flag"):
+            dim = r.u32(f"{w} channel dim")
+            m = r.count(f"{w} channel scale count", 8)
+            cq = ChannelQuant(dim, tuple(r.f64(f"{w} channel scale") for _ in range(m)))
+        extra = r.bytes_(f"{w} extra params") if r.flag(f"{w} extra params flag") else None
+        operands.append(Operand(t, dims, scale, zero_point, lifetime, loc, cq, extra))
+    n = r.count(f"{what} operation count", 12)
+    operations = []
+    for k in range(n):
+        t = r.enum(OperationType, f"{what} operation {k} type")
+        operations.append(Operation(t, r.u32s(f"{what} operation {k} inputs"),
+                                    r.u32s(f"{what} operation {k} outputs")))
+    return Subgraph(tuple(operands), tuple(operations), r.u32s(f"{what} inputs"),
+                    r.u32s(f"{what} outputs"))
+
+
+def _put_model(w: _Writer, m: HalModel) -> None:
+    _put_subgraph(w, m.main)
+    w.u32(len(m.referenced))
+    for s in m.referenced:
+        _put_subgraph(w, s)
+    w.bytes_(m.operand_values)
+    _put_pools(w, m.pools)
+    w.flag(m.relax_computation_float32_to_float16)
+    w.u32(len(m.extension_prefixes))
+    for e in m.extension_prefixes:
+        w.str_(e.name)
+        w.u32(e.prefix)
+
+
+def _get_model(r: _Reader) -> HalModel:
+    main = _get_subgraph(r, "main subgraph")
+    n = r.count("subgraph count", 16)
+    referenced = tuple(_get_subgraph(r, f"subgraph {k}") for k in range(n))
+    values = r.bytes_("operand values")
+    pools = _get_pools(r, "model")
+    relax = r.flag("relax flag")
+    n = r.count("extension prefix count", 8)
+    prefixes = tuple(ExtensionPrefix(r.str_("extension name"), r.u32("extension prefix"))
+                     for _ in range(n))
+    return HalModel(main, referenced, values, pools, relax, prefixes)
+
+
+def with_pools(model: HalModel, pools) -> HalModel:
+    """``model`` with other constant pools: WirePools on the way out, the
+    mapped memories on the way in."""
+    return HalModel(model.main, model.referenced, model.operand_values, tuple(pools),
+                    model.relax_computation_float32_to_float16, model.extension_prefixes)
+
+
+def _put_perf(w: _Writer, p: PerformanceInfo) -> None:
+    w.f64(p.exec_time)
+    w.f64(p.power_usage)
+
+
+def _get_perf(r: _Reader, what: str) -> PerformanceInfo:
+    exec_time, power = r.f64(f"{what} exec_time"), r.f64(f"{what} power_usage")
+    if math.isnan(exec_time) or math.isnan(power) or exec_time < 0 or power < 0:
+        raise ProtocolError(f"{what}: performance ({exec_time}, {power}) is not a "
+                            f"non-negative number")
+    return PerformanceInfo(exec_time, power)
+
+
+def _put_shapes_and_timings(w: _Writer, shapes, timings) -> None:
+    w.u32(len(shapes))
+    for s in shapes:
+        w.u32s(s.dimensions)
+        w.flag(s.is_sufficient)
+    for t in timings:
+        w.u64(t.on_device)
+        w.u64(t.in_driver)
+
+
+_RUN = ("run on-device time", "run in-driver time")
+_FENCED = (_RUN, ("launched on-device time", "launched in-driver time"),
+           ("fenced on-device time", "fenced in-driver time"))
+
+
+def _get_shapes_and_timings(r: _Reader, timings):
+    """Output shapes, then one Timing per (on-device, in-driver) label pair."""
+    n = r.count("output shape count", 5)
+    shapes = tuple(OutputShape(r.u32s("output dimensions"), r.flag("is sufficient"))
+                   for _ in range(n))
+    return shapes, [Timing(r.u64(on_device), r.u64(in_driver))
+                    for on_device, in_driver in timings]
+
+
+def _put_app(w: _Writer, app) -> None:
+    # Service app keys are ("uid", n) or ("pid", n); anything else travels as text.
+    if isinstance(app, tuple) and len(app) == 2 and isinstance(app[0], str) \
+            and isinstance(app[1], int) and app[1] >= 0:
+        w.u8(1)
+        w.str_(app[0])
+        w.u64(app[1])
+    else:
+        w.u8(0)
+        w.str_(str(app))
+
+
+def _get_app(r: _Reader):
+    if r.flag("app key form"):
+        return (r.str_("app key kind"), r.u64("app key id"))
+    return r.str_("app key")
+
+
+def _slots_of(r: _Reader) -> tuple[int, ...]:
+    slots = r.u32s("burst slots")
+    if len(slots) > MAX_BURST_SLOTS:
+        raise ProtocolError(f"{len(slots)} burst slots exceed {MAX_BURST_SLOTS}")
+    return slots
+
+
+# -- one codec per method ---------------------------------------------------------
+
+def _nothing(w, m) -> None:
+    pass
+
+
+def _put_hello(w: _Writer, m: Hello) -> None:
+    w.u32(m.protocol_version)
+
+
+def _put_device_info(w: _Writer, v: DeviceInfo) -> None:
+    w.str_(v.name)
+    w.u32(v.type)
+    w.str_(v.version_string)
+    w.u32(v.feature_level)
+    w.u32(v.protocol_version)
+
+
+def _get_device_info(r: _Reader, status, message) -> DeviceInfo:
+    return DeviceInfo(r.str_("device name"), r.enum(DeviceType, "device type"),
+                      r.str_("version string"), r.u32("feature level"),
+                      r.u32("protocol version"))
+
+
+def _put_capabilities(w: _Writer, c: Capabilities) -> None:
+    _put_perf(w, c.relaxed_float32_to_float16_scalar)
+    _put_perf(w, c.relaxed_float32_to_float16_tensor)
+    w.u32(len(c.operand_performance))
+    for t, p in c.operand_performance.items():
+        w.u32(t)
+        _put_perf(w, p)
+    _put_perf(w, c.if_performance)
+    _put_perf(w, c.while_performance)
+
+
+def _get_capabilities(r: _Reader, status, message) -> Capabilities:
+    scalar = _get_perf(r, "relaxed scalar performance")
+    tensor = _get_perf(r, "relaxed tensor performance")
+    n = r.count("operand performance count", 20)
+    table = {}
+    for _ in range(n):
+        t = r.enum(OperandType, "operand performance type")
+        table[t] = _get_perf(r, f"{t.name} performance")
+    return Capabilities(scalar, tensor, table, _get_perf(r, "IF performance"),
+                        _get_perf(r, "WHILE performance"))
+
+
+def _put_names(w: _Writer, names) -> None:
+    w.u32(len(names))
+    for name in names:
+        w.str_(name)
+
+
+def _get_names(r: _Reader, status, message) -> list[str]:
+    return [r.str_("extension name") for _ in range(r.count("extension count", 4))]
+
+
+def _put_cache_files(w: _Writer, v) -> None:
+    w.u32(v[0])
+    w.u32(v[1])
+
+
+def _get_cache_files(r: _Reader, status, message) -> tuple[int, int]:
+    return (r.u32("model cache files"), r.u32("data cache files"))
+
+
+def _put_flags(w: _Writer, v) -> None:
+    w.bytes_(bytes(bool(x) for x in v))
+
+
+def _get_flags(r: _Reader, status, message) -> list[bool]:
+    raw = r.bytes_("supported flags")
+    if any(b > 1 for b in raw):
+        raise ProtocolError("supported flags: a byte is neither 0 nor 1")
+    return [bool(b) for b in raw]
+
+
+def _put_id(w: _Writer, v: int) -> None:
+    w.u64(v)
+
+
+def _get_id(what: str):
+    return lambda r, status, message: r.u64(what)
+
+
+def _put_prepare(w: _Writer, m: PrepareModel) -> None:
+    _put_model(w, m.model)
+    w.u32(m.preference)
+    w.u32(m.priority)
+    w.opt_f64(m.deadline)
+
+
+def _get_prepare(r: _Reader, call_id: int, method: Method) -> PrepareModel:
+    model = _get_model(r)
+    return PrepareModel(call_id, model, r.enum(ExecutionPreference, "preference"),
+                        r.enum(Priority, "priority"), r.finite("deadline"))
+
+
+def _put_execute(w: _Writer, m: Execute) -> None:
+    w.u64(m.model_id)
+    for args in (m.inputs, m.outputs):
+        w.u32(len(args))
+        for a in args:
+            w.flag(a.has_no_value)
+            _put_location(w, a.location)
+            w.u32s(a.dimensions)
+    _put_pools(w, m.pools)
+    w.u32(len(m.release))
+    for pool_id in m.release:
+        w.u64(pool_id)
+    w.flag(m.measure)
+    w.opt_f64(m.deadline)
+    w.opt_f64(m.loop_timeout)
+
+
+def _get_argument(r: _Reader, what: str) -> RequestArgument:
+    no_value = r.flag(f"{what} has_no_value")
+    loc = _get_location(r, what)
+    if loc is not None and loc.pool_index < 0:
+        raise ProtocolError(f"{what}: pool index {loc.pool_index} is negative")
+    return RequestArgument(no_value, loc, r.u32s(f"{what} dimensions"))
+
+
+def _get_execute(r: _Reader, call_id: int, method: Method) -> Execute:
+    model_id = r.u64("prepared model id")
+    args = []
+    for kind in ("input", "output"):
+        n = r.count(f"{kind} count", 6)
+        args.append(tuple(_get_argument(r, f"{kind} {k}") for k in range(n)))
+    pools = _get_pools(r, "request")
+    release = tuple(r.u64("released pool id") for _ in range(r.count("release count", 8)))
+    return Execute(call_id, model_id, args[0], args[1], pools, release, r.flag("measure"),
+                   r.finite("deadline"), r.finite("loop timeout"))
+
+
+def _put_execute_fenced(w: _Writer, m: ExecuteFenced) -> None:
+    _put_execute(w, m)
+    w.u32(len(m.wait_for))
+    w.fds.extend(m.wait_for)
+    w.opt_f64(m.timeout_after_fence)
+    if m.fence is None:
+        raise TypeError("EXECUTE_FENCED needs the result fence's fd")
+    w.fds.append(m.fence)
+
+
+def _get_execute_fenced(r: _Reader, call_id: int, method: Method) -> ExecuteFenced:
+    e = _get_execute(r, call_id, method)
+    n = r.u32("wait_for fence count")
+    if n > MAX_FDS:
+        raise ProtocolError(f"wait_for fence count {n} exceeds {MAX_FDS}")
+    wait_for = tuple(r.fd(f"wait_for fence {k}") for k in range(n))
+    timeout = r.finite("timeout after fence")
+    if timeout is not None and timeout < 0:
+        raise ProtocolError(f"timeout after fence {timeout} is negative")
+    return ExecuteFenced(e.call_id, e.model_id, e.inputs, e.outputs, e.pools, e.release,
+                         e.measure, e.deadline, e.loop_timeout, wait_for, timeout,
+                         r.fd("result fence"))
+
+
+def _put_result(w: _Writer, v: ExecutionResult) -> None:
+    _put_shapes_and_timings(w, v.output_shapes, (v.timing,))
+
+
+def _get_result(r: _Reader, status, message) -> ExecutionResult:
+    shapes, (timing,) = _get_shapes_and_timings(r, (_RUN,))
+    return ExecutionResult(status, shapes, timing, message)
+
+
+def _put_fenced_info(w: _Writer, v: FencedInfo) -> None:
+    _put_shapes_and_timings(w, v.result.output_shapes,
+                            (v.result.timing, v.timing_launched, v.timing_fenced))
+
+
+def _get_fenced_info(r: _Reader, status, message) -> FencedInfo:
+    shapes, (timing, launched, fenced) = _get_shapes_and_timings(r, _FENCED)
+    return FencedInfo(ExecutionResult(status, shapes, timing, message), launched, fenced)
+
+
+def _put_configure_burst(w: _Writer, m: ConfigureBurst) -> None:
+    if len(m.ring_fds) != BURST_RING_FDS:
+        raise ProtocolError(f"CONFIGURE_BURST takes {BURST_RING_FDS} ring fds, "
+                            f"not {len(m.ring_fds)}")
+    w.u64(m.model_id)
+    w.fds.extend(m.ring_fds)
+
+
+def _get_configure_burst(r: _Reader, call_id: int, method: Method) -> ConfigureBurst:
+    model_id = r.u64("prepared model id")
+    return ConfigureBurst(call_id, model_id,
+                          tuple(r.fd(f"burst ring fd {k}") for k in range(BURST_RING_FDS)))
+
+
+def _put_burst_slots(w: _Writer, m) -> None:
+    w.u64(m.burst_id)
+    w.u32s(m.slots)
+
+
+def _get_burst_slots(cls):
+    def get(r: _Reader, call_id: int, method: Method):
+        burst_id = r.u64("burst id")
+        return cls(call_id, burst_id, _slots_of(r))
+    return get
+
+
+def _put_burst_ended(w: _Writer, m: BurstEnded) -> None:
+    w.u64(m.burst_id)
+    w.str_(m.reason)
+
+
+def _get_burst_ended(r: _Reader, call_id: int, method: Method) -> BurstEnded:
+    burst_id = r.u64("burst id")
+    return BurstEnded(call_id, burst_id, r.str_("reason"))
+
+
+def _put_statistics(w: _Writer, v: StatisticsValue) -> None:
+    st = v.statistics
+    w.flag(st is not None)
+    if st is not None:
+        w.u32(st.slots)
+        w.u32(st.busy)
+        w.u32(len(st.classes))
+        for c in st.classes:
+            _put_app(w, c.app)
+            w.u32(c.priority)
+            for n in (c.queued, c.running, c.completed, c.preempted, c.deadline_misses,
+                      c.cancelled, c.failed):
+                w.u32(n)
+            w.nan_or_f64(c.wait_p50)
+            w.nan_or_f64(c.wait_p99)
+            w.f64(c.run_time)
+    jobs = v.jobs[-MAX_JOB_RECORDS:]
+    w.u32(len(jobs))
+    for j in jobs:
+        _put_app(w, j.app)
+        w.u32(j.priority)
+        w.u64(j.seq)
+        w.f64(j.submitted_at)
+        w.nan_or_f64(j.started_at)
+        w.f64(j.finished_at)
+        w.f64(j.ran)
+        w.u32(j.preemptions)
+        w.f64(j.longest_step)
+        w.u32(j.status)
+        w.str_(j.message)
+
+
+def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
+    st = None
+    if r.flag("statistics flag"):
+        slots, busy = r.u32("slots"), r.u32("busy slots")
+        classes = []
+        for _ in range(r.count("class count", 30)):
+            app = _get_app(r)
+            priority = r.enum(Priority, "priority")
+            counts = [r.u32("counter") for _ in range(7)]
+            classes.append(WireClassStatistics(app, priority, *counts, r.nan_or_f64("wait p50"),
+                                               r.nan_or_f64("wait p99"), r.f64("run time")))
+        st = WireSchedulerStatistics(slots, busy, tuple(classes))
+    n = r.count("job count", 50)
+    if n > MAX_JOB_RECORDS:
+        raise ProtocolError(f"job count {n} exceeds {MAX_JOB_RECORDS}")
+    jobs = []
+    for _ in range(n):
+        app = _get_app(r)
+        priority = r.enum(Priority, "priority")
+        jobs.append(WireJobRecord(app, priority, r.u64("job seq"), r.f64("submitted at"),
+                                  r.nan_or_f64("started at"), r.f64("finished at"),
+                                  r.f64("run time"), r.u32("preemptions"), r.f64("longest step"),
+                                  r.enum(ErrorStatus, "job status"), r.str_("job message")))
+    return StatisticsValue(st, tuple(jobs))
+
+
+def _execution_error(status: ErrorStatus, message: str) -> ExecutionResult:
+    return ExecutionResult(status, message=message)
+
+
+def _fenced_error(status: ErrorStatus, message: str) -> FencedInfo:
+    return FencedInfo(ExecutionResult(status, message=message), NO_TIMING, NO_TIMING)
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """How one method crosses the wire.
+
+    ``put_call``/``get_call`` write and read a call's payload (None: the
+    method has no call form). ``put_value``/``get_value`` do the same for
+    the value of a successful reply (None: the reply carries no value).
+    ``error_value`` is the value an error reply still carries (an execution
+    reports shapes and timing even when it failed); ``fds`` lists the fds a
+    decoded call holds, which its receiver owns and closes."""
+
+    put_call: Callable[[_Writer, Any], None] | None
+    get_call: Callable[[_Reader, int, Method], Any] | None
+    put_value: Callable[[_Writer, Any], None] | None = None
+    get_value: Callable[[_Reader, ErrorStatus, str], Any] | None = None
+    error_value: Callable[[ErrorStatus, str], Any] | None = None
+    fds: Callable[[Any], tuple[int, ...]] = lambda call: ()
+
+
+def _query(r: _Reader, call_id: int, method: Method) -> Query:
+    return Query(call_id, method)
+
+
+def _get_u64_call(cls, what: str):
+    return lambda r, call_id, method: cls(call_id, r.u64(what))
+
+
+CODECS: dict[Method, Codec] = {
+    Method.ERROR: Codec(None, None),
+    Method.HELLO: Codec(_put_hello, lambda r, cid, m: Hello(cid, r.u32("protocol version")),
+                        _put_device_info, _get_device_info),
+    Method.CAPABILITIES: Codec(_nothing, _query, _put_capabilities, _get_capabilities),
+    Method.SUPPORTED_EXTENSIONS: Codec(_nothing, _query, _put_names, _get_names),
+    Method.NUMBER_OF_CACHE_FILES: Codec(_nothing, _query, _put_cache_files, _get_cache_files),
+    Method.STATISTICS: Codec(_nothing, _query, _put_statistics, _get_statistics),
+    Method.SUPPORTED_OPERATIONS: Codec(
+        lambda w, m: _put_model(w, m.model),
+        lambda r, cid, m: SupportedOperations(cid, _get_model(r)),
+        _put_flags, _get_flags, fds=lambda call: _pool_fds(call.model.pools)),
+    Method.PREPARE_MODEL: Codec(_put_prepare, _get_prepare, _put_id,
+                                _get_id("prepared model id"),
+                                fds=lambda call: _pool_fds(call.model.pools)),
+    Method.EXECUTE: Codec(_put_execute, _get_execute, _put_result, _get_result,
+                          _execution_error, fds=lambda call: _pool_fds(call.pools)),
+    Method.EXECUTE_FENCED: Codec(
+        _put_execute_fenced, _get_execute_fenced, _put_fenced_info, _get_fenced_info,
+        _fenced_error, fds=lambda call: (*_pool_fds(call.pools), *call.wait_for, call.fence)),
+    Method.RELEASE_MODEL: Codec(lambda w, m: w.u64(m.model_id),
+                                _get_u64_call(ReleaseModel, "prepared model id")),
+    Method.CONFIGURE_BURST: Codec(_put_configure_burst, _get_configure_burst, _put_id,
+                                  _get_id("burst id"), fds=lambda call: call.ring_fds),
+    Method.RELEASE_BURST: Codec(lambda w, m: w.u64(m.burst_id),
+                                _get_u64_call(ReleaseBurst, "burst id")),
+    Method.FREE_BURST_SLOTS: Codec(_put_burst_slots, _get_burst_slots(FreeBurstSlots)),
+    Method.GET_MEMORIES: Codec(_put_burst_slots, _get_burst_slots(GetMemories),
+                               _put_pools, lambda r, status, message: _get_pools(r, "burst memory")),
+    Method.BURST_ENDED: Codec(_put_burst_ended, _get_burst_ended),
+    Method.CANCEL: Codec(lambda w, m: w.u64(m.target),
+                         _get_u64_call(Cancel, "cancelled call id")),
+}
+assert set(CODECS) == set(Method), "every method has its codec"
+
+
+def _has_value(method: Method, status: ErrorStatus) -> bool:
+    return status == ErrorStatus.NONE or CODECS[method].error_value is not None
+
+
+def error_reply(call_id: int, method: Method, status: ErrorStatus, message: str) -> Reply:
+    """The reply refusing call ``call_id`` of ``method`` with ``status``
+    (with the value an execution's error reply carries)."""
+    codec = CODECS[method]
+    value = codec.error_value(status, message) if codec.error_value is not None else None
+    return Reply(call_id, method, status, message, value)
+
+
+def reply_for(call, value) -> Reply:
+    """The reply answering ``call`` with ``value``: an execution's reply takes
+    its status and message from the value, any other is NONE."""
+    if CODECS[call.method].error_value is not None:
+        return Reply(call.call_id, call.method, value.status, value.message, value)
+    return Reply(call.call_id, call.method, value=value)
+
+
+def fds_of(call) -> tuple[int, ...]:
+    """The fds a decoded call holds (its receiver closes them)."""
+    return tuple(CODECS[call.method].fds(call))
+
+
+# -- encoding and decoding whole messages --------------------------------------------
+
+def encode(message) -> tuple[bytes, list[int]]:
+    """Frame bytes and the fds that travel beside them."""
+    reply = isinstance(message, Reply)
+    try:
+        codec = CODECS[message.method]
+    except (AttributeError, KeyError):
+        raise TypeError(f"not a protocol message: {message!r}") from None
+    w = _Writer(_BODY.pack(Kind.REPLY if reply else Kind.CALL, message.method, message.call_id))
+    if reply:
+        w.u32(message.status)
+        w.str_(message.message)
+        has_value = _has_value(message.method, message.status)
+        w.flag(has_value)
+        if has_value and codec.put_value is not None:
+            codec.put_value(w, message.value)
+    else:
+        if codec.put_call is None:
+            raise TypeError(f"{message.method.name} has no call form")
+        codec.put_call(w, message)
+    body = w.out
+    if len(body) > MAX_FRAME or len(w.fds) > MAX_FDS:
+        raise ProtocolError(f"message of {len(body)} bytes and {len(w.fds)} fds exceeds the "
+                            f"frame limits ({MAX_FRAME} bytes, {MAX_FDS} fds)")
+    return _FRAME.pack(len(body), len(w.fds)) + body, w.fds
+
+
+def _peek_ids(body: bytes) -> tuple[int, int]:
+    """(call id, method) of a body that did not decode, 0 where unreadable."""
+    if len(body) >= _BODY.size:
+        _kind, method, call_id = _BODY.unpack_from(body)
+        return call_id, method
+    return 0, 0
+
+
+def decode_body(body: bytes, fds=()):
+    """A message from one frame body and its fds, or ProtocolError."""
+    r = _Reader(body, fds)
+    kind, method, call_id = r.take(_BODY, "message header")
+    if kind not in (Kind.CALL, Kind.REPLY):
+        raise ProtocolError(f"message kind {kind} is neither CALL nor REPLY")
+    try:
+        method = Method(method)
+    except ValueError:
+        raise ProtocolError(f"unknown method {method}") from None
+    codec = CODECS[method]
+    if kind == Kind.CALL:
+        if codec.get_call is None:
+            raise ProtocolError(f"{method.name} is a reply, not a call")
+        message = codec.get_call(r, call_id, method)
+    else:
+        message = _decode_reply(r, method, call_id, codec)
+    r.finish(method.name)
+    if r.fd_pos != len(r.fds):
+        raise ProtocolError(f"{method.name}: {len(r.fds)} fds came with a message that "
+                            f"uses {r.fd_pos}")
+    return message
+
+
+def _decode_reply(r: _Reader, method: Method, call_id: int, codec: Codec) -> Reply:
+    status = r.enum(ErrorStatus, "status")
+    message = r.str_("error message")
+    has_value = r.flag("value flag")
+    if method == Method.ERROR and status == ErrorStatus.NONE:
+        raise ProtocolError("an ERROR reply with status NONE")
+    if has_value != _has_value(method, status):
+        raise ProtocolError(f"{method.name} reply with status {status.name} "
+                            f"{'has' if has_value else 'lacks'} a value")
+    value = None
+    if has_value and codec.get_value is not None:
+        value = codec.get_value(r, status, message)
+    return Reply(call_id, method, status, message, value)
+
+
+# -- connections ---------------------------------------------------------------------
+
 class Connection:
-    """One side of a connection: feed it bytes and fds, pull events; ask it
-    to encode what you send. ``role`` is "client" or "server"."""
+    """One side of a connection, framing and the call stream only: feed it
+    bytes and fds, pull events; ask it to encode what you send. ``role`` is
+    "client" or "server". :class:`ClientConnection` and
+    :class:`ServerConnection` add the state of calls in flight."""
 
     def __init__(self, role: str):
         if role not in ("client", "server"):
@@ -462,663 +1278,228 @@ class Connection:
         self.state = transition(self.state, Event.CLOSE)
 
 
-# -- encoding -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A reply to one of our own calls, with the token its caller left when
+    it made the call (None: nobody waits for it any more)."""
 
-class _Writer:
-    __slots__ = ("parts", "fds")
+    token: Any
+    reply: Reply
+
+
+@dataclass(slots=True)
+class _Pending:
+    token: Any
+    method: Method
+    model_id: int = 0
+    new_pools: tuple[int, ...] = ()   # pool ids whose fd went with this call
+
+
+class _ModelPools:
+    """The client's pool cache of one prepared model: the ids of the
+    Memories it sent, and which of them the service holds mapped."""
+
+    __slots__ = ("slots", "held")
 
     def __init__(self):
-        self.parts: list[bytes] = []
-        self.fds: list[int] = []
-
-    def pack(self, fmt: str, *values) -> None:
-        self.parts.append(struct.pack(fmt, *values))
-
-    def u8(self, v: int) -> None: self.pack("<B", v)
-    def u32(self, v: int) -> None: self.pack("<I", v)
-    def i32(self, v: int) -> None: self.pack("<i", v)
-    def u64(self, v: int) -> None: self.pack("<Q", v)
-    def f64(self, v: float) -> None: self.pack("<d", v)
-
-    def bytes_(self, v) -> None:
-        v = bytes(v)
-        self.u32(len(v))
-        self.parts.append(v)
-
-    def str_(self, v: str) -> None:
-        self.bytes_(v.encode("utf-8"))
-
-    def u32s(self, values) -> None:
-        values = list(values)
-        self.u32(len(values))
-        self.parts.append(struct.pack(f"<{len(values)}I", *values))
-
-    def opt_f64(self, v: float | None) -> None:
-        self.u8(v is not None)
-        if v is not None:
-            self.f64(v)
+        self.slots = SlotCache()
+        self.held: set[int] = set()
 
 
-def encode(message) -> tuple[bytes, list[int]]:
-    """Frame bytes and the fds that travel beside them."""
-    w = _Writer()
-    if isinstance(message, Reply):
-        w.parts.append(_BODY.pack(Kind.REPLY, message.method, message.call_id))
-        _encode_reply(w, message)
-    else:
-        w.parts.append(_BODY.pack(Kind.CALL, message.method, message.call_id))
-        _encode_call(w, message)
-    body = b"".join(w.parts)
-    if len(body) > MAX_FRAME or len(w.fds) > MAX_FDS:
-        raise ProtocolError(f"message of {len(body)} bytes and {len(w.fds)} fds exceeds the "
-                            f"frame limits ({MAX_FRAME} bytes, {MAX_FDS} fds)")
-    return _FRAME.pack(len(body), len(w.fds)) + body, w.fds
+_KEEPS_POOLS = (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE)
 
 
-def _encode_call(w: _Writer, m) -> None:
-    if isinstance(m, Hello):
-        w.u32(m.protocol_version)
-    elif isinstance(m, Query):
-        pass
-    elif isinstance(m, SupportedOperations):
-        _encode_model(w, m.model)
-    elif isinstance(m, PrepareModel):
-        _encode_model(w, m.model)
-        w.u32(m.preference)
-        w.u32(m.priority)
-        w.opt_f64(m.deadline)
-    elif isinstance(m, (Execute, ExecuteFenced)):
-        w.u64(m.model_id)
-        for args in (m.inputs, m.outputs):
-            w.u32(len(args))
-            for a in args:
-                _encode_argument(w, a)
-        _encode_pools(w, m.pools)
-        w.u32(len(m.release))
-        for pool_id in m.release:
-            w.u64(pool_id)
-        w.u8(bool(m.measure))
-        w.opt_f64(m.deadline)
-        w.opt_f64(m.loop_timeout)
-        if isinstance(m, ExecuteFenced):
-            w.u32(len(m.wait_for))
-            w.fds.extend(m.wait_for)
-            w.opt_f64(m.timeout_after_fence)
-            if m.fence is None:
-                raise TypeError("EXECUTE_FENCED needs the result fence's fd")
-            w.fds.append(m.fence)
-    elif isinstance(m, ReleaseModel):
-        w.u64(m.model_id)
-    elif isinstance(m, ConfigureBurst):
-        if len(m.ring_fds) != BURST_RING_FDS:
-            raise ProtocolError(f"CONFIGURE_BURST takes {BURST_RING_FDS} ring fds, "
-                                f"not {len(m.ring_fds)}")
-        w.u64(m.model_id)
-        w.fds.extend(m.ring_fds)
-    elif isinstance(m, ReleaseBurst):
-        w.u64(m.burst_id)
-    elif isinstance(m, Cancel):
-        w.u64(m.target)
-    elif isinstance(m, BurstEnded):
-        w.u64(m.burst_id)
-        w.str_(m.reason)
-    elif isinstance(m, (FreeBurstSlots, GetMemories)):
-        w.u64(m.burst_id)
-        w.u32s(m.slots)
-    else:
-        raise TypeError(f"not a protocol message: {m!r}")
+class ClientConnection(Connection):
+    """The client's side: calls are numbered here and wait here (with the
+    caller's token) until their reply; pool ids are decided here, in the
+    order the frames go out, so both sides agree on the service's cache."""
 
+    def __init__(self):
+        super().__init__("client")
+        self._call_ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._pools: dict[int, _ModelPools] = {}
+        self.bursts: dict[int, Any] = {}   # burst id -> the controller answering for it
+        self.dead: str | None = None       # why the connection ended
 
-def _encode_reply(w: _Writer, m: Reply) -> None:
-    w.u32(m.status)
-    w.str_(m.message)
-    has_value = m.status == ErrorStatus.NONE or m.method in _ALWAYS_VALUED
-    w.u8(has_value)
-    if not has_value:
-        return
-    v = m.value
-    if m.method == Method.HELLO:
-        w.str_(v.name)
-        w.u32(v.type)
-        w.str_(v.version_string)
-        w.u32(v.feature_level)
-        w.u32(v.protocol_version)
-    elif m.method == Method.CAPABILITIES:
-        _encode_capabilities(w, v)
-    elif m.method == Method.SUPPORTED_EXTENSIONS:
-        w.u32(len(v))
-        for name in v:
-            w.str_(name)
-    elif m.method == Method.NUMBER_OF_CACHE_FILES:
-        w.u32(v[0])
-        w.u32(v[1])
-    elif m.method == Method.STATISTICS:
-        _encode_statistics(w, v)
-    elif m.method == Method.SUPPORTED_OPERATIONS:
-        w.bytes_(bytes(bool(x) for x in v))
-    elif m.method == Method.PREPARE_MODEL:
-        w.u64(v)
-    elif m.method == Method.EXECUTE:
-        w.u32(len(v.output_shapes))
-        for s in v.output_shapes:
-            w.u32s(s.dimensions)
-            w.u8(s.is_sufficient)
-        w.u64(v.timing.on_device)
-        w.u64(v.timing.in_driver)
-    elif m.method == Method.EXECUTE_FENCED:
-        r = v.result
-        w.u32(len(r.output_shapes))
-        for s in r.output_shapes:
-            w.u32s(s.dimensions)
-            w.u8(s.is_sufficient)
-        for t in (r.timing, v.timing_launched, v.timing_fenced):
-            w.u64(t.on_device)
-            w.u64(t.in_driver)
-    elif m.method == Method.RELEASE_MODEL:
-        pass
-    elif m.method == Method.CONFIGURE_BURST:
-        w.u64(v)
-    elif m.method == Method.GET_MEMORIES:
-        _encode_pools(w, v)
+    def call(self, build: Callable[[int], Any], token) -> tuple[int, bytes, list[int]]:
+        """Number the call ``build(call_id)`` makes and keep ``token`` until
+        its reply: ``(call_id, frame, fds)``."""
+        call_id = next(self._call_ids)
+        message = build(call_id)
+        data, fds = self.send(message)
+        self._pending[call_id] = _Pending(token, message.method)
+        return call_id, data, fds
 
+    def notify(self, build: Callable[[int], Any]) -> tuple[bytes, list[int]]:
+        """A call whose reply nobody waits for."""
+        return self.send(build(next(self._call_ids)))
 
-def _encode_app(w: _Writer, app) -> None:
-    # Service app keys are ("uid", n) or ("pid", n); anything else travels as text.
-    if isinstance(app, tuple) and len(app) == 2 and isinstance(app[0], str) \
-            and isinstance(app[1], int) and app[1] >= 0:
-        w.u8(1)
-        w.str_(app[0])
-        w.u64(app[1])
-    else:
-        w.u8(0)
-        w.str_(str(app))
+    def cancel(self, call_id: int) -> tuple[bytes, list[int]] | None:
+        """CANCEL of call ``call_id``, None if it is answered already."""
+        if call_id not in self._pending:
+            return None
+        return self.notify(lambda cid: Cancel(cid, call_id))
 
+    def abandon(self, call_id: int) -> None:
+        """The caller stopped waiting for ``call_id``: its reply will be dropped."""
+        entry = self._pending.pop(call_id, None)
+        if entry is not None:
+            self._forget_new_pools(entry)
 
-def _opt_f64(w: _Writer, v: float | None) -> None:
-    w.f64(math.nan if v is None else v)
-
-
-def _encode_statistics(w: _Writer, v: StatisticsValue) -> None:
-    st = v.statistics
-    w.u8(st is not None)
-    if st is not None:
-        w.u32(st.slots)
-        w.u32(st.busy)
-        w.u32(len(st.classes))
-        for c in st.classes:
-            _encode_app(w, c.app)
-            w.u32(c.priority)
-            for n in (c.queued, c.running, c.completed, c.preempted, c.deadline_misses,
-                      c.cancelled, c.failed):
-                w.u32(n)
-            _opt_f64(w, c.wait_p50)
-            _opt_f64(w, c.wait_p99)
-            w.f64(c.run_time)
-    jobs = v.jobs[-MAX_JOB_RECORDS:]
-    w.u32(len(jobs))
-    for j in jobs:
-        _encode_app(w, j.app)
-        w.u32(j.priority)
-        w.u64(j.seq)
-        w.f64(j.submitted_at)
-        _opt_f64(w, j.started_at)
-        w.f64(j.finished_at)
-        w.f64(j.ran)
-        w.u32(j.preemptions)
-        w.f64(j.longest_step)
-        w.u32(j.status)
-        w.str_(j.message)
-
-
-def _encode_perf(w: _Writer, p: PerformanceInfo) -> None:
-    w.f64(p.exec_time)
-    w.f64(p.power_usage)
-
-
-def _encode_capabilities(w: _Writer, c: Capabilities) -> None:
-    _encode_perf(w, c.relaxed_float32_to_float16_scalar)
-    _encode_perf(w, c.relaxed_float32_to_float16_tensor)
-    w.u32(len(c.operand_performance))
-    for t, p in c.operand_performance.items():
-        w.u32(t)
-        _encode_perf(w, p)
-    _encode_perf(w, c.if_performance)
-    _encode_perf(w, c.while_performance)
-
-
-def _encode_location(w: _Writer, loc: DataLocation | None) -> None:
-    w.u8(loc is not None)
-    if loc is not None:
-        w.i32(loc.pool_index)
-        w.u32(loc.offset)
-        w.u32(loc.length)
-
-
-def _encode_argument(w: _Writer, a: RequestArgument) -> None:
-    w.u8(a.has_no_value)
-    _encode_location(w, a.location)
-    w.u32s(a.dimensions)
-
-
-def _encode_pools(w: _Writer, pools) -> None:
-    w.u32(len(pools))
-    for p in pools:
-        if not isinstance(p, WirePool):
-            raise TypeError(f"pools must be WirePool entries on the wire, got {type(p).__name__}")
-        w.u64(p.pool_id)
-        w.u8(p.fd is not None)
-        w.u8(p.writable)
-        w.u64(p.fd_offset)
-        w.u64(p.map_size)
-        w.u64(p.offset)
-        w.u64(p.length)
-        if p.fd is not None:
-            w.fds.append(p.fd)
-
-
-def _encode_subgraph(w: _Writer, s: Subgraph) -> None:
-    w.u32(len(s.operands))
-    for o in s.operands:
-        w.u32(o.type)
-        w.u32s(o.dimensions)
-        w.f64(o.scale)
-        w.i32(o.zero_point)
-        w.u8(o.lifetime)
-        _encode_location(w, o.location)
-        w.u8(o.channel_quant is not None)
-        if o.channel_quant is not None:
-            w.u32(o.channel_quant.channel_dim)
-            w.u32(len(o.channel_quant.scales))
-            for s_ in o.channel_quant.scales:
-                w.f64(s_)
-        w.u8(o.extra_params is not None)
-        if o.extra_params is not None:
-            w.bytes_(o.extra_params)
-    w.u32(len(s.operations))
-    for op in s.operations:
-        w.u32(op.type)
-        w.u32s(op.inputs)
-        w.u32s(op.outputs)
-    w.u32s(s.input_indexes)
-    w.u32s(s.output_indexes)
-
-
-def _encode_model(w: _Writer, m: HalModel) -> None:
-    _encode_subgraph(w, m.main)
-    w.u32(len(m.referenced))
-    for s in m.referenced:
-        _encode_subgraph(w, s)
-    w.bytes_(m.operand_values)
-    _encode_pools(w, m.pools)
-    w.u8(m.relax_computation_float32_to_float16)
-    w.u32(len(m.extension_prefixes))
-    for e in m.extension_prefixes:
-        w.str_(e.name)
-        w.u32(e.prefix)
-
-
-# -- decoding -----------------------------------------------------------------
-
-class _Reader:
-    """Bounds-checked reads from one frame body; every failure is a ProtocolError."""
-
-    __slots__ = ("data", "pos", "fds", "fd_pos")
-
-    def __init__(self, data: bytes, fds):
-        self.data = data
-        self.pos = 0
-        self.fds = list(fds)
-        self.fd_pos = 0
-
-    def unpack(self, s: struct.Struct, what: str):
-        if self.pos + s.size > len(self.data):
-            raise ProtocolError(f"message truncated in {what} (at byte {self.pos} of "
-                                f"{len(self.data)})")
-        values = s.unpack_from(self.data, self.pos)
-        self.pos += s.size
-        return values
-
-    def u8(self, what: str) -> int: return self.unpack(_U8, what)[0]
-    def u32(self, what: str) -> int: return self.unpack(_U32, what)[0]
-    def i32(self, what: str) -> int: return self.unpack(_I32, what)[0]
-    def u64(self, what: str) -> int: return self.unpack(_U64, what)[0]
-    def f64(self, what: str) -> float: return self.unpack(_F64, what)[0]
-
-    def flag(self, what: str) -> bool:
-        v = self.u8(what)
-        if v > 1:
-            raise ProtocolError(f"{what}: flag byte {v} is neither 0 nor 1")
-        return bool(v)
-
-    def count(self, what: str, element_size: int = 1) -> int:
-        n = self.u32(what)
-        if n > MAX_COUNT or n * element_size > len(self.data) - self.pos:
-            raise ProtocolError(f"{what}: count {n} exceeds what the message holds")
-        return n
-
-    def bytes_(self, what: str, limit: int = MAX_FRAME) -> bytes:
-        n = self.u32(what)
-        if n > limit or n > len(self.data) - self.pos:
-            raise ProtocolError(f"{what}: length {n} exceeds what the message holds")
-        v = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return v
-
-    def str_(self, what: str) -> str:
-        raw = self.bytes_(what, MAX_STRING)
+    def execute(self, token, model_id: int, inputs, outputs, places, measure: bool,
+                deadline, loop_timeout, fenced: dict | None = None
+                ) -> tuple[int, bytes, list[int]]:
+        """EXECUTE (or, with ``fenced`` = the extra fields, EXECUTE_FENCED)
+        of the request whose pools lie at ``places`` (``Place``s; None for an
+        empty pool). Pools pass by fd the first time this prepared model
+        sees them and by id afterwards; closed, collected and evicted ones
+        are released with this call."""
+        cache = self._pools.setdefault(model_id, _ModelPools())
+        release = cache.slots.take_freed()
+        in_use = {cache.slots.slot(place.memory) for place in places if place is not None}
+        release += cache.slots.evict(CLIENT_CACHED_POOLS, in_use)
+        release = [s for s in release if s in cache.held]
+        cache.held.difference_update(release)
+        pools, new = [], []
+        for place in places:
+            if place is None:
+                pools.append(WirePool(0, None, True, 0, 0, 0, 0))
+                continue
+            mem = place.memory
+            pool_id = cache.slots.slot(mem)
+            fd = None
+            if pool_id not in cache.held:
+                cache.held.add(pool_id)
+                new.append(pool_id)
+                fd = mem.fileno()
+            pools.append(WirePool(pool_id, fd, mem.writable, mem.fd_offset, mem.size,
+                                  place.offset, place.length))
+        call_id = next(self._call_ids)
+        fields = (call_id, model_id, tuple(inputs), tuple(outputs), tuple(pools),
+                  tuple(release), bool(measure), deadline, loop_timeout)
+        message = Execute(*fields) if fenced is None else ExecuteFenced(*fields, **fenced)
         try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError(f"{what}: not UTF-8") from None
+            data, fds = self.send(message)
+        except BaseException:
+            cache.held.difference_update(new)
+            raise
+        self._pending[call_id] = _Pending(token, message.method, model_id, tuple(new))
+        return call_id, data, fds
 
-    def u32s(self, what: str) -> tuple[int, ...]:
-        n = self.count(what, 4)
-        v = struct.unpack_from(f"<{n}I", self.data, self.pos)
-        self.pos += 4 * n
-        return v
+    def release_model(self, model_id: int) -> tuple[bytes, list[int]]:
+        """RELEASE_MODEL; the model's pool cache goes with it."""
+        self._pools.pop(model_id, None)
+        return self.notify(lambda cid: ReleaseModel(cid, model_id))
 
-    def opt_f64(self, what: str) -> float | None:
-        return self.f64(what) if self.flag(what) else None
+    def _forget_new_pools(self, entry: _Pending) -> None:
+        # The service may not have mapped what came with a call that failed
+        # (or that nobody waits for): send those fds again next time.
+        cache = self._pools.get(entry.model_id)
+        if cache is not None:
+            cache.held.difference_update(entry.new_pools)
 
-    def enum(self, cls, what: str):
-        v = self.u32(what)
+    def next_event(self):
+        """As :meth:`Connection.next_event`, a reply to a call of ours as an
+        :class:`Answer`."""
+        event = super().next_event()
+        if isinstance(event, Reply):
+            entry = self._pending.pop(event.call_id, None)
+            if entry is None:
+                return Answer(None, event)
+            if entry.new_pools and event.status not in _KEEPS_POOLS:
+                self._forget_new_pools(entry)
+            return Answer(entry.token, event)
+        return event
+
+    def fail(self, message: str) -> list[Answer]:
+        """The connection died: every pending call's DEAD_OBJECT reply, with
+        its token. Later calls must not be made (``dead`` says why)."""
+        if self.dead is None:
+            self.dead = message
+        pending, self._pending = self._pending, {}
+        return [Answer(e.token, error_reply(call_id, e.method, ErrorStatus.DEAD_OBJECT,
+                                            self.dead))
+                for call_id, e in pending.items()]
+
+
+class ServerConnection(Connection):
+    """The service's side: the cancel targets of running executions, its
+    own calls to the client (GET_MEMORIES, BURST_ENDED) awaiting a reply,
+    the request pools cached for each prepared model, and the bursts open
+    on this connection."""
+
+    def __init__(self):
+        super().__init__("server")
+        self.bursts: dict[int, Any] = {}        # burst id -> the task serving it
+        self._running: dict[int, Any] = {}      # EXECUTE call id -> its cancel handle
+        self._call_ids = itertools.count(1)     # ids of our calls to the client
+        self._pending: dict[int, Any] = {}      # our call id -> the caller's token
+        self._pools: dict[int, dict[int, Any]] = {}   # model id -> pool id -> mapped pool
+
+    # cancel targets
+
+    def running(self, call_id: int, handle) -> None:
+        """EXECUTE ``call_id`` runs; ``handle`` is what CANCEL cancels."""
+        self._running[call_id] = handle
+
+    def finished(self, call_id: int) -> None:
+        self._running.pop(call_id, None)
+
+    def cancel_target(self, cancel: Cancel):
+        """The handle CANCEL names, or None (unknown or finished: ignored)."""
+        return self._running.get(cancel.target)
+
+    # our calls to the client
+
+    def call(self, build: Callable[[int], Any], token) -> tuple[int, bytes, list[int]]:
+        call_id = next(self._call_ids)
+        data, fds = self.send(build(call_id))
+        self._pending[call_id] = token
+        return call_id, data, fds
+
+    def notify(self, build: Callable[[int], Any]) -> tuple[bytes, list[int]]:
+        return self.send(build(next(self._call_ids)))
+
+    def abandon(self, call_id: int) -> None:
+        self._pending.pop(call_id, None)
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, Reply):
+            return Answer(self._pending.pop(event.call_id, None), event)
+        return event
+
+    def reply(self, reply: Reply) -> tuple[bytes, list[int]]:
+        """The frame of ``reply``; one too big for a frame becomes an ERROR."""
         try:
-            return cls(v)
-        except ValueError:
-            raise ProtocolError(f"{what}: {v} is not a {cls.__name__}") from None
+            return self.send(reply)
+        except ProtocolError as e:
+            return self.send(Reply(reply.call_id, Method.ERROR, ErrorStatus.GENERAL_FAILURE,
+                                   e.message))
 
-    def fd(self, what: str) -> int:
-        if self.fd_pos >= len(self.fds):
-            raise ProtocolError(f"{what}: the message names more fds than came with it")
-        self.fd_pos += 1
-        return self.fds[self.fd_pos - 1]
+    # the pool cache
 
+    def cached_pool(self, model_id: int, pool_id: int):
+        return self._pools.get(model_id, {}).get(pool_id)
 
-_U8, _U32, _I32, _U64, _F64 = (struct.Struct(f) for f in ("<B", "<I", "<i", "<Q", "<d"))
+    def cache_pool(self, model_id: int, pool_id: int, pool) -> list:
+        """Keep ``pool`` as ``pool_id`` of ``model_id``; the pools it
+        replaces (the caller closes them). ProtocolError beyond
+        :data:`MAX_CACHED_POOLS`."""
+        pools = self._pools.setdefault(model_id, {})
+        old = pools.pop(pool_id, None)
+        if len(pools) >= MAX_CACHED_POOLS:
+            raise ProtocolError(f"more than {MAX_CACHED_POOLS} pools cached for one "
+                                f"prepared model; release some")
+        pools[pool_id] = pool
+        return [] if old is None else [old]
 
+    def release_pools(self, model_id: int, pool_ids) -> list:
+        """Forget ``pool_ids`` of ``model_id``; the pools (the caller closes them)."""
+        pools = self._pools.get(model_id, {})
+        return [m for m in (pools.pop(i, None) for i in pool_ids) if m is not None]
 
-def _peek_ids(body: bytes) -> tuple[int, int]:
-    """(call id, method) of a body that did not decode, 0 where unreadable."""
-    if len(body) >= _BODY.size:
-        _kind, method, call_id = _BODY.unpack_from(body)
-        return call_id, method
-    return 0, 0
-
-
-def decode_body(body: bytes, fds=()):
-    """A message from one frame body and its fds, or ProtocolError."""
-    r = _Reader(body, fds)
-    kind, method, call_id = r.unpack(_BODY, "message header")
-    if kind not in (Kind.CALL, Kind.REPLY):
-        raise ProtocolError(f"message kind {kind} is neither CALL nor REPLY")
-    try:
-        method = Method(method)
-    except ValueError:
-        raise ProtocolError(f"unknown method {method}") from None
-    if kind == Kind.CALL:
-        if method == Method.ERROR:
-            raise ProtocolError("ERROR is a reply, not a call")
-        message = _decode_call(r, method, call_id)
-    else:
-        message = _decode_reply(r, method, call_id)
-    if r.pos != len(body):
-        raise ProtocolError(f"{method.name}: {len(body) - r.pos} bytes of trailing garbage")
-    if r.fd_pos != len(r.fds):
-        raise ProtocolError(f"{method.name}: {len(r.fds)} fds came with a message that "
-                            f"uses {r.fd_pos}")
-    return message
-
-
-def _decode_call(r: _Reader, method: Method, call_id: int):
-    if method == Method.HELLO:
-        return Hello(call_id, r.u32("protocol version"))
-    if method in _QUERIES:
-        return Query(call_id, method)
-    if method == Method.SUPPORTED_OPERATIONS:
-        return SupportedOperations(call_id, _decode_model(r))
-    if method == Method.PREPARE_MODEL:
-        model = _decode_model(r)
-        return PrepareModel(call_id, model, r.enum(ExecutionPreference, "preference"),
-                            r.enum(Priority, "priority"), _finite(r.opt_f64("deadline"), "deadline"))
-    if method in (Method.EXECUTE, Method.EXECUTE_FENCED):
-        model_id = r.u64("prepared model id")
-        args = []
-        for kind in ("input", "output"):
-            n = r.count(f"{kind} count", 6)
-            args.append(tuple(_decode_argument(r, f"{kind} {k}") for k in range(n)))
-        pools = _decode_pools(r, "request")
-        n = r.count("release count", 8)
-        release = tuple(r.u64("released pool id") for _ in range(n))
-        fields = (call_id, model_id, args[0], args[1], pools, release, r.flag("measure"),
-                  _finite(r.opt_f64("deadline"), "deadline"),
-                  _finite(r.opt_f64("loop timeout"), "loop timeout"))
-        if method == Method.EXECUTE:
-            return Execute(*fields)
-        n = r.u32("wait_for fence count")
-        if n > MAX_FDS:
-            raise ProtocolError(f"wait_for fence count {n} exceeds {MAX_FDS}")
-        wait_for = tuple(r.fd(f"wait_for fence {k}") for k in range(n))
-        timeout = _finite(r.opt_f64("timeout after fence"), "timeout after fence")
-        if timeout is not None and timeout < 0:
-            raise ProtocolError(f"timeout after fence {timeout} is negative")
-        return ExecuteFenced(*fields, wait_for, timeout, r.fd("result fence"))
-    if method == Method.RELEASE_MODEL:
-        return ReleaseModel(call_id, r.u64("prepared model id"))
-    if method == Method.CONFIGURE_BURST:
-        model_id = r.u64("prepared model id")
-        return ConfigureBurst(call_id, model_id,
-                              tuple(r.fd(f"burst ring fd {k}") for k in range(BURST_RING_FDS)))
-    if method == Method.RELEASE_BURST:
-        return ReleaseBurst(call_id, r.u64("burst id"))
-    if method == Method.CANCEL:
-        return Cancel(call_id, r.u64("cancelled call id"))
-    if method == Method.BURST_ENDED:
-        burst_id = r.u64("burst id")
-        return BurstEnded(call_id, burst_id, r.str_("reason"))
-    if method in (Method.FREE_BURST_SLOTS, Method.GET_MEMORIES):
-        burst_id = r.u64("burst id")
-        slots = r.u32s("burst slots")
-        if len(slots) > MAX_BURST_SLOTS:
-            raise ProtocolError(f"{len(slots)} burst slots exceed {MAX_BURST_SLOTS}")
-        cls = FreeBurstSlots if method == Method.FREE_BURST_SLOTS else GetMemories
-        return cls(call_id, burst_id, slots)
-    raise ProtocolError(f"method {method.name} has no call form")  # pragma: no cover
-
-
-def _finite(v: float | None, what: str) -> float | None:
-    if v is not None and not math.isfinite(v):
-        raise ProtocolError(f"{what} {v} is not a finite number")
-    return v
-
-
-def _decode_reply(r: _Reader, method: Method, call_id: int) -> Reply:
-    status = r.enum(ErrorStatus, "status")
-    message = r.str_("error message")
-    has_value = r.flag("value flag")
-    if method == Method.ERROR and status == ErrorStatus.NONE:
-        raise ProtocolError("an ERROR reply with status NONE")
-    if has_value != (status == ErrorStatus.NONE or method in _ALWAYS_VALUED):
-        raise ProtocolError(f"{method.name} reply with status {status.name} "
-                            f"{'has' if has_value else 'lacks'} a value")
-    if not has_value:
-        return Reply(call_id, method, status, message)
-    value: Any = None
-    if method == Method.HELLO:
-        value = DeviceInfo(r.str_("device name"), r.enum(DeviceType, "device type"),
-                           r.str_("version string"), r.u32("feature level"),
-                           r.u32("protocol version"))
-    elif method == Method.CAPABILITIES:
-        value = _decode_capabilities(r)
-    elif method == Method.SUPPORTED_EXTENSIONS:
-        n = r.count("extension count", 4)
-        value = [r.str_("extension name") for _ in range(n)]
-    elif method == Method.NUMBER_OF_CACHE_FILES:
-        value = (r.u32("model cache files"), r.u32("data cache files"))
-    elif method == Method.STATISTICS:
-        value = _decode_statistics(r)
-    elif method == Method.SUPPORTED_OPERATIONS:
-        raw = r.bytes_("supported flags")
-        if any(b > 1 for b in raw):
-            raise ProtocolError("supported flags: a byte is neither 0 nor 1")
-        value = [bool(b) for b in raw]
-    elif method == Method.PREPARE_MODEL:
-        value = r.u64("prepared model id")
-    elif method == Method.EXECUTE:
-        n = r.count("output shape count", 5)
-        shapes = tuple(OutputShape(r.u32s("output dimensions"), r.flag("is sufficient"))
-                       for _ in range(n))
-        timing = Timing(r.u64("on-device time"), r.u64("in-driver time"))
-        value = ExecutionResult(status, shapes, timing, message)
-    elif method == Method.EXECUTE_FENCED:
-        n = r.count("output shape count", 5)
-        shapes = tuple(OutputShape(r.u32s("output dimensions"), r.flag("is sufficient"))
-                       for _ in range(n))
-        timing, launched, fenced = (Timing(r.u64(f"{w} on-device time"),
-                                           r.u64(f"{w} in-driver time"))
-                                    for w in ("run", "launched", "fenced"))
-        value = FencedInfo(ExecutionResult(status, shapes, timing, message), launched, fenced)
-    elif method == Method.CONFIGURE_BURST:
-        value = r.u64("burst id")
-    elif method == Method.GET_MEMORIES:
-        value = _decode_pools(r, "burst memory")
-    return Reply(call_id, method, status, message, value)
-
-
-def _decode_perf(r: _Reader, what: str) -> PerformanceInfo:
-    exec_time, power = r.f64(f"{what} exec_time"), r.f64(f"{what} power_usage")
-    if math.isnan(exec_time) or math.isnan(power) or exec_time < 0 or power < 0:
-        raise ProtocolError(f"{what}: performance ({exec_time}, {power}) is not a "
-                            f"non-negative number")
-    return PerformanceInfo(exec_time, power)
-
-
-def _decode_app(r: "_Reader"):
-    if r.flag("app key form"):
-        return (r.str_("app key kind"), r.u64("app key id"))
-    return r.str_("app key")
-
-
-def _decode_opt_f64(r: "_Reader", what: str) -> float | None:
-    v = r.f64(what)
-    return None if math.isnan(v) else v
-
-
-def _decode_statistics(r: "_Reader") -> StatisticsValue:
-    st = None
-    if r.flag("statistics flag"):
-        slots, busy = r.u32("slots"), r.u32("busy slots")
-        n = r.count("class count", 30)
-        classes = []
-        for _ in range(n):
-            app = _decode_app(r)
-            priority = r.enum(Priority, "priority")
-            counts = [r.u32("counter") for _ in range(7)]
-            classes.append(ClassStatistics(app, priority, *counts,
-                                           _decode_opt_f64(r, "wait p50"),
-                                           _decode_opt_f64(r, "wait p99"),
-                                           r.f64("run time")))
-        st = SchedulerStatistics(slots, busy, tuple(classes))
-    n = r.count("job count", 50)
-    if n > MAX_JOB_RECORDS:
-        raise ProtocolError(f"job count {n} exceeds {MAX_JOB_RECORDS}")
-    jobs = []
-    for _ in range(n):
-        app = _decode_app(r)
-        priority = r.enum(Priority, "priority")
-        jobs.append(JobRecord(app, priority, None, r.u64("job seq"), r.f64("submitted at"),
-                              _decode_opt_f64(r, "started at"), r.f64("finished at"),
-                              r.f64("run time"), r.u32("preemptions"), r.f64("longest step"),
-                              r.enum(ErrorStatus, "job status"), r.str_("job message")))
-    return StatisticsValue(st, tuple(jobs))
-
-
-def _decode_capabilities(r: _Reader) -> Capabilities:
-    scalar = _decode_perf(r, "relaxed scalar performance")
-    tensor = _decode_perf(r, "relaxed tensor performance")
-    n = r.count("operand performance count", 20)
-    table = {}
-    for _ in range(n):
-        t = r.enum(OperandType, "operand performance type")
-        table[t] = _decode_perf(r, f"{t.name} performance")
-    return Capabilities(scalar, tensor, table, _decode_perf(r, "IF performance"),
-                        _decode_perf(r, "WHILE performance"))
-
-
-def _decode_location(r: _Reader, what: str) -> DataLocation | None:
-    if not r.flag(f"{what} location flag"):
-        return None
-    return DataLocation(r.i32(f"{what} pool index"), r.u32(f"{what} offset"),
-                        r.u32(f"{what} length"))
-
-
-def _decode_argument(r: _Reader, what: str) -> RequestArgument:
-    no_value = r.flag(f"{what} has_no_value")
-    loc = _decode_location(r, what)
-    if loc is not None and loc.pool_index < 0:
-        raise ProtocolError(f"{what}: pool index {loc.pool_index} is negative")
-    return RequestArgument(no_value, loc, r.u32s(f"{what} dimensions"))
-
-
-def _decode_pools(r: _Reader, what: str) -> tuple[WirePool, ...]:
-    n = r.count(f"{what} pool count", 42)
-    pools = []
-    for k in range(n):
-        w = f"{what} pool {k}"
-        pool_id = r.u64(f"{w} id")
-        has_fd = r.flag(f"{w} fd flag")
-        writable = r.flag(f"{w} writable flag")
-        fd_offset, map_size, offset, length = (r.u64(f"{w} {x}") for x in
-                                               ("fd offset", "map size", "offset", "length"))
-        if offset + length > map_size:
-            raise ProtocolError(f"{w}: region [{offset}, {offset + length}) lies outside "
-                                f"its {map_size}-byte mapping")
-        if map_size == 0 and has_fd:
-            raise ProtocolError(f"{w}: an fd with an empty mapping")
-        fd = r.fd(w) if has_fd else None
-        pools.append(WirePool(pool_id, fd, writable, fd_offset, map_size, offset, length))
-    return tuple(pools)
-
-
-def _decode_subgraph(r: _Reader, what: str) -> Subgraph:
-    n = r.count(f"{what} operand count", 24)
-    operands = []
-    for k in range(n):
-        w = f"{what} operand {k}"
-        t = r.enum(OperandType, f"{w} type")
-        dims = r.u32s(f"{w} dimensions")
-        scale = r.f64(f"{w} scale")
-        zero_point = r.i32(f"{w} zero point")
-        lifetime_raw = r.u8(f"{w} lifetime")
-        try:
-            lifetime = OperandLifeTime(lifetime_raw)
-        except ValueError:
-            raise ProtocolError(f"{w} lifetime: {lifetime_raw} is not an OperandLifeTime") from None
-        loc = _decode_location(r, w)
-        cq = None
-        if r.flag(f"{w} channel quant flag"):
-            dim = r.u32(f"{w} channel dim")
-            m = r.count(f"{w} channel scale count", 8)
-            cq = ChannelQuant(dim, tuple(r.f64(f"{w} channel scale") for _ in range(m)))
-        extra = r.bytes_(f"{w} extra params") if r.flag(f"{w} extra params flag") else None
-        operands.append(Operand(t, dims, scale, zero_point, lifetime, loc, cq, extra))
-    n = r.count(f"{what} operation count", 12)
-    operations = []
-    for k in range(n):
-        t = r.enum(OperationType, f"{what} operation {k} type")
-        operations.append(Operation(t, r.u32s(f"{what} operation {k} inputs"),
-                                    r.u32s(f"{what} operation {k} outputs")))
-    return Subgraph(tuple(operands), tuple(operations), r.u32s(f"{what} inputs"),
-                    r.u32s(f"{what} outputs"))
-
-
-def _decode_model(r: _Reader) -> HalModel:
-    main = _decode_subgraph(r, "main subgraph")
-    n = r.count("subgraph count", 16)
-    referenced = tuple(_decode_subgraph(r, f"subgraph {k}") for k in range(n))
-    values = r.bytes_("operand values")
-    pools = _decode_pools(r, "model")
-    relax = r.flag("relax flag")
-    n = r.count("extension prefix count", 8)
-    prefixes = tuple(ExtensionPrefix(r.str_("extension name"), r.u32("extension prefix"))
-                     for _ in range(n))
-    return HalModel(main, referenced, values, pools, relax, prefixes)
+    def drop_model(self, model_id: int) -> list:
+        """Forget every pool of ``model_id``; the pools (the caller closes them)."""
+        return list(self._pools.pop(model_id, {}).values())

@@ -3,12 +3,15 @@ Unix stream socket (``nnrt driver serve``).
 
 Theory of operation
 -------------------
-``serve`` accepts connections; each gets a :class:`ServiceConnection` whose
-reader task feeds received bytes and SCM_RIGHTS fds into the sans-I/O
-:class:`~.protocol.Connection` and starts one handler task per call, so many
-executions of one client run at once (the driver's async ``execute``). A
-handler always answers its call id: a result, or the ``NnrtError`` status it
-raised; a driver bug becomes GENERAL_FAILURE, never a dead service.
+``serve`` accepts connections; each gets a :class:`ServiceConnection`, a
+thin transport: its reader task feeds received bytes and SCM_RIGHTS fds into
+the sans-I/O :class:`~.protocol.ServerConnection` — which keeps the cancel
+targets, our own calls to the client and the request-pool cache — and starts
+one handler task per call, the handler found by method in :data:`_HANDLERS`,
+so many executions of one client run at once (the driver's async
+``execute``). A handler always answers its call id: a result, or the
+``NnrtError`` status it raised; a driver bug becomes GENERAL_FAILURE, never
+a dead service.
 
 The peer's identity (uid, pid) comes from SO_PEERCRED when it connects.
 Prepared models and the pools mapped for them belong to the connection that
@@ -23,8 +26,9 @@ driver has let go of its pools.
 Every fd received is either mapped (``Memory.from_fd`` duplicates it) or not
 used, and in both cases the received fd is closed by the handler that got
 it. A request pool sent with a non-zero ``pool_id`` is mapped once and
-cached for that prepared model until the client releases the id (the client
-drives the cache, see ``protocol``), so steady-state executions pass no fds.
+cached for that prepared model (in the connection object) until the client
+releases the id (the client drives the cache, see ``protocol``), so
+steady-state executions pass no fds.
 
 Fenced executions (EXECUTE_FENCED): the wait_for fences and the result
 fence (made by the client) arrive as fds; the pools must be shared memory.
@@ -49,7 +53,7 @@ socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
 """
 from __future__ import annotations
 
-import array
+import contextlib
 import itertools
 import os
 import socket
@@ -68,9 +72,10 @@ from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ... import trace
-from ...hal import NO_TIMING, Device, ExecutionResult, PreparedModel, Request
+from ...hal import Device, ExecutionResult, PreparedModel, Request
 from ...qos import ScheduledDevice
 from . import protocol as p
+from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
 # Per connection: calls being handled at once, and prepared models alive.
@@ -176,39 +181,41 @@ class DriverService:
 
 
 class _Prepared:
-    """A prepared model of one connection, with the pools mapped for it."""
+    """A prepared model of one connection, with its constant pools (its
+    request pools are cached in the connection's protocol state)."""
 
     def __init__(self, prepared: PreparedModel, model_pools: list[Memory]):
         self.prepared = prepared
         self.model_pools = model_pools
-        self.request_pools: dict[int, Memory] = {}
 
     def close(self) -> None:
-        for m in (*self.model_pools, *self.request_pools.values()):
+        for m in self.model_pools:
             m.close()
         self.model_pools.clear()
-        self.request_pools.clear()
 
 
 class ServiceConnection:
+    """The transport of one client: a reader task feeding the sans-I/O
+    :class:`~.protocol.ServerConnection` (which holds the cancel targets,
+    our calls to the client and the pool cache) and one handler task per
+    call, found in :data:`_HANDLERS` by method."""
+
     def __init__(self, service: DriverService, sock: socket.socket):
         self.service = service
         self.sock = sock
         sock.setblocking(False)
         self.peer = peer_credentials(sock)
-        self.proto = p.Connection("server")
+        self.proto = p.ServerConnection()
         self.models: dict[int, _Prepared] = {}
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
-        self._tg = None  # the connection's task group, home of fenced executions
-        # The cancel scopes of EXECUTE calls in progress, by call id (CANCEL).
-        self._executions: dict[int, anyio.CancelScope] = {}
-        # Burst sessions of this connection (each a task in its task group),
-        # and the calls we made to the client (GET_MEMORIES) awaiting a reply.
-        self.bursts: dict[int, BurstServer] = {}
-        self._service_calls: dict[int, list] = {}
-        self._service_call_ids = itertools.count(1)
+        self._tg = None  # the connection's task group, home of fenced executions and bursts
+
+    @property
+    def bursts(self) -> dict[int, BurstServer]:
+        """Burst sessions of this connection (each a task in its task group)."""
+        return self.proto.bursts
 
     async def run(self) -> None:
         vlog("driver", "%s: connection from pid %d uid %d", self.service.info.name,
@@ -225,8 +232,10 @@ class ServiceConnection:
             self._alive = False
             for fd in self.proto.take_fds():
                 os.close(fd)
-            for entry in self.models.values():
+            for model_id, entry in self.models.items():
                 entry.close()
+                for m in self.proto.drop_model(model_id):
+                    m.close()
             self.models.clear()
             for burst in self.bursts.values():  # their tasks were cancelled with the group
                 burst.close()
@@ -246,7 +255,7 @@ class ServiceConnection:
                 continue
             except OSError:
                 return
-            fds = _fds_of(ancdata)
+            fds = received_fds(ancdata)
             if flags & socket.MSG_CTRUNC:
                 # Some fds were dropped by the kernel: the frames they
                 # belong to can no longer be matched with their fds.
@@ -269,45 +278,45 @@ class ServiceConnection:
                     return
                 if event is None:
                     break
-                if isinstance(event, p.Malformed):
-                    self.service._malformed += 1
-                    for fd in event.fds:
-                        os.close(fd)
-                    await self._reply(p.Reply(event.call_id, p.Method.ERROR, event.error.status,
-                                              event.error.message))
-                    continue
-                if isinstance(event, p.Reply):  # the client answering a call of ours
-                    self._deliver_service_reply(event)
-                    continue
-                if isinstance(event, p.Cancel):
-                    scope = self._executions.get(event.target)
-                    if scope is not None:
-                        scope.cancel()
-                    # Acknowledged at once; the cancelled call answers for itself.
-                    await self._reply(p.Reply(event.call_id, p.Method.CANCEL))
-                    continue
-                self.service._calls += 1
-                if self._in_flight >= MAX_CALLS_IN_FLIGHT:
-                    for fd in _fds_in(event):
-                        os.close(fd)
-                    await self._reply(_error_reply(
-                        event, ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
-                        f"more than {MAX_CALLS_IN_FLIGHT} calls in flight on one connection"))
-                    continue
-                self._in_flight += 1
-                tg.start_soon(self._handle, event)
+                await self._on_event(event, tg)
+
+    async def _on_event(self, event, tg) -> None:
+        if isinstance(event, p.Malformed):
+            self.service._malformed += 1
+            for fd in event.fds:
+                os.close(fd)
+            await self._reply(p.Reply(event.call_id, p.Method.ERROR, event.error.status,
+                                      event.error.message))
+        elif isinstance(event, p.Answer):  # the client answering a call of ours
+            if event.token is not None:
+                event.token.deliver(event.reply)
+            else:   # nobody waits (cancelled): drop what came with it
+                _close_reply_fds(event.reply)
+        elif isinstance(event, p.Cancel):
+            scope = self.proto.cancel_target(event)
+            if scope is not None:
+                scope.cancel()
+            # Acknowledged at once; the cancelled call answers for itself.
+            await self._reply(p.reply_for(event, None))
+        elif self._in_flight >= MAX_CALLS_IN_FLIGHT:
+            self.service._calls += 1
+            for fd in p.fds_of(event):
+                os.close(fd)
+            await self._reply(p.error_reply(
+                event.call_id, event.method, ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                f"more than {MAX_CALLS_IN_FLIGHT} calls in flight on one connection"))
+        else:
+            self.service._calls += 1
+            self._in_flight += 1
+            tg.start_soon(self._handle, event)
 
     async def _reply(self, reply: p.Reply) -> None:
-        if not self._alive:
-            return
-        try:
-            data, fds = self.proto.send(reply)
-        except p.ProtocolError as e:  # a reply too big for a frame
-            data, fds = self.proto.send(p.Reply(reply.call_id, p.Method.ERROR,
-                                                ErrorStatus.GENERAL_FAILURE, e.message))
+        if self._alive:
+            await self._send(*self.proto.reply(reply))
+
+    async def _send(self, data: bytes, fds) -> None:
         view = memoryview(data)
-        # The fds (a fenced execution's sync fence) ride with the first bytes.
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        anc = rights(fds)   # the fds ride with the first bytes
         async with self._send_lock:
             while view:
                 try:
@@ -322,227 +331,96 @@ class ServiceConnection:
                 view = view[sent:]
 
     async def _handle(self, call) -> None:
-        fds = _fds_in(call)
-        method = call.method
+        """Answer ``call`` with its handler's value, or the error it raised;
+        a driver bug becomes GENERAL_FAILURE, never a dead service."""
         try:
-            if isinstance(call, p.Execute):
-                result = None
-                with anyio.CancelScope() as scope:
-                    self._executions[call.call_id] = scope
-                    try:
-                        result = await self._execute(call)
-                    finally:
-                        self._executions.pop(call.call_id, None)
-                if result is None:
-                    # CANCEL: the driver has let go of the pools by now (the
-                    # reference device's execute returns only then).
-                    result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
-                                             message="the execution was cancelled by its caller")
-                reply = p.Reply(call.call_id, method, result.status, result.message, result)
-            elif isinstance(call, p.ExecuteFenced):
-                info = await self._execute_fenced(call)
-                reply = p.Reply(call.call_id, method, info.result.status, info.result.message,
-                                info)
-            else:
-                reply = p.Reply(call.call_id, method, value=await self._call(call))
-        except NnrtError as e:
-            reply = _error_reply(call, e.status, e.message)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as e:  # a driver bug must not take the service down
-            reply = _error_reply(call, ErrorStatus.GENERAL_FAILURE,
-                                 f"{type(e).__name__} in the driver: {e}")
+            try:
+                reply = p.reply_for(call, await _HANDLERS[call.method](self, call))
+            except NnrtError as e:
+                reply = p.error_reply(call.call_id, call.method, e.status, e.message)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as e:  # a driver bug must not take the service down
+                reply = p.error_reply(call.call_id, call.method, ErrorStatus.GENERAL_FAILURE,
+                                      f"{type(e).__name__} in the driver: {e}")
         finally:
             self._in_flight -= 1
-            for fd in fds:
+            for fd in p.fds_of(call):
                 os.close(fd)
         await self._reply(reply)
 
-    async def _call(self, call):
-        service = self.service
-        if isinstance(call, p.Hello):
-            if call.protocol_version != p.PROTOCOL_VERSION:
-                raise invalid(f"protocol version {call.protocol_version} is not "
-                              f"{p.PROTOCOL_VERSION}")
-            return service.info
-        if isinstance(call, p.Query):
-            if call.method == p.Method.STATISTICS:  # live counters, not a fixed answer
-                return p.StatisticsValue(await service.device.statistics(),
-                                         tuple(await service.device.finished_jobs()))
-            return service.answers[call.method]
-        if isinstance(call, p.SupportedOperations):
-            model, memories = _map_model(call.model)
-            try:
-                flags = [bool(x) for x in await service.device.supported_operations(model)]
-            finally:
-                for m in memories:
-                    m.close()
-            if len(flags) != len(model.main.operations):
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"the driver answered {len(flags)} flags for "
-                                f"{len(model.main.operations)} operations")
-            return flags
-        if isinstance(call, p.PrepareModel):
-            if len(self.models) >= MAX_MODELS_PER_CONNECTION:
-                raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                                f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
-                                f"connection; release some")
-            model, memories = _map_model(call.model)
-            try:
-                prepared = await service.device.prepare_model(
-                    model, call.preference, call.priority, call.deadline,
-                    app=service.app_of(self.peer))
-            except BaseException:
-                for m in memories:
-                    m.close()
-                raise
-            model_id = service.next_id()
-            self.models[model_id] = _Prepared(prepared, memories)
-            return model_id
-        if isinstance(call, p.ReleaseModel):
-            self._own(call.model_id).close()
-            del self.models[call.model_id]
-            for burst_id, burst in list(self.bursts.items()):
-                if burst.model_id == call.model_id:
-                    burst.stop("its prepared model was released")
-            return None
-        if isinstance(call, p.ConfigureBurst):
-            return self._configure_burst(call)
-        if isinstance(call, p.ReleaseBurst):
-            burst = self.bursts.pop(call.burst_id, None)
-            if burst is None:
-                raise invalid(f"burst {call.burst_id} does not belong to this connection")
-            burst.stop()
-            return None
-        if isinstance(call, p.FreeBurstSlots):
-            burst = self.bursts.get(call.burst_id)
-            if burst is not None:  # a burst that has ended has nothing left to free
-                burst.free(call.slots)
-            return None
-        raise invalid(f"method {call.method.name} is not served")  # pragma: no cover
+    # -- handlers: one per method the service serves -----------------------------
 
-    # -- bursts (see nnrt.burst.server) ---------------------------------------
+    async def _hello(self, call: p.Hello) -> p.DeviceInfo:
+        if call.protocol_version != p.PROTOCOL_VERSION:
+            raise invalid(f"protocol version {call.protocol_version} is not "
+                          f"{p.PROTOCOL_VERSION}")
+        return self.service.info
 
-    def _configure_burst(self, call: p.ConfigureBurst) -> int:
-        entry = self._own(call.model_id)
-        if len(self.bursts) >= MAX_MODELS_PER_CONNECTION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_MODELS_PER_CONNECTION} bursts on one connection; "
-                            f"release some")
-        rings = []
+    async def _query(self, call: p.Query):
+        return self.service.answers[call.method]
+
+    async def _statistics(self, call: p.Query) -> p.StatisticsValue:
+        # Live counters, not a fixed answer.
+        device = self.service.device
+        return _wire_statistics(await device.statistics(), await device.finished_jobs())
+
+    async def _supported_operations(self, call: p.SupportedOperations) -> list[bool]:
+        model, memories = _map_model(call.model)
         try:
-            for k in (0, 3):
-                # attach takes ownership of the fds it is given; the received
-                # ones are closed by the handler (_fds_in).
-                fds = [os.dup(fd) for fd in call.ring_fds[k:k + 3]]
-                try:
-                    rings.append(Ring.attach(*fds))
-                except BaseException:
-                    for fd in fds:
-                        os.close(fd)
-                    raise
-        except (RingError, OSError) as e:
-            for ring in rings:
-                ring.close()
-            raise invalid(f"CONFIGURE_BURST: the ring fds are not usable fmq rings: {e}") from None
-        burst_id = self.service.next_id()
-        burst = BurstServer(burst_id, entry.prepared, rings[0], rings[1],
-                            lambda slots: self._burst_memories(burst_id, slots),
-                            self.service.burst_counters,
-                            f"{self.service.info.name} burst {burst_id}", call.model_id)
-        self.bursts[burst_id] = burst
-        self._tg.start_soon(self._run_burst, burst)
-        return burst_id
-
-    async def _run_burst(self, burst: BurstServer) -> None:
-        try:
-            await burst.run()
+            flags = [bool(x) for x in await self.service.device.supported_operations(model)]
         finally:
-            if self.bursts.get(burst.burst_id) is burst:
-                del self.bursts[burst.burst_id]
-            if burst.end_reason is not None and self._alive:
-                # Ended on our side: the controller must not wait for results.
-                # (Its reply is dropped by _deliver_service_reply.)
-                with anyio.CancelScope(shield=True):
-                    await self._reply(p.BurstEnded(next(self._service_call_ids),
-                                                   burst.burst_id, burst.end_reason))
+            for m in memories:
+                m.close()
+        if len(flags) != len(model.main.operations):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"the driver answered {len(flags)} flags for "
+                            f"{len(model.main.operations)} operations")
+        return flags
 
-    async def _burst_memories(self, burst_id: int, slots: tuple[int, ...]) -> dict[int, Memory]:
-        """Ask the client for the memories behind ``slots`` (GET_MEMORIES)."""
-        reply = await self._call_client(lambda cid: p.GetMemories(cid, burst_id, slots))
-        pools = reply.value if reply.status == ErrorStatus.NONE and reply.value else ()
-        mapped: dict[int, Memory] = {}
+    async def _prepare_model(self, call: p.PrepareModel) -> int:
+        service = self.service
+        if len(self.models) >= MAX_MODELS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
+                            f"connection; release some")
+        model, memories = _map_model(call.model)
         try:
-            if reply.status != ErrorStatus.NONE:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"the client could not give burst slots {list(slots)}: "
-                                f"{reply.message}")
-            for wp in pools:
-                if wp.fd is None or wp.pool_id not in slots or wp.pool_id in mapped:
-                    raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
-                                  f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
-                mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                                    PROT_RW if wp.writable else PROT_READ,
-                                                    require_sealed=True)
+            prepared = await service.device.prepare_model(
+                model, call.preference, call.priority, call.deadline,
+                app=service.app_of(self.peer))
         except BaseException:
-            for m in mapped.values():
+            for m in memories:
                 m.close()
             raise
-        finally:
-            for wp in pools:
-                if wp.fd is not None:
-                    os.close(wp.fd)
-        return mapped
+        model_id = service.next_id()
+        self.models[model_id] = _Prepared(prepared, memories)
+        return model_id
 
-    async def _call_client(self, build) -> p.Reply:
-        """Send the client a call of ours and await its reply."""
-        call_id = next(self._service_call_ids)
-        box = [anyio.Event(), None]
-        self._service_calls[call_id] = box
-        try:
-            await self._reply(build(call_id))  # sends any message, not only replies
-            if not self._alive:
-                raise NnrtError(ErrorStatus.DEAD_OBJECT, "the client has gone")
-            await box[0].wait()
-        finally:
-            self._service_calls.pop(call_id, None)
-        return box[1]
-
-    def _deliver_service_reply(self, reply: p.Reply) -> None:
-        box = self._service_calls.get(reply.call_id)
-        if box is None or box[1] is not None:  # nobody waits (cancelled): drop its fds
-            if reply.method == p.Method.GET_MEMORIES and reply.value:
-                for wp in reply.value:
-                    if wp.fd is not None:
-                        os.close(wp.fd)
-            return
-        box[1] = reply
-        box[0].set()
-
-    def _own(self, model_id: int) -> _Prepared:
-        entry = self.models.get(model_id)
-        if entry is None:
-            raise invalid(f"prepared model {model_id} does not belong to this connection")
-        return entry
+    async def _release_model(self, call: p.ReleaseModel) -> None:
+        self._own(call.model_id).close()
+        del self.models[call.model_id]
+        for m in self.proto.drop_model(call.model_id):
+            m.close()
+        for burst in list(self.bursts.values()):
+            if burst.model_id == call.model_id:
+                burst.stop("its prepared model was released")
 
     @trace.traced("service: execute")
     async def _execute(self, call: p.Execute) -> ExecutionResult:
-        entry = self._own(call.model_id)
-        for pool_id in call.release:
-            m = entry.request_pools.pop(pool_id, None)
-            if m is not None:
-                m.close()
-        transient: list[Memory] = []
-        try:
-            pools = []
-            for k, wp in enumerate(call.pools):
-                pools.append(self._request_pool(entry, wp, k, transient))
-            request = Request(call.inputs, call.outputs, tuple(pools))
-            return await entry.prepared.execute(request, call.measure, call.deadline,
-                                                call.loop_timeout)
-        finally:
-            for m in transient:
-                m.close()
+        with anyio.CancelScope() as scope:
+            self.proto.running(call.call_id, scope)
+            try:
+                entry = self._own(call.model_id)
+                with self._request(entry, call) as request:
+                    return await entry.prepared.execute(request, call.measure, call.deadline,
+                                                        call.loop_timeout)
+            finally:
+                self.proto.finished(call.call_id)
+        # CANCEL: the driver has let go of the pools by now (the reference
+        # device's execute returns only then).
+        return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                               message="the execution was cancelled by its caller")
 
     async def _execute_fenced(self, call: p.ExecuteFenced) -> p.FencedInfo:
         """Run a fenced execution and signal the client's result fence: with
@@ -574,49 +452,55 @@ class ServiceConnection:
         loop, then runs the request through the driver's ``execute``, i.e.
         its scheduler; this waits for its outcome."""
         entry = self._own(call.model_id)
-        for pool_id in call.release:
-            m = entry.request_pools.pop(pool_id, None)
-            if m is not None:
-                m.close()
-        transient: list[Memory] = []
         fences: list[SyncFence] = []
         try:
-            pools = [self._request_pool(entry, wp, k, transient)
-                     for k, wp in enumerate(call.pools)]
-            for k, fd in enumerate(call.wait_for):
-                fences.append(_adopt_fence(fd, f"wait_for fence {k}"))
-            request = Request(call.inputs, call.outputs, tuple(pools))
-            fence, callback = await entry.prepared.execute_fenced(
-                self._tg, request, fences, call.measure, call.deadline, call.loop_timeout,
-                call.timeout_after_fence)
-            fence.close()  # the client's fence is the one it waits on
-            _status, launched, fenced = await callback.wait_execution_info()
-            return p.FencedInfo(callback.get_result(), launched, fenced)
+            with self._request(entry, call) as request:
+                for k, fd in enumerate(call.wait_for):
+                    fences.append(_adopt_fence(fd, f"wait_for fence {k}"))
+                fence, callback = await entry.prepared.execute_fenced(
+                    self._tg, request, fences, call.measure, call.deadline, call.loop_timeout,
+                    call.timeout_after_fence)
+                fence.close()  # the client's fence is the one it waits on
+                _status, launched, fenced = await callback.wait_execution_info()
+                return p.FencedInfo(callback.get_result(), launched, fenced)
         finally:
             for f in fences:  # the engine waits on its own duplicates
                 f.close()
+
+    @contextlib.contextmanager
+    def _request(self, entry: _Prepared, call: p.Execute):
+        """The HAL request of an EXECUTE or EXECUTE_FENCED: released pool
+        ids forgotten first, then each pool mapped (cached by id when the
+        client numbered it) or taken from the cache."""
+        for m in self.proto.release_pools(call.model_id, call.release):
+            m.close()
+        transient: list[Memory] = []
+        try:
+            pools = tuple(self._request_pool(call.model_id, wp, k, transient)
+                          for k, wp in enumerate(call.pools))
+            yield Request(call.inputs, call.outputs, pools)
+        finally:
             for m in transient:
                 m.close()
 
-    def _request_pool(self, entry: _Prepared, wp: p.WirePool, k: int, transient: list):
+    def _request_pool(self, model_id: int, wp: p.WirePool, k: int, transient: list):
         if wp.fd is not None:
             mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
                                  PROT_RW if wp.writable else PROT_READ, require_sealed=True)
             if wp.pool_id == 0:
                 transient.append(mem)
             else:
-                old = entry.request_pools.pop(wp.pool_id, None)
-                if old is not None:
-                    old.close()
-                if len(entry.request_pools) >= p.MAX_CACHED_POOLS:
+                try:
+                    replaced = self.proto.cache_pool(model_id, wp.pool_id, mem)
+                except p.ProtocolError as e:
                     mem.close()
-                    raise invalid(f"request pool {k}: more than {p.MAX_CACHED_POOLS} pools "
-                                  f"cached for one prepared model; release some")
-                entry.request_pools[wp.pool_id] = mem
+                    raise invalid(f"request pool {k}: {e.message}") from None
+                for old in replaced:
+                    old.close()
         elif wp.map_size == 0:
             return bytearray(0)
         else:
-            mem = entry.request_pools.get(wp.pool_id)
+            mem = self.proto.cached_pool(model_id, wp.pool_id)
             if mem is None or wp.pool_id == 0:
                 raise invalid(f"request pool {k}: pool id {wp.pool_id} is not mapped for this "
                               f"prepared model and came without an fd")
@@ -625,6 +509,166 @@ class ServiceConnection:
                               f"{mem.size} bytes ({'rw' if mem.writable else 'ro'}), not "
                               f"{wp.map_size} ({'rw' if wp.writable else 'ro'})")
         return mem.view()[wp.offset:wp.offset + wp.length]
+
+    # -- bursts (see nnrt.burst.server) ---------------------------------------
+
+    async def _configure_burst(self, call: p.ConfigureBurst) -> int:
+        entry = self._own(call.model_id)
+        if len(self.bursts) >= MAX_MODELS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_MODELS_PER_CONNECTION} bursts on one connection; "
+                            f"release some")
+        rings = []
+        try:
+            for k in (0, 3):
+                # attach takes ownership of the fds it is given; the received
+                # ones are closed by the handler (p.fds_of).
+                fds = [os.dup(fd) for fd in call.ring_fds[k:k + 3]]
+                try:
+                    rings.append(Ring.attach(*fds))
+                except BaseException:
+                    for fd in fds:
+                        os.close(fd)
+                    raise
+        except (RingError, OSError) as e:
+            for ring in rings:
+                ring.close()
+            raise invalid(f"CONFIGURE_BURST: the ring fds are not usable fmq rings: {e}") from None
+        burst_id = self.service.next_id()
+        burst = BurstServer(burst_id, entry.prepared, rings[0], rings[1],
+                            lambda slots: self._burst_memories(burst_id, slots),
+                            self.service.burst_counters,
+                            f"{self.service.info.name} burst {burst_id}", call.model_id)
+        self.bursts[burst_id] = burst
+        self._tg.start_soon(self._run_burst, burst)
+        return burst_id
+
+    async def _release_burst(self, call: p.ReleaseBurst) -> None:
+        burst = self.bursts.pop(call.burst_id, None)
+        if burst is None:
+            raise invalid(f"burst {call.burst_id} does not belong to this connection")
+        burst.stop()
+
+    async def _free_burst_slots(self, call: p.FreeBurstSlots) -> None:
+        burst = self.bursts.get(call.burst_id)
+        if burst is not None:  # a burst that has ended has nothing left to free
+            burst.free(call.slots)
+
+    async def _run_burst(self, burst: BurstServer) -> None:
+        try:
+            await burst.run()
+        finally:
+            if self.bursts.get(burst.burst_id) is burst:
+                del self.bursts[burst.burst_id]
+            if burst.end_reason is not None and self._alive:
+                # Ended on our side: the controller must not wait for results.
+                # (Its reply is dropped: nobody waits for it.)
+                with anyio.CancelScope(shield=True):
+                    await self._send(*self.proto.notify(
+                        lambda cid: p.BurstEnded(cid, burst.burst_id, burst.end_reason)))
+
+    async def _burst_memories(self, burst_id: int, slots: tuple[int, ...]) -> dict[int, Memory]:
+        """Ask the client for the memories behind ``slots`` (GET_MEMORIES)."""
+        reply = await self._call_client(lambda cid: p.GetMemories(cid, burst_id, slots))
+        pools = reply.value if reply.status == ErrorStatus.NONE and reply.value else ()
+        mapped: dict[int, Memory] = {}
+        try:
+            if reply.status != ErrorStatus.NONE:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"the client could not give burst slots {list(slots)}: "
+                                f"{reply.message}")
+            for wp in pools:
+                if wp.fd is None or wp.pool_id not in slots or wp.pool_id in mapped:
+                    raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
+                                  f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
+                mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
+                                                    PROT_RW if wp.writable else PROT_READ,
+                                                    require_sealed=True)
+        except BaseException:
+            for m in mapped.values():
+                m.close()
+            raise
+        finally:
+            _close_reply_fds(reply)
+        return mapped
+
+    async def _call_client(self, build) -> p.Reply:
+        """Send the client a call of ours and await its reply."""
+        box = _ClientReply()
+        call_id, data, fds = self.proto.call(build, box)
+        try:
+            if self._alive:
+                await self._send(data, fds)
+            if not self._alive:
+                raise NnrtError(ErrorStatus.DEAD_OBJECT, "the client has gone")
+            await box.event.wait()
+        finally:
+            self.proto.abandon(call_id)
+        return box.reply
+
+    def _own(self, model_id: int) -> _Prepared:
+        entry = self.models.get(model_id)
+        if entry is None:
+            raise invalid(f"prepared model {model_id} does not belong to this connection")
+        return entry
+
+
+# What the service does for each call it serves: a new method is one codec
+# in protocol.CODECS and one handler here. CANCEL is answered by the read
+# loop itself (it must not wait behind the calls it cancels), and the
+# service's own calls (SERVICE_CALLS) are the client's to serve.
+_HANDLERS = {
+    p.Method.HELLO: ServiceConnection._hello,
+    p.Method.CAPABILITIES: ServiceConnection._query,
+    p.Method.SUPPORTED_EXTENSIONS: ServiceConnection._query,
+    p.Method.NUMBER_OF_CACHE_FILES: ServiceConnection._query,
+    p.Method.STATISTICS: ServiceConnection._statistics,
+    p.Method.SUPPORTED_OPERATIONS: ServiceConnection._supported_operations,
+    p.Method.PREPARE_MODEL: ServiceConnection._prepare_model,
+    p.Method.EXECUTE: ServiceConnection._execute,
+    p.Method.EXECUTE_FENCED: ServiceConnection._execute_fenced,
+    p.Method.RELEASE_MODEL: ServiceConnection._release_model,
+    p.Method.CONFIGURE_BURST: ServiceConnection._configure_burst,
+    p.Method.RELEASE_BURST: ServiceConnection._release_burst,
+    p.Method.FREE_BURST_SLOTS: ServiceConnection._free_burst_slots,
+}
+assert set(_HANDLERS) | p.SERVICE_CALLS | {p.Method.ERROR, p.Method.CANCEL} == set(p.Method)
+
+
+class _ClientReply:
+    """The token of a call of ours to the client: its reply, once here."""
+
+    __slots__ = ("event", "reply")
+
+    def __init__(self):
+        self.event = anyio.Event()
+        self.reply: p.Reply | None = None
+
+    def deliver(self, reply: p.Reply) -> None:
+        if self.reply is None:
+            self.reply = reply
+            self.event.set()
+        else:
+            _close_reply_fds(reply)
+
+
+def _close_reply_fds(reply: p.Reply) -> None:
+    if reply.method == p.Method.GET_MEMORIES and reply.value:
+        for wp in reply.value:
+            if wp.fd is not None:
+                os.close(wp.fd)
+
+
+def _wire_statistics(statistics, jobs) -> p.StatisticsValue:
+    """The scheduler's statistics and finished jobs in the protocol's own types."""
+    st = None if statistics is None else p.WireSchedulerStatistics(
+        statistics.slots, statistics.busy, tuple(p.WireClassStatistics(
+            c.app, c.priority, c.queued, c.running, c.completed, c.preempted,
+            c.deadline_misses, c.cancelled, c.failed, c.wait_p50, c.wait_p99, c.run_time)
+            for c in statistics.classes))
+    return p.StatisticsValue(st, tuple(p.WireJobRecord(
+        j.app, j.priority, j.seq, j.submitted_at, j.started_at, j.finished_at, j.ran,
+        j.preemptions, j.longest_step, j.status, j.message) for j in jobs))
 
 
 def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
@@ -644,8 +688,7 @@ def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
         for m in memories:
             m.close()
         raise
-    return HalModel(model.main, model.referenced, model.operand_values, tuple(views),
-                 model.relax_computation_float32_to_float16, model.extension_prefixes), memories
+    return p.with_pools(model, views), memories
 
 
 def _adopt_fence(fd: int, what: str) -> SyncFence:
@@ -660,39 +703,6 @@ def _adopt_fence(fd: int, what: str) -> SyncFence:
     except BaseException:
         os.close(own)
         raise
-
-
-def _error_reply(call, status: ErrorStatus, message: str) -> p.Reply:
-    if isinstance(call, p.Execute):
-        return p.Reply(call.call_id, call.method, status, message,
-                       ExecutionResult(status, message=message))
-    if isinstance(call, p.ExecuteFenced):
-        return p.Reply(call.call_id, call.method, status, message,
-                       p.FencedInfo(ExecutionResult(status, message=message), NO_TIMING,
-                                    NO_TIMING))
-    return p.Reply(call.call_id, call.method, status, message)
-
-
-def _fds_in(call) -> list[int]:
-    pools = ()
-    if isinstance(call, (p.SupportedOperations, p.PrepareModel)):
-        pools = call.model.pools
-    elif isinstance(call, (p.Execute, p.ExecuteFenced)):
-        pools = call.pools
-    fds = [wp.fd for wp in pools if wp.fd is not None]
-    if isinstance(call, p.ExecuteFenced):
-        fds += [*call.wait_for, call.fence]
-    if isinstance(call, p.ConfigureBurst):
-        fds += call.ring_fds
-    return fds
-
-
-def _fds_of(ancdata) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    return list(fds)
 
 
 def listen(socket_path: str, group: str | None = None) -> socket.socket:
