@@ -1,4 +1,5 @@
-# Quick start: `make demo` runs the main job, `make test` the whole suite.
+# Quick start: `make demo` runs the main job, `make test` the whole suite,
+# `make bench` the standard benchmark (report in build/bench/report.html).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,8 +23,20 @@ test: $(STAMP)
 cts: $(STAMP)
 	$(PY) -m nnrt.testing.cts ../shared/cts/V1_0 ../shared/cts/V1_1 ../shared/cts/V1_2
 
+# The standard benchmark: shared models on every device the runtime finds
+# (the in-process reference device, a spawned reference driver service, and
+# configured services such as LiteRT), execute and burst modes.
+MODELS ?= ../shared/models
+BENCH_MODELS := $(addprefix $(MODELS)/,generated/mobilenet_v1_0.25_128_float32.tflite \
+	generated/mobilenet_v1_0.25_128_int8.tflite generated/mobilenet_v2_0.35_96_float32.tflite \
+	mediapipe/face_detection_short_range.tflite mediapipe/hand_landmark_lite.tflite \
+	mediapipe/palm_detection_lite.tflite)
+BENCH_OUT ?= build/bench
+
 bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) -m nnrt bench $(BENCH_MODELS) --spawn reference --mode execute,burst --runs 20 \
+		--report $(BENCH_OUT)/report.html --json $(BENCH_OUT)/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,8 @@
 """The ``nnrt`` command line: ``nnrt devices`` lists the devices a runtime
 finds; ``nnrt driver serve NAME`` runs a driver service; ``nnrt demo`` runs
 the simulated camera loop; ``nnrt inspect MODEL.tflite`` shows a model's
-operations and where they would run; ``nnrt run MODEL.tflite`` runs one."""
+operations and where they would run; ``nnrt run MODEL.tflite`` runs one;
+``nnrt bench MODEL.tflite ...`` benchmarks models (nnrt.bench)."""
 from __future__ import annotations
 
 import argparse
@@ -280,6 +281,11 @@ def _run(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench.command import main as bench_main
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nnrt", description="nnrt neural-network runtime")
     parser.add_argument("--version", action="version", version=f"nnrt {nnrt.__version__}")
@@ -332,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-discover", action="store_true",
                      help="only the in-process reference device (skip configured services)")
     run.set_defaults(func=_run)
+    from .bench.command import add_arguments as bench_arguments
+    bench = sub.add_parser("bench", help="latency, accuracy and stress per model and device, "
+                           "with an HTML report")
+    bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

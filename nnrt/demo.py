@@ -12,7 +12,6 @@ model, deadline misses, preemptions, per-app share of device time) and, with
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import os
 import statistics as stats
@@ -26,6 +25,9 @@ import numpy as np
 
 import nnrt
 from nnrt import OperandType as T, OperationType as Op
+from nnrt.bench import report
+from nnrt.bench.machine import LoadSampler
+from nnrt.bench.results import ERROR, MISS, Case, Sample, share_over_time
 
 FPS = 30
 FRAME = (1, 64, 64, 3)
@@ -109,14 +111,16 @@ async def competitor(socket_path: str, seconds: float) -> None:
         compiled = await rt.compile(chain_model(20, seed=3), priority=nnrt.Priority.MEDIUM,
                                     devices=["npu"])
         x = np.random.default_rng(2).random(BACKGROUND, dtype=np.float32)
-        runs, latencies = 0, []
+        runs, latencies, finished = 0, [], []
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             start = time.monotonic()
             await compiled.execute([x])
             latencies.append(time.monotonic() - start)
+            finished.append(time.monotonic())   # CLOCK_MONOTONIC: the same in every process
             runs += 1
-    print(json.dumps({"runs": runs, "latencies": latencies, "pid": os.getpid()}), flush=True)
+    print(json.dumps({"runs": runs, "latencies": latencies, "finished": finished,
+                      "pid": os.getpid()}), flush=True)
 
 
 # --- the camera loop ------------------------------------------------------------
@@ -130,6 +134,21 @@ class Series:
     times: list[float] = field(default_factory=list)       # when each finished, from start
     misses: int = 0
     errors: int = 0
+    failures: list[tuple[float, float, str]] = field(default_factory=list)  # (t, latency, status)
+    timings: list = field(default_factory=list)   # ExecutionTiming of each success, or None
+    preemptions: int = 0
+    deadline: float | None = None
+
+    def case(self) -> Case:
+        timings = self.timings or [None] * len(self.latencies)
+        samples = [Sample(t, lat, on_device=None if tm is None else tm.on_device / 1e6,
+                          in_driver=None if tm is None else tm.in_driver / 1e6)
+                   for t, lat, tm in zip(self.times, self.latencies, timings)]
+        samples += [Sample(t, lat, status) for t, lat, status in self.failures]
+        samples.sort(key=lambda x: x.t)
+        return Case(self.name, self.app, self.priority, priority=self.priority, app=self.app,
+                    deadline=self.deadline, samples=samples, preemptions=self.preemptions,
+                    wall=max((x.t for x in samples), default=0.0))
 
     def row(self) -> list[str]:
         lat = sorted(self.latencies)
@@ -139,7 +158,7 @@ class Series:
                 p50, p99, str(self.misses)]
 
 
-async def camera_loop(seconds: float, report: str | None) -> int:
+async def camera_loop(seconds: float, report_path: str | None) -> int:
     async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")],
                             discover=False) as rt:
         npu = rt.device("npu")
@@ -151,7 +170,8 @@ async def camera_loop(seconds: float, report: str | None) -> int:
         other = subprocess.Popen([sys.executable, "-m", "nnrt.demo", "--competitor",
                                   npu.socket_path, "--seconds", str(seconds)],
                                  stdout=subprocess.PIPE, text=True)
-        high = Series("detector", "HIGH", f"demo (pid {os.getpid()})")
+        sampler = LoadSampler().start()
+        high = Series("detector", "HIGH", f"demo (pid {os.getpid()})", deadline=1.0 / FPS)
         low = Series("background", "LOW", high.app)
         rng = np.random.default_rng(0)
         frames = [rng.random(FRAME, dtype=np.float32) for _ in range(8)]
@@ -164,13 +184,20 @@ async def camera_loop(seconds: float, report: str | None) -> int:
             while time.monotonic() < stop:
                 t0 = time.monotonic()
                 try:
-                    await background.execute([x_low])
+                    result = await background.execute([x_low], measure_timing=True)
                     low.latencies.append(time.monotonic() - t0)
+                    low.timings.append(result.timing)
                     low.times.append(time.monotonic() - start)
                 except nnrt.NnrtError:
                     low.errors += 1
+                    low.failures.append((time.monotonic() - start, time.monotonic() - t0, ERROR))
 
         live = sys.stdout.isatty()
+        jobs = {}   # the scheduler keeps only its recent jobs: collect them as they finish
+
+        async def collect_jobs():
+            for j in await rt.finished_jobs(npu):
+                jobs[(j.app, j.seq)] = j
 
         async def progress():
             # A terminal gets one line rewritten in place; a log gets a line a second.
@@ -182,6 +209,7 @@ async def camera_loop(seconds: float, report: str | None) -> int:
                       f"frames {len(lat) + high.misses:4d}  detector p50 {p50} ms  "
                       f"misses {high.misses:3d}  background runs {len(low.latencies):4d}",
                       end="" if live else "\n", flush=True)
+                await collect_jobs()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(keep_busy)
@@ -195,25 +223,36 @@ async def camera_loop(seconds: float, report: str | None) -> int:
                     await anyio.sleep(max(0.0, due - time.monotonic()))
                     t0 = time.monotonic()
                     try:
-                        await burst.execute([frames[frame % len(frames)]],
-                                            deadline=t0 + period)
+                        result = await burst.execute([frames[frame % len(frames)]],
+                                                     deadline=t0 + period, measure_timing=True)
                         high.latencies.append(time.monotonic() - t0)
+                        high.timings.append(result.timing)
                         high.times.append(time.monotonic() - start)
                     except nnrt.NnrtError as e:
-                        if e.status in (nnrt.ErrorStatus.MISSED_DEADLINE_TRANSIENT,
-                                        nnrt.ErrorStatus.MISSED_DEADLINE_PERSISTENT):
+                        missed = e.status in (nnrt.ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                                              nnrt.ErrorStatus.MISSED_DEADLINE_PERSISTENT)
+                        if missed:
                             high.misses += 1
                         else:
                             high.errors += 1
+                        high.failures.append((time.monotonic() - start, time.monotonic() - t0,
+                                              MISS if missed else ERROR))
                     frame += 1
         if live:
             print()
         out, _ = other.communicate(timeout=60)
         comp = json.loads(out.strip().splitlines()[-1])
         medium = Series("competitor", "MEDIUM", f"app 2 (pid {comp['pid']})",
-                        latencies=comp["latencies"])
+                        latencies=comp["latencies"],
+                        times=[t - start for t in comp["finished"]])
         statistics = await rt.statistics(npu)
+        await collect_jobs()
+        machine = sampler.stop()
     preemptions = sum(c.preempted for c in statistics.classes)
+    for series in (high, low):
+        series.preemptions = sum(c.preempted for c in statistics.classes
+                                 if c.app == _app_key(statistics, os.getpid())
+                                 and c.priority.name == series.priority)
     share = {}
     for c in statistics.classes:
         share[c.app] = share.get(c.app, 0.0) + c.run_time
@@ -225,11 +264,34 @@ async def camera_loop(seconds: float, report: str | None) -> int:
     print("share of device time: " + ", ".join(
         f"{_app_name(app, os.getpid(), comp['pid'])} {t / total:.0%}"
         for app, t in sorted(share.items(), key=lambda kv: str(kv[0]))))
-    if report:
-        _write_report(report, [high, low, medium], rows, preemptions, share, total,
-                      os.getpid(), comp["pid"], seconds)
-        print(f"report written to {report}")
+    if report_path:
+        names = {app: _app_name(app, os.getpid(), comp["pid"]) for app, _ in jobs}
+        page = report.Page(
+            "nnrt camera loop",
+            intro=(f"{seconds:g} s of a {FPS} fps camera on a driver service ({npu.name}, "
+                   f"reference driver, apps told apart by pid): the HIGH detector runs each "
+                   f"frame through a burst with a deadline of one frame period "
+                   f"({1000 / FPS:.1f} ms) while a LOW background model of the same app keeps "
+                   f"the device busy and a second app competes at MEDIUM."),
+            command=f"nnrt demo --seconds {seconds:g} --report {report_path}", machine=machine,
+            cases=[high.case(), low.case(), medium.case()],
+            share=[share_over_time(npu.name, list(jobs.values()), start, names)],
+            facts=[f"Preemptions of LOW work by the detector: {preemptions}.",
+                   "Share of device time over the run: " + ", ".join(
+                       f"{_app_name(app, os.getpid(), comp['pid'])} {t / total:.0%}"
+                       for app, t in sorted(share.items(), key=lambda kv: str(kv[0])))])
+        report.write(report_path, page)
+        print(f"report written to {report_path}")
     return 0
+
+
+def _app_key(statistics, pid: int):
+    """The scheduler's key of the app with process id ``pid`` (a pid, or a
+    (uid, pid) pair, depending on the service's --app-key)."""
+    for c in statistics.classes:
+        if c.app == pid or (isinstance(c.app, tuple) and len(c.app) == 2 and c.app[1] == pid):
+            return c.app
+    return None
 
 
 def _app_name(app, me: int, other: int) -> str:
@@ -243,55 +305,6 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-
-
-def _svg_chart(series: list[Series], seconds: float, width=760, height=260) -> str:
-    """Latency over time as an inline SVG line chart (no scripts, no network)."""
-    colors = {"detector": "#d62728", "background": "#1f77b4", "competitor": "#2ca02c"}
-    top = max((max(s.latencies) for s in series if s.latencies), default=0.001) * 1e3 * 1.1
-    left, bottom = 50, height - 30
-
-    def xy(t, ms):
-        return (left + (width - left - 10) * min(t / seconds, 1.0),
-                bottom - (bottom - 10) * min(ms / top, 1.0))
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">',
-             f'<line x1="{left}" y1="{bottom}" x2="{width - 10}" y2="{bottom}" stroke="#444"/>',
-             f'<line x1="{left}" y1="10" x2="{left}" y2="{bottom}" stroke="#444"/>',
-             f'<text x="5" y="20" font-size="11">{top:.0f} ms</text>',
-             f'<text x="5" y="{bottom}" font-size="11">0</text>',
-             f'<text x="{width - 60}" y="{height - 8}" font-size="11">{seconds:g} s</text>']
-    for k, s in enumerate(series):
-        if not s.times:
-            continue
-        points = " ".join(f"{x:.1f},{y:.1f}" for x, y in
-                          (xy(t, lat * 1e3) for t, lat in zip(s.times, s.latencies)))
-        color = colors.get(s.name, "#555")
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" '
-                     f'points="{points}"/>')
-        parts.append(f'<text x="{left + 10 + 150 * k}" y="{height - 8}" font-size="12" '
-                     f'fill="{color}">{html.escape(s.name)} ({s.priority})</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _write_report(path, series, rows, preemptions, share, total, me, other, seconds) -> None:
-    table = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
-                    for r in rows)
-    shares = "".join(f"<li>{html.escape(_app_name(a, me, other))}: {t / total:.0%}</li>"
-                     for a, t in share.items())
-    timed = [s for s in series if s.times]
-    doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>nnrt camera loop</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 10px;border-bottom:1px solid #ddd}}</style>
-</head><body><h1>nnrt camera loop</h1>
-<p>{seconds:g} s at {FPS} fps; detector deadline one frame period ({1000 / FPS:.1f} ms).</p>
-<table><tr><th>model</th><th>app</th><th>priority</th><th>runs</th><th>p50 ms</th><th>p99 ms</th>
-<th>deadline misses</th></tr>{table}</table>
-<p>Preemptions: {preemptions}</p><p>Share of device time:</p><ul>{shares}</ul>
-<h2>Latency over time</h2>{_svg_chart(timed, seconds)}
-</body></html>"""
-    with open(path, "w") as f:
-        f.write(doc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "nnrt"
 # Bottom first. A name is a top-level package of nnrt, or a module directly
 # under nnrt/ (its stem); "nnrt" is the package facade (nnrt/__init__.py).
 RANKS = [
-    {"errors", "vlog", "_version", "wirecodec"},  # leaf modules: no nnrt imports but each other
+    {"errors", "vlog", "_version", "wirecodec", "trace"},  # leaf modules: no nnrt imports but each other
     {"handoff"},                             # worker threads, results handed to a loop
     {"fmq", "memory", "fence"},              # the ring, shared memory, sync fences
     {"model"},                               # operand/operation types, graphs, the builder
@@ -24,6 +24,7 @@ RANKS = [
     {"drivers"},                             # reference, samples, litert, services
     {"runtime"},                             # discovery, compilation, executions
     {"nnrt"},                                # the facade: the public API
+    {"bench"},                               # nnrt bench: runner, stress, report, machine info
     {"demo", "testing"},                     # the camera-loop demo, the CTS runner
     {"cli"},                                 # the command line
     {"__main__"},

@@ -61,6 +61,7 @@ from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory.staging import ArenaPool, SlotCache, Staging, stage
+from .. import trace
 from .wire import (BurstArgument, BurstProtocolError, BurstRequest, RequestEncoder,
                    decode_result)
 
@@ -200,6 +201,7 @@ class BurstController(BurstSession):
             return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
         return await self._round_trip(serial, frame, plan)
 
+    @trace.traced("burst hand-off")
     async def _round_trip(self, serial: int | None, frame: bytes, plan=None) -> ExecutionResult:
         """Write ``frame`` and await the result of ``serial`` (None: the next
         result, whatever its serial -- for_test_execute_raw)."""

@@ -71,6 +71,7 @@ from ..fmq import PREFIX, Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
 from ..model.graph import DataLocation
 from ..vlog import vlog
+from .. import trace
 from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape,
                    BurstProtocolError, BurstResult, RequestDecoder, encode_result)
 
@@ -279,6 +280,7 @@ class BurstServer:
         if self.end_reason is None:
             self.end_reason = _clip(why)
 
+    @trace.traced("burst serve")
     def _serve(self, frame: bytes) -> BurstResult:
         self._executions += 1
         self._counters.executions += 1

@@ -32,6 +32,7 @@ from ..model.graph import HalModel, Operand
 from ..model.types import OperandLifeTime as L, OperationType
 from ..hal.validate import ValidatedModel
 from ..vlog import on as vlog_on, vlog
+from .. import trace as tracing
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
 DEFAULT_LOOP_TIMEOUT = 2.0   # seconds, NNAPI's default WHILE loop timeout
@@ -146,7 +147,7 @@ class ExecutionContext:
             call = ops.Call(step.type, args, list(step.out_operands), relaxed, self)
             start = time.perf_counter() if trace else 0.0
             try:
-                results = step.kernel(call)
+                results = tracing.call(step.type.name, step.kernel, call)
             except NnrtError:
                 raise
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,

@@ -43,6 +43,7 @@ import anyio
 import anyio.lowlevel
 
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
+from .. import trace
 from . import merge as _merge
 from .outcome import FenceState, decode_count, encode_outcome, peek_count
 
@@ -247,6 +248,7 @@ class SyncFence:
 
     def signal(self) -> None:
         """Mark the work done: ACTIVE -> SIGNALED, waking every waiter."""
+        trace.instant("fence signaled")
         self._write(FenceEvent.SIGNAL, ErrorStatus.NONE)
 
     def signal_error(self, status: ErrorStatus) -> None:

@@ -42,6 +42,7 @@ from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference
 from ..memory import as_buffer
 from ..model.graph import HalModel
 from ..vlog import vlog
+from .. import trace
 from .gate import ExecutionGate
 from .scheduler import (DEFAULT_QUEUE_LIMIT, Job, JobRecord, JobState, Scheduler,
                         SchedulerStatistics, check_key)
@@ -247,6 +248,7 @@ class ScheduledPreparedModel(PreparedModel):
         return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
                                  work=work)
 
+    @trace.traced("scheduled run")
     def _run_claimed(self, job: Job, request: Request, measure: bool,
                      loop_timeout: float | None, started: int) -> ExecutionResult:
         """Run a job this thread owns on the driver, with the gate's
@@ -267,6 +269,7 @@ class ScheduledPreparedModel(PreparedModel):
             gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the execution was interrupted")
             raise
         final = gate.finish(job, result.status, result.message)
+        trace.interval("queue wait", job.submitted_at, job.started_at, app=job.app, priority=job.priority.name, preemptions=job.preemptions)
         if final != result.status:
             # Never report success for work that finished after its deadline.
             return ExecutionResult(final, result.output_shapes, message=job.message)

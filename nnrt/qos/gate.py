@@ -64,6 +64,7 @@ from typing import Callable, Hashable
 
 from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
+from .. import trace
 from ..hal.types import Priority
 from .scheduler import Job, JobRecord, JobState, Scheduler, SchedulerStatistics, Verdict
 
@@ -160,6 +161,7 @@ class ExecutionGate:
             return
         if verdict is Verdict.STOPPED:
             raise self._error(job)
+        trace.instant("preempted", job=job.seq, app=job.app, priority=job.priority.name)
         if donated is not None:
             self._run_donated(donated, job)
         self._wait_running(job)

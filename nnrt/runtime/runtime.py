@@ -30,6 +30,7 @@ from .results import ExecutionTiming, Result, copy_into
 from .step import Step
 from ..hal.types import Priority, check_deadline, check_priority
 from ..vlog import vlog
+from .. import trace
 
 
 class Runtime:
@@ -324,6 +325,7 @@ class CompiledModel:
         return self._signature.carry_state(
             await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
 
+    @trace.traced("app: execute")
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
                        sessions: dict | None) -> Result:
         deadline = check_deadline(deadline)

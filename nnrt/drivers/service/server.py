@@ -71,6 +71,7 @@ from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.graph import HalModel
 from ...vlog import vlog
+from ... import trace
 from ...hal import Device, ExecutionResult, PreparedModel, Request
 from ...qos import ScheduledDevice
 from . import protocol as p
@@ -405,6 +406,7 @@ class ServiceConnection:
             if burst.model_id == call.model_id:
                 burst.stop("its prepared model was released")
 
+    @trace.traced("service: execute")
     async def _execute(self, call: p.Execute) -> ExecutionResult:
         with anyio.CancelScope() as scope:
             self.proto.running(call.call_id, scope)
