@@ -1,0 +1,244 @@
+"""The litert device and its prepared models (the only module of this
+package that sees the HAL classes).
+
+Preparation validates the model, lowers every operation through the table
+(:mod:`.table`), converts the partition to TFLite (:mod:`.flatbuffer`),
+times it, cuts it into segments (:mod:`.segments`) and creates their
+interpreters. An execution copies each input once from the request's pool
+into an interpreter tensor, invokes the segments in order with the
+checkpoint between two, and copies each output once into the request's pool.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Hashable
+
+import anyio
+import numpy as np
+
+from ... import __version__
+from ...errors import ErrorStatus, NnrtError, invalid
+from ...memory import as_buffer
+from ...model.types import OperandType
+from ...model.validate import validate_model, validate_request
+from ...qos.priority import Priority, check_deadline, check_priority
+from ...vlog import vlog
+from ..hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
+                   OutputShape, PerformanceInfo, PreparedModel, Request, Timing, NO_TIMING)
+from . import segments as seg
+from .table import OpInfo, Unsupported, lower
+
+DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long
+
+# Relative to the reference driver (1.0): what LiteRT measures on the
+# shared models (docs/litert.md), rounded in the driver's disfavour.
+_FAST = PerformanceInfo(exec_time=0.1, power_usage=0.1)
+_NOT_RUN = PerformanceInfo(float("inf"), float("inf"))
+_TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_INT32,
+              OperandType.TENSOR_QUANT8_ASYMM, OperandType.TENSOR_QUANT8_ASYMM_SIGNED,
+              OperandType.TENSOR_QUANT8_SYMM, OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL,
+              OperandType.TENSOR_BOOL8, OperandType.FLOAT32, OperandType.INT32,
+              OperandType.BOOL)
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """What a scheduler in front of this driver may do with it: stop an
+    execution between segments, run ``slots`` executions at once."""
+
+    boundaries: str = "segment"
+    slots: int = 1
+
+
+def litert_version() -> str:
+    from importlib.metadata import version
+    return version("ai-edge-litert")
+
+
+class LiteRTDevice(Device):
+    type = DeviceType.CPU
+    feature_level = 30
+
+    def __init__(self, name: str = "litert", *, num_threads: int = 1,
+                 segment_time: float | None = DEFAULT_SEGMENT_TIME,
+                 segments: int | None = None):
+        """``num_threads`` per interpreter (1: the scheduler, not the driver,
+        decides concurrency); ``segment_time`` (seconds) bounds a segment's
+        estimated run time, None for one segment; ``segments`` instead cuts
+        every partition into that many segments (for measurements)."""
+        if num_threads < 1:
+            raise invalid(f"num_threads must be at least 1, got {num_threads}")
+        if segment_time is not None and segment_time <= 0:
+            raise invalid(f"segment_time must be positive, got {segment_time}")
+        if segments is not None and segments < 1:
+            raise invalid(f"segments must be at least 1, got {segments}")
+        self.name = name
+        self.version_string = f"nnrt-litert-{__version__} (ai-edge-litert {litert_version()})"
+        self.num_threads = num_threads
+        self.segment_time = segment_time
+        self.segments = segments
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(_FAST, _FAST, {t: (_FAST if t in _TYPES_RUN else _NOT_RUN)
+                                           for t in OperandType}, _NOT_RUN, _NOT_RUN)
+
+    def scheduling(self) -> Scheduling:
+        return Scheduling(boundaries="segment", slots=1)
+
+    def supported_operations(self, model) -> list[bool]:
+        dims = validate_model(model).dims[None]
+        return [self._why_not(model, k, dims) is None for k in range(len(model.main.operations))]
+
+    def unsupported_reasons(self, model) -> dict[int, str]:
+        """Why each operation the driver does not run is refused (for reports)."""
+        dims = validate_model(model).dims[None]
+        reasons = {k: self._why_not(model, k, dims) for k in range(len(model.main.operations))}
+        return {k: r for k, r in reasons.items() if r is not None}
+
+    @staticmethod
+    def _why_not(model, k: int, dims) -> str | None:
+        if model.referenced:
+            return "models with referenced subgraphs (IF/WHILE) are left to the reference driver"
+        try:
+            lower(OpInfo(model, k, dims))
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    async def prepare_model(self, model, preference: ExecutionPreference =
+                            ExecutionPreference.FAST_SINGLE_ANSWER,
+                            priority: Priority = Priority.MEDIUM, deadline: float | None = None,
+                            cache=None, *, app: Hashable = None) -> "LiteRTPreparedModel":
+        return await anyio.to_thread.run_sync(
+            partial(self.prepare_model_synchronously, model, preference, priority, deadline,
+                    app=app))
+
+    def prepare_model_synchronously(self, model, preference: ExecutionPreference =
+                                    ExecutionPreference.FAST_SINGLE_ANSWER,
+                                    priority: Priority = Priority.MEDIUM,
+                                    deadline: float | None = None, *,
+                                    app: Hashable = None) -> "LiteRTPreparedModel":
+        try:
+            ExecutionPreference(preference)
+        except ValueError:
+            raise invalid(f"execution preference {preference!r} is not valid") from None
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        if deadline is not None and time.monotonic() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                            "the preparation deadline had passed before preparation began")
+        dims = validate_model(model).dims[None]
+        lowered = []
+        for k in range(len(model.main.operations)):
+            reason = self._why_not(model, k, dims)
+            if reason is not None:
+                raise invalid(f"{self.name} does not support operation {k} "
+                              f"({model.main.operations[k].type.name}): {reason}")
+            lowered.append(lower(OpInfo(model, k, dims))[1])
+        start = time.perf_counter()
+        whole = seg.whole(model, lowered, dims)
+        try:
+            first = seg.new_interpreter(whole.model, self.num_threads)
+            seconds = seg.time_invoke(first)
+            groups = seg.cut([seg.cost(model, op, dims) for op in lowered], seconds,
+                             self.segment_time, self.segments)
+            if len(groups) == 1:
+                parts = [whole]
+            else:
+                parts, first = seg.plan(model, lowered, dims, groups), None
+            runner = seg.Runner(parts, model.main.input_indexes, model.main.output_indexes,
+                                self.num_threads, first)
+        except (ValueError, RuntimeError) as e:   # LiteRT refused the converted model
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"{self.name}: LiteRT could not prepare the converted model: {e}") \
+                from None
+        vlog("driver", "%s: prepared %d operations in %d segment(s), %.2f ms per run, "
+             "in %.0f ms", self.name, len(lowered), len(parts), seconds * 1e3,
+             (time.perf_counter() - start) * 1e3)
+        if deadline is not None and time.monotonic() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                            "the model was prepared after its preparation deadline")
+        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds)
+
+
+class LiteRTPreparedModel(PreparedModel):
+    def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: Hashable,
+                 estimated_seconds: float):
+        self.model = model
+        self.priority = priority
+        self.app = app
+        self.runner = runner
+        self.estimated_seconds = estimated_seconds
+        main = model.main
+        self._inputs = {i: (main.operands[i].type.dtype, dims[i]) for i in main.input_indexes}
+        self._outputs = {i: (main.operands[i].type.dtype, dims[i]) for i in main.output_indexes}
+        self._position = {i: k for indexes in (main.input_indexes, main.output_indexes)
+                          for k, i in enumerate(indexes)}
+
+    @property
+    def segment_count(self) -> int:
+        return len(self.runner.segments)
+
+    async def execute(self, request: Request, measure: bool = False,
+                      deadline: float | None = None,
+                      loop_timeout: float | None = None) -> ExecutionResult:
+        return await anyio.to_thread.run_sync(
+            partial(self.execute_synchronously, request, measure, deadline, loop_timeout))
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None, loop_timeout: float | None = None,
+                              *, checkpoint: Callable[[], None] | None = None) -> ExecutionResult:
+        started = time.perf_counter()
+        try:
+            deadline = check_deadline(deadline)
+            validate_request(self.model, request)
+            shapes = self._output_shapes(request)
+            if not all(s.is_sufficient for s in shapes):
+                return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
+                                       message="an output buffer is too small")
+            if deadline is not None and time.monotonic() > deadline:
+                raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                                "the deadline passed before the execution began")
+            busy = self.runner.run(partial(self._read_input, request),
+                                   partial(self._write_output, request),
+                                   checkpoint)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        except (ValueError, RuntimeError) as e:
+            return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                   message=f"LiteRT failed: {e}")
+        timing = NO_TIMING
+        if measure:
+            on_device = int(busy * 1e6)
+            timing = Timing(on_device, max(int((time.perf_counter() - started) * 1e6), on_device))
+        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
+
+    def _output_shapes(self, request: Request) -> tuple[OutputShape, ...]:
+        shapes = []
+        for arg, (i, (dtype, dims)) in zip(request.outputs, self._outputs.items()):
+            need = int(np.prod(dims)) * dtype.itemsize
+            shapes.append(OutputShape(tuple(dims), arg.location.length >= need))
+        return tuple(shapes)
+
+    def _read_input(self, request: Request, operand: int) -> np.ndarray:
+        dtype, dims = self._inputs[operand]
+        arg = request.inputs[self._position[operand]]
+        if arg.has_no_value:
+            raise invalid(f"input operand {operand} has no value")
+        if arg.dimensions and tuple(arg.dimensions) != tuple(dims):
+            raise invalid(f"input operand {operand}: dimensions {list(arg.dimensions)}, "
+                          f"the prepared model takes {list(dims)}")
+        loc = arg.location
+        count = int(np.prod(dims))
+        return np.frombuffer(as_buffer(request.pools[loc.pool_index]), dtype, count,
+                             loc.offset).reshape(dims)
+
+    def _write_output(self, request: Request, operand: int, value: np.ndarray) -> None:
+        loc = request.outputs[self._position[operand]].location
+        pool = as_buffer(request.pools[loc.pool_index])
+        if pool.readonly:
+            raise invalid(f"output operand {operand}: pool {loc.pool_index} is read-only")
+        np.copyto(np.frombuffer(pool, value.dtype, value.size, loc.offset).reshape(value.shape),
+                  value)
