@@ -119,8 +119,9 @@ class Runtime:
                     self._services, spawned = await discovery.spawn(self._spawn,
                                                                     self._folder.name)
                     found += spawned
-            self._cpu = ScheduledDevice(ReferenceDevice())
-            self._devices = found + [self._cpu]
+            local = [ScheduledDevice(d) for d in in_process_devices()]
+            self._cpu = local[-1]    # the reference device: the fallback
+            self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
     def close(self) -> None:
@@ -241,6 +242,18 @@ class Runtime:
         if self._devices is not None and device in self._devices:
             self._devices.remove(device)
             vlog("manager", "device %s is gone", device.name)
+
+
+def in_process_devices() -> list[Device]:
+    """The drivers every runtime runs in its own process: the litert driver
+    when LiteRT is installed (first: it is the faster CPU driver), then the
+    reference CPU driver (the fallback)."""
+    from ..drivers import litert
+    devices: list[Device] = []
+    if litert.available():
+        devices.append(litert.LiteRTDevice())
+    devices.append(ReferenceDevice())
+    return devices
 
 
 # Failures that are about the request or the app, not the driver: retrying on

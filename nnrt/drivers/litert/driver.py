@@ -136,7 +136,7 @@ class LiteRTDevice(Device):
             if reason is not None:
                 raise invalid(f"{self.name} does not support operation {k} "
                               f"({model.main.operations[k].type.name}): {reason}")
-            lowered.append(lower(OpInfo(model, k, dims))[1])
+            lowered.append(lower(OpInfo(model, k, dims)))
         start = time.perf_counter()
         whole = seg.whole(model, lowered, dims)
         try:

@@ -14,7 +14,7 @@ import numpy as np
 import tflite
 
 from ...model.types import OperandLifeTime as L, OperandType as T
-from .table import Const, Lowered
+from .table import Const, Lowered, Temp
 
 _TENSOR_TYPES = {
     T.TENSOR_FLOAT32: tflite.TensorType.FLOAT32,
@@ -68,8 +68,21 @@ def build(model, ops: list[Lowered], inputs: list[int], outputs: list[int],
         index[i] = len(tensors) - 1
         return index[i]
 
+    temps: dict[int, int] = {}
+
+    def temp_tensor(t: Temp) -> int:
+        if id(t) not in temps:
+            quant = ((t.scale,), (t.zero_point,)) if t.type.is_quantized else ((), ())
+            tensors.append(_Tensor(_TENSOR_TYPES[t.type], t.shape, None, *quant,
+                                   name=f"x{len(tensors)}"))
+            temps[id(t)] = len(tensors) - 1
+        return temps[id(t)]
+
     def const_tensor(c: Const) -> int:
-        if c.like is not None:
+        if c.quant is not None:
+            type_, scale_, zp_ = c.quant
+            t, scale, zp = _TENSOR_TYPES[type_], (scale_,), (zp_,)
+        elif c.like is not None:
             o = operands[c.like]
             t = _TENSOR_TYPES[o.type]
             scale, zp = ((o.scale,), (o.zero_point,)) if o.type.is_quantized else ((), ())
@@ -82,9 +95,10 @@ def build(model, ops: list[Lowered], inputs: list[int], outputs: list[int],
 
     graph_ops = []
     for lowered in ops:
-        ins = [-1 if x is None else const_tensor(x) if isinstance(x, Const) else tensor_of(x)
+        ins = [-1 if x is None else const_tensor(x) if isinstance(x, Const)
+               else temp_tensor(x) if isinstance(x, Temp) else tensor_of(x)
                for x in lowered.inputs]
-        outs = [tensor_of(i) for i in lowered.outputs]
+        outs = [temp_tensor(x) if isinstance(x, Temp) else tensor_of(x) for x in lowered.outputs]
         graph_ops.append((lowered, ins, outs))
     sub_inputs = [tensor_of(i) for i in inputs]
     sub_outputs = [tensor_of(i) for i in outputs]
@@ -97,11 +111,13 @@ def _per_channel_bias_scales(operands, ops: list[Lowered]) -> dict[int, tuple[fl
     input scale x filter scale of the channel."""
     scales = {}
     for lowered in ops:
-        if len(lowered.inputs) < 3 or not all(isinstance(x, int) for x in lowered.inputs[:3]):
+        if len(lowered.inputs) < 3 or not all(isinstance(x, int) for x in lowered.inputs[1:3]):
             continue
-        x, filt, bias = (operands[i] for i in lowered.inputs[:3])
+        x = lowered.inputs[0]
+        x_scale = x.scale if isinstance(x, Temp) else operands[x].scale
+        filt, bias = (operands[i] for i in lowered.inputs[1:3])
         if filt.channel_quant is not None and bias.type == T.TENSOR_INT32:
-            scales[lowered.inputs[2]] = tuple(x.scale * s for s in filt.channel_quant.scales)
+            scales[lowered.inputs[2]] = tuple(x_scale * s for s in filt.channel_quant.scales)
     return scales
 
 

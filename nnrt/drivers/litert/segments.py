@@ -39,7 +39,7 @@ import numpy as np
 
 from ...vlog import vlog
 from . import flatbuffer
-from .table import Lowered
+from .table import Lowered, Temp
 
 # The estimated cost of an operation beyond its arithmetic, in
 # multiply-accumulate equivalents (a few microseconds of LiteRT's per-node work).
@@ -55,13 +55,23 @@ class Segment:
     model: bytes                    # the segment's TFLite model
 
 
-def cost(model, lowered: Lowered, dims: dict[int, tuple[int, ...]]) -> float:
+def cost(model, ops: tuple[Lowered, ...], dims: dict[int, tuple[int, ...]]) -> float:
+    """Static cost estimate of one NNAPI operation's TFLite operators."""
+    return sum(_cost(model, op, dims) for op in ops)
+
+
+def _cost(model, lowered: Lowered, dims: dict[int, tuple[int, ...]]) -> float:
     """Static cost estimate of one operator (multiply-accumulates, or elements)."""
-    def numel(i):
-        return math.prod(dims.get(i, model.main.operands[i].dimensions))
+    def shape(x):
+        if isinstance(x, int):
+            return dims.get(x, model.main.operands[x].dimensions)
+        return x.shape if isinstance(x, Temp) else x.value.shape
+
+    def numel(x):
+        return math.prod(shape(x))
     out = sum(numel(i) for i in lowered.outputs)
     if lowered.builtin in ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"):
-        _, *window = dims.get(lowered.inputs[1], model.main.operands[lowered.inputs[1]].dimensions)
+        _, *window = shape(lowered.inputs[1])
         if lowered.builtin == "CONV_2D":
             work = out * math.prod(window)               # kh * kw * in_c per output
         elif lowered.builtin == "DEPTHWISE_CONV_2D":
@@ -71,7 +81,7 @@ def cost(model, lowered: Lowered, dims: dict[int, tuple[int, ...]]) -> float:
     elif lowered.builtin in ("AVERAGE_POOL_2D", "MAX_POOL_2D", "L2_POOL_2D"):
         work = out * lowered.fields["FilterWidth"] * lowered.fields["FilterHeight"]
     else:
-        work = out + sum(numel(i) for i in lowered.inputs if isinstance(i, int))
+        work = out + sum(numel(i) for i in lowered.inputs if i is not None)
     return work + _OPERATION_OVERHEAD
 
 
@@ -102,10 +112,11 @@ def cut(costs: list[float], total_seconds: float, budget: float | None,
     return segments
 
 
-def plan(model, lowered: list[Lowered], dims: dict[int, tuple[int, ...]],
+def plan(model, lowered: list[tuple[Lowered, ...]], dims: dict[int, tuple[int, ...]],
          groups: list[range]) -> list[Segment]:
-    """The segments of ``groups`` (ranges of ``lowered``): their inputs,
-    outputs and TFLite models."""
+    """The segments of ``groups`` (ranges of ``lowered``, the TFLite
+    operators of each NNAPI operation): their inputs, outputs and models."""
+    lowered = [_boundary(ops) for ops in lowered]
     main = model.main
     model_inputs, model_outputs = set(main.input_indexes), set(main.output_indexes)
     produced_in = {}
@@ -129,13 +140,28 @@ def plan(model, lowered: list[Lowered], dims: dict[int, tuple[int, ...]],
             for i in lowered[k].outputs:
                 if i in model_outputs or any(r > s for r in read_in.get(i, ())):
                     outputs.append(i)
-        ops = [lowered[k] for k in group]
+        ops = [op for k in group for op in lowered[k].ops]
         segments.append(Segment(tuple(group), tuple(inputs), tuple(outputs),
                                 flatbuffer.build(model, ops, inputs, outputs, dims)))
     return segments
 
 
-def whole(model, lowered: list[Lowered], dims) -> Segment:
+@dataclass(frozen=True)
+class _Boundary:
+    """The NNAPI operands one operation's operators read and write."""
+
+    ops: tuple[Lowered, ...]
+    inputs: tuple
+    outputs: tuple[int, ...]
+
+
+def _boundary(ops: tuple[Lowered, ...]) -> _Boundary:
+    inputs = tuple(i for op in ops for i in op.inputs if isinstance(i, int))
+    outputs = tuple(i for op in ops for i in op.outputs if isinstance(i, int))
+    return _Boundary(ops, inputs, outputs)
+
+
+def whole(model, lowered: list[tuple[Lowered, ...]], dims) -> Segment:
     """The partition as one segment."""
     return plan(model, lowered, dims, [range(len(lowered))])[0]
 

@@ -14,10 +14,11 @@ What is deliberately left to the reference driver (``Unsupported``):
   (Relaxed float32 models *are* run in float32: NNAPI allows a relaxed model
   to be computed at float32 precision.)
 * the NCHW layout flag, explicit padding that is neither SAME nor VALID for
-  the operand's shapes, grouped convolutions, per-channel filters on uint8
-  data, int8 filters with a non-zero zero point (TFLite's int8 kernels assume
-  symmetric filters), reductions/softmax on any axis but the last where the
-  builtin only has that one;
+  the operand's shapes, grouped convolutions, reductions/softmax on any
+  axis but the last where the builtin only has that one; (int8 filters with
+  a non-zero zero point and per-channel filters on uint8 data, which
+  TFLite's kernels do not take, run exactly as their twin in the other 8-bit
+  type: see ``_finish_filtered``);
 * every operand whose shape is not known at preparation (the TFLite model
   is built with static shapes), and parameters that are not constants;
 * operations whose TFLite twin differs in a way that matters (CAST's
@@ -51,13 +52,26 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Const:
-    """A constant tensor the lowering adds (a shape, an axis, a pad value)."""
+    """A constant tensor the lowering adds (a shape, an axis, a pad value,
+    a re-zero-pointed filter)."""
 
     value: np.ndarray
     like: int | None = None   # NNAPI operand whose type and quantization it takes
+    quant: tuple | None = None  # or (OperandType, scale, zero point)
 
     def __post_init__(self):
         assert self.value.dtype in (np.int32, np.float32, np.uint8, np.int8), self.value.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Temp:
+    """A tensor between the TFLite operators of one NNAPI operation's lowering
+    (compared by identity: each is its own tensor)."""
+
+    type: T
+    shape: tuple[int, ...]
+    scale: float = 0.0
+    zero_point: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,13 +195,55 @@ def _check_filter(info: OpInfo, data: T, filt: int) -> None:
     ft = info.t(filt)
     if data == F32 and ft != F32:
         raise Unsupported(f"float32 data with a {ft.name} filter")
-    if data == U8 and ft != U8:
+    if data == U8 and ft not in (U8, T.TENSOR_QUANT8_SYMM_PER_CHANNEL):
         raise Unsupported(f"uint8 data with a {ft.name} filter")
-    if data == S8:
-        if ft not in (S8, T.TENSOR_QUANT8_SYMM_PER_CHANNEL):
-            raise Unsupported(f"int8 data with a {ft.name} filter")
-        if ft == S8 and info.operand(filt).zero_point != 0:
-            raise Unsupported("int8 filter with a non-zero zero point")
+    if data == S8 and ft not in (S8, T.TENSOR_QUANT8_SYMM_PER_CHANNEL):
+        raise Unsupported(f"int8 data with a {ft.name} filter")
+
+
+def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int):
+    """``op`` as it is, or run as its twin in the other 8-bit type where
+    TFLite's kernels do not take the filter:
+
+    * int8 data with an asymmetric int8 filter (TFLite's int8 kernels take
+      symmetric filters only) runs as uint8;
+    * uint8 data with a per-channel filter (TFLite's uint8 kernels take
+      per-tensor filters only) runs as int8.
+
+    An int8 value v with zero point z is exactly the uint8 value v + 128
+    with zero point z + 128, so QUANTIZE (a pure shift at equal scales)
+    turns the data (and an asymmetric filter) into the twin type, the
+    twin's kernel runs, and QUANTIZE turns the result back: bit for bit
+    what the twin model computes, shifted by 128."""
+    w = info.operand(filt)
+    data = info.t(0)
+    if data == S8 and w.type == S8 and w.zero_point != 0:
+        twin, shift = U8, 128
+    elif data == U8 and w.type == T.TENSOR_QUANT8_SYMM_PER_CHANNEL:
+        twin, shift = S8, -128
+    else:
+        return replace(op, builtin=builtin)
+    ops = []
+
+    def to_twin(k: int):
+        o = info.operand(k)
+        temp = Temp(twin, info.dims(k), o.scale, o.zero_point + shift)
+        ops.append(Lowered((info.op.inputs[k],), (temp,), builtin="QUANTIZE"))
+        return temp
+
+    inputs = list(op.inputs)
+    inputs[0] = to_twin(0)
+    if w.type == S8:
+        if w.lifetime in (L.CONSTANT_COPY, L.CONSTANT_REFERENCE):
+            inputs[filt] = Const((np.asarray(info.const(filt), np.int16) + shift).astype(np.uint8),
+                                 quant=(twin, w.scale, w.zero_point + shift))
+        else:
+            inputs[filt] = to_twin(filt)
+    out = info.out()
+    y = Temp(twin, info.out_dims(), out.scale, out.zero_point + shift)
+    ops.append(replace(op, inputs=tuple(inputs), outputs=(y,), builtin=builtin))
+    ops.append(Lowered((y,), info.op.outputs, builtin="QUANTIZE"))
+    return tuple(ops)
 
 
 # --- lowerings ------------------------------------------------------------------
@@ -229,10 +285,11 @@ def _conv(info: OpInfo) -> Lowered:
     if in_c != info.dims(0)[3]:
         raise Unsupported("grouped convolution")
     padding = _padding(info, pads, 3, s, (kw, kh), d)
-    return Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
-                   "Conv2DOptions", {"Padding": padding, "StrideW": s[0], "StrideH": s[1],
-                                     "FusedActivationFunction": _activation(info, act),
-                                     "DilationWFactor": d[0], "DilationHFactor": d[1]})
+    op = Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
+                 "Conv2DOptions", {"Padding": padding, "StrideW": s[0], "StrideH": s[1],
+                                   "FusedActivationFunction": _activation(info, act),
+                                   "DilationWFactor": d[0], "DilationHFactor": d[1]})
+    return _finish_filtered(info, op, "CONV_2D", 1)
 
 
 def _depthwise(info: OpInfo) -> Lowered:
@@ -254,12 +311,13 @@ def _depthwise(info: OpInfo) -> Lowered:
     if out_c != info.dims(0)[3] * multiplier:
         raise Unsupported("filter depth is not input depth x multiplier")
     padding = _padding(info, pads, 3, s, (kw, kh), d)
-    return Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
-                   "DepthwiseConv2DOptions",
-                   {"Padding": padding, "StrideW": s[0], "StrideH": s[1],
-                    "DepthMultiplier": multiplier,
-                    "FusedActivationFunction": _activation(info, act),
-                    "DilationWFactor": d[0], "DilationHFactor": d[1]})
+    op = Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
+                 "DepthwiseConv2DOptions",
+                 {"Padding": padding, "StrideW": s[0], "StrideH": s[1],
+                  "DepthMultiplier": multiplier,
+                  "FusedActivationFunction": _activation(info, act),
+                  "DilationWFactor": d[0], "DilationHFactor": d[1]})
+    return _finish_filtered(info, op, "DEPTHWISE_CONV_2D", 1)
 
 
 def _pool(info: OpInfo) -> Lowered:
@@ -284,6 +342,11 @@ def _pool(info: OpInfo) -> Lowered:
 
 def _concatenation(info: OpInfo) -> Lowered:
     axis = int(info.const(info.n - 1))
+    if info.t(0) == S8 and any(not _same_quant(info, info.operand(k), info.out())
+                               for k in range(info.n - 1)):
+        # XNNPACK refuses int8 concatenation that requantizes, and then fails
+        # the whole model instead of leaving the node to TFLite's kernel.
+        raise Unsupported("int8 concatenation of differently quantized inputs")
     return Lowered(tuple(info.op.inputs[:-1]), info.op.outputs, "ConcatenationOptions",
                    {"Axis": axis, "FusedActivationFunction": 0})
 
@@ -314,11 +377,10 @@ def _fully_connected(info: OpInfo) -> Lowered:
     wt = info.t(1)
     if wt != data:
         raise Unsupported(f"{data.name} data with {wt.name} weights")
-    if data == S8 and info.operand(1).zero_point != 0:
-        raise Unsupported("int8 weights with a non-zero zero point")
-    return Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
-                   "FullyConnectedOptions",
-                   {"FusedActivationFunction": _activation(info, 3), "KeepNumDims": False})
+    op = Lowered((info.op.inputs[0], info.op.inputs[1], _bias(info, 2)), info.op.outputs,
+                 "FullyConnectedOptions",
+                 {"FusedActivationFunction": _activation(info, 3), "KeepNumDims": False})
+    return _finish_filtered(info, op, "FULLY_CONNECTED", 1)
 
 
 def _l2_normalization(info: OpInfo) -> Lowered:
@@ -329,6 +391,8 @@ def _l2_normalization(info: OpInfo) -> Lowered:
 
 
 def _lrn(info: OpInfo) -> Lowered:
+    if len(info.dims(0)) != 4:
+        raise Unsupported("TFLite's LOCAL_RESPONSE_NORMALIZATION takes rank 4 only")
     if info.n > 5:
         _last_axis(info, int(info.const(5)))
     return Lowered((info.op.inputs[0],), info.op.outputs, "LocalResponseNormalizationOptions",
@@ -542,8 +606,8 @@ RULES: dict[Op, Rule] = {
 }
 
 
-def lower(info: OpInfo) -> tuple[Rule, Lowered]:
-    """The rule and TFLite operator for ``info``; Unsupported when there is none."""
+def lower(info: OpInfo) -> tuple[Lowered, ...]:
+    """The TFLite operators running ``info``; Unsupported when there are none."""
     rule = RULES.get(info.type)
     if rule is None:
         raise Unsupported(f"no TFLite lowering for {info.type.name}")
@@ -551,11 +615,15 @@ def lower(info: OpInfo) -> tuple[Rule, Lowered]:
     if data not in rule.types:
         raise Unsupported(f"{info.type.name} on {data.name}")
     lowered = rule.lower(info)
-    for i in (*(x for x in lowered.inputs if isinstance(x, int)), *lowered.outputs):
-        o = info.model.main.operands[i]
-        if o.type == T.TENSOR_FLOAT16 or o.type.is_scalar:
-            raise Unsupported(f"operand {i} is {o.type.name}")
-        d = info._dims.get(i, o.dimensions)
-        if not d or not all(x > 0 for x in d):
-            raise Unsupported(f"operand {i} has no static shape ({list(d)})")
-    return rule, replace(lowered, builtin=rule.builtin)
+    ops = lowered if isinstance(lowered, tuple) else (replace(lowered, builtin=rule.builtin),)
+    for op in ops:
+        for i in (*op.inputs, *op.outputs):
+            if not isinstance(i, int):
+                continue
+            o = info.model.main.operands[i]
+            if o.type == T.TENSOR_FLOAT16 or o.type.is_scalar:
+                raise Unsupported(f"operand {i} is {o.type.name}")
+            d = info._dims.get(i, o.dimensions)
+            if not d or not all(x > 0 for x in d):
+                raise Unsupported(f"operand {i} has no static shape ({list(d)})")
+    return ops
