@@ -96,12 +96,20 @@ def cut(costs: list[float], total_seconds: float, budget: float | None,
     times = [c * scale for c in costs]
     if count is not None:
         count = max(1, min(count, n))
-        bounds = np.cumsum(times)
-        target = [bounds[-1] * k / count for k in range(1, count)]
-        cuts = sorted({int(np.searchsorted(bounds, t, side="left")) + 1 for t in target})
-        cuts = [c for c in cuts if 0 < c < n]
-        edges = [0, *cuts, n]
-        return [range(a, b) for a, b in zip(edges, edges[1:])]
+        groups, start = [], 0
+        for left in range(count, 0, -1):
+            end = n if left == 1 else start + 1
+            if left > 1:
+                target = sum(times[start:]) / left
+                acc, last = times[start], n - (left - 1)
+                # Take the next operation while that brings the segment closer
+                # to its share, leaving one operation for each segment to come.
+                while end < last and abs(acc + times[end] - target) < abs(acc - target):
+                    acc += times[end]
+                    end += 1
+            groups.append(range(start, end))
+            start = end
+        return groups
     segments, start, acc = [], 0, 0.0
     for k, t in enumerate(times):
         if k > start and budget is not None and acc + t > budget:
