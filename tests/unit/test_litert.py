@@ -14,7 +14,7 @@ pytest.importorskip("ai_edge_litert")
 
 import nnrt  # noqa: E402
 from nnrt import OperandType as T, OperationType as O  # noqa: E402
-from nnrt.drivers.hal import Request, RequestArgument  # noqa: E402
+from nnrt.hal import Request, RequestArgument  # noqa: E402
 from nnrt.drivers.litert import LiteRTDevice  # noqa: E402
 from nnrt.drivers.litert import segments as seg  # noqa: E402
 from nnrt.drivers.reference import ReferenceDevice  # noqa: E402

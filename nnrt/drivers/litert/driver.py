@@ -18,15 +18,15 @@ from typing import Callable, Hashable
 import anyio
 import numpy as np
 
-from ... import __version__
+from ..._version import __version__
 from ...errors import ErrorStatus, NnrtError, invalid
+from ...hal import (NO_TIMING, Capabilities, Device, DeviceType, ExecutionPreference,
+                    ExecutionResult, OutputShape, PerformanceInfo, PreparedModel, Priority,
+                    Request, Timing, check_deadline, check_priority)
+from ...hal.validate import validate_model, validate_request
 from ...memory import as_buffer
 from ...model.types import OperandType
-from ...model.validate import validate_model, validate_request
-from ...qos.priority import Priority, check_deadline, check_priority
 from ...vlog import vlog
-from ..hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
-                   OutputShape, PerformanceInfo, PreparedModel, Request, Timing, NO_TIMING)
 from . import segments as seg
 from .table import OpInfo, Unsupported, lower
 
