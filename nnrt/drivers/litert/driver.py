@@ -172,10 +172,17 @@ class LiteRTPreparedModel(PreparedModel):
         self.runner = runner
         self.estimated_seconds = estimated_seconds
         main = model.main
-        self._inputs = {i: (main.operands[i].type.dtype, dims[i]) for i in main.input_indexes}
-        self._outputs = {i: (main.operands[i].type.dtype, dims[i]) for i in main.output_indexes}
-        self._position = {i: k for indexes in (main.input_indexes, main.output_indexes)
-                          for k, i in enumerate(indexes)}
+        # Per input/output operand: (position in the request, dtype, dims,
+        # bytes); and the output shapes of a run whose buffers are all big
+        # enough, made once (an execution is a few microseconds of Python
+        # around invoke: keep it so).
+        self._inputs = {i: (k, main.operands[i].type.dtype, tuple(dims[i]),
+                            int(np.prod(dims[i])) * main.operands[i].type.element_size)
+                        for k, i in enumerate(main.input_indexes)}
+        self._outputs = {i: (k, main.operands[i].type.dtype, tuple(dims[i]),
+                             int(np.prod(dims[i])) * main.operands[i].type.element_size)
+                         for k, i in enumerate(main.output_indexes)}
+        self._sufficient = tuple(OutputShape(dims_) for _, _, dims_, _ in self._outputs.values())
 
     @property
     def segment_count(self) -> int:
@@ -216,29 +223,28 @@ class LiteRTPreparedModel(PreparedModel):
         return ExecutionResult(ErrorStatus.NONE, shapes, timing)
 
     def _output_shapes(self, request: Request) -> tuple[OutputShape, ...]:
-        shapes = []
-        for arg, (i, (dtype, dims)) in zip(request.outputs, self._outputs.items()):
-            need = int(np.prod(dims)) * dtype.itemsize
-            shapes.append(OutputShape(tuple(dims), arg.location.length >= need))
-        return tuple(shapes)
+        if all(arg.location.length >= need
+               for arg, (_, _, _, need) in zip(request.outputs, self._outputs.values())):
+            return self._sufficient
+        return tuple(OutputShape(dims, arg.location.length >= need)
+                     for arg, (_, _, dims, need) in zip(request.outputs, self._outputs.values()))
 
     def _read_input(self, request: Request, operand: int) -> np.ndarray:
-        dtype, dims = self._inputs[operand]
-        arg = request.inputs[self._position[operand]]
+        k, dtype, dims, size = self._inputs[operand]
+        arg = request.inputs[k]
         if arg.has_no_value:
             raise invalid(f"input operand {operand} has no value")
-        if arg.dimensions and tuple(arg.dimensions) != tuple(dims):
+        if arg.dimensions and tuple(arg.dimensions) != dims:
             raise invalid(f"input operand {operand}: dimensions {list(arg.dimensions)}, "
                           f"the prepared model takes {list(dims)}")
         loc = arg.location
-        count = int(np.prod(dims))
-        return np.frombuffer(as_buffer(request.pools[loc.pool_index]), dtype, count,
-                             loc.offset).reshape(dims)
+        if loc.length < size:
+            raise invalid(f"input operand {operand}: {loc.length} bytes, needs {size}")
+        return np.ndarray(dims, dtype, as_buffer(request.pools[loc.pool_index]), loc.offset)
 
     def _write_output(self, request: Request, operand: int, value: np.ndarray) -> None:
-        loc = request.outputs[self._position[operand]].location
+        loc = request.outputs[self._outputs[operand][0]].location
         pool = as_buffer(request.pools[loc.pool_index])
         if pool.readonly:
             raise invalid(f"output operand {operand}: pool {loc.pool_index} is read-only")
-        np.copyto(np.frombuffer(pool, value.dtype, value.size, loc.offset).reshape(value.shape),
-                  value)
+        np.copyto(np.ndarray(value.shape, value.dtype, pool, loc.offset), value)

@@ -1,0 +1,195 @@
+"""The shared real models (../shared/models): LiteRT called directly against
+nnrt's litert driver and the reference driver, in one process, one run.
+
+Per model, median and p99 milliseconds per execution of:
+
+* ``litert direct``: ``ai_edge_litert`` Interpreter on the ``.tflite`` file,
+  1 thread: ``set_tensor``, ``invoke``, ``get_tensor`` per run (what a user
+  would run instead of nnrt);
+* ``driver``: the litert driver's ``execute_synchronously`` on a ready-made
+  request, the NNAPI model read from the same file (one copy in, one out);
+* ``nnrt API``: ``await compiled.execute([x])`` on the in-process litert
+  device (staging, a worker thread, the driver, the result arrays);
+* ``reference``: the same through the reference driver (fewer runs: slow);
+
+and the ratios to LiteRT direct. Configurations are timed in alternating
+blocks of ``BLOCK`` runs (each interpreter keeps its own packed weights, so
+alternating run by run would time cache misses; alternating blocks spreads
+a noisy spell on the shared machine over all of them).
+The litert driver runs with its default segmenting (segments of about 2 ms)
+unless ``--segment-ms 0`` (one segment).
+
+    .venv/bin/python benchmarks/models.py [--runs N] [--models GLOB] [--segment-ms MS]
+                                          [--segments-of MODEL]
+
+``--segments-of MODEL`` instead times MODEL end to end through the driver cut
+into 1, 4 and 16 segments (the granularity cost in docs/qos.md).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+import nnrt
+from nnrt.drivers.litert import LiteRTDevice
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.hal import Request, RequestArgument
+from nnrt.model.graph import DataLocation
+from nnrt.testing import tflite_subset
+
+MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+NAMES = [
+    "generated/mobilenet_v1_0.25_128_float32", "generated/mobilenet_v1_0.25_128_int8",
+    "generated/mobilenet_v1_0.25_128_uint8", "generated/mobilenet_v1_1.0_224_int8",
+    "generated/mobilenet_v2_0.35_96_float32", "generated/mobilenet_v2_0.35_96_int8",
+    "generated/mobilenet_v2_1.0_224_int8", "conv/conv3x3_112x112x32to64_float32",
+    "conv/conv3x3_112x112x32to64_int8", "mediapipe/face_detection_short_range",
+    "mediapipe/hand_landmark_lite", "mediapipe/palm_detection_lite",
+]
+NOT_READ = ["lstm_20x40_* (UNPACK/PACK, WHILE, sequence LSTM)", "pose_detection (DENSIFY)",
+            "selfie_segmentation (custom op)"]
+
+
+def request(hal, inputs: list[np.ndarray]) -> tuple[Request, list[np.ndarray]]:
+    outputs = [np.empty(hal.main.operands[i].dimensions, hal.main.operands[i].type.dtype)
+               for i in hal.main.output_indexes]
+    arrays = [*inputs, *outputs]
+    args = [RequestArgument(False, DataLocation(k, 0, a.nbytes)) for k, a in enumerate(arrays)]
+    return (Request(tuple(args[:len(inputs)]), tuple(args[len(inputs):]),
+                    tuple(a.reshape(-1).view(np.uint8) for a in arrays)), outputs)
+
+
+def direct(path: Path, inputs: list[np.ndarray]):
+    from ai_edge_litert.interpreter import Interpreter
+    interp = Interpreter(model_path=str(path), num_threads=1)
+    interp.allocate_tensors()
+    ins = [d["index"] for d in interp.get_input_details()]
+    outs = [d["index"] for d in interp.get_output_details()]
+
+    def run():
+        for index, x in zip(ins, inputs):
+            interp.set_tensor(index, x)
+        interp.invoke()
+        return [interp.get_tensor(o) for o in outs]
+    return run
+
+
+BLOCK = 20
+
+
+def stats(samples: list[float]) -> tuple[float, float]:
+    a = np.sort(np.asarray(samples)) * 1e3
+    return float(np.median(a)), float(a[min(len(a) - 1, int(np.ceil(0.99 * len(a))) - 1)])
+
+
+async def bench_model(name: str, runs: int, segment_time: float | None) -> list:
+    path = Path(f"{MODELS / name}.tflite")
+    stem = MODELS / name
+    inputs = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".in*.npy"))]
+    model = tflite_subset.load(path)
+    hal = model.hal_model
+    litert = LiteRTDevice(segment_time=segment_time)
+    prepared = litert.prepare_model_synchronously(hal)
+    req, _ = request(hal, inputs)
+    results: dict[str, list[float]] = {"direct": [], "driver": [], "api": [], "reference": []}
+    async with nnrt.Runtime(devices=[litert]) as rt, \
+            nnrt.Runtime(devices=[ReferenceDevice()]) as ref_rt:
+        compiled = await rt.compile(model)
+        reference = await ref_rt.compile(model)
+        calls = {
+            "direct": direct(path, inputs),
+            "driver": lambda: prepared.execute_synchronously(req),
+        }
+        for fn in calls.values():       # warm up
+            for _ in range(5):
+                fn()
+        for _ in range(5):
+            await compiled.execute(inputs)
+        await reference.execute(inputs)
+        for block in range(max(1, runs // BLOCK)):
+            for key, fn in calls.items():
+                for _ in range(BLOCK):
+                    start = time.perf_counter()
+                    fn()
+                    results[key].append(time.perf_counter() - start)
+            for _ in range(BLOCK):
+                start = time.perf_counter()
+                await compiled.execute(inputs)
+                results["api"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await reference.execute(inputs)
+            results["reference"].append(time.perf_counter() - start)
+    row = [name.split("/")[-1], prepared.segment_count]
+    base = stats(results["direct"])[0]
+    for key in ("direct", "driver", "api", "reference"):
+        med, p99 = stats(results[key])
+        row += [med, p99] + ([] if key == "direct" else [med / base])
+    return row
+
+
+async def granularity(name: str, runs: int) -> None:
+    path = Path(f"{MODELS / name}.tflite")
+    stem = MODELS / name
+    inputs = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".in*.npy"))]
+    hal = tflite_subset.load(path).hal_model
+    calls = {}
+    for n in (1, 4, 16):
+        prepared = LiteRTDevice(segments=n, segment_time=None).prepare_model_synchronously(hal)
+        req, _ = request(hal, inputs)
+        calls[prepared.segment_count] = (lambda p=prepared, r=req: p.execute_synchronously(r))
+    samples = {n: [] for n in calls}
+    for fn in calls.values():
+        for _ in range(5):
+            fn()
+    for _ in range(max(1, runs // BLOCK)):
+        for n, fn in calls.items():
+            for _ in range(BLOCK):
+                start = time.perf_counter()
+                fn()
+                samples[n].append(time.perf_counter() - start)
+    base = stats(samples[1])[0]
+    print(f"{name}: end to end through the litert driver, by segment count ({runs} runs each)")
+    print("| segments | median ms | p99 ms | vs 1 segment |")
+    print("|---:|---:|---:|---:|")
+    for n, s in samples.items():
+        med, p99 = stats(s)
+        print(f"| {n} | {med:.3f} | {p99:.3f} | {med / base:.3f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--models", default="*", help="fnmatch glob on model names")
+    parser.add_argument("--segment-ms", type=float, default=2.0,
+                        help="the driver's segment budget in ms (0: one segment)")
+    parser.add_argument("--segments-of", metavar="MODEL",
+                        help="time MODEL with 1, 4 and 16 segments instead")
+    args = parser.parse_args()
+    if args.segments_of:
+        name = next(n for n in NAMES if n.endswith(args.segments_of))
+        anyio.run(granularity, name, args.runs)
+        return
+    segment_time = args.segment_ms / 1e3 if args.segment_ms > 0 else None
+    print(f"LiteRT direct (1 thread) vs nnrt litert driver vs reference driver; "
+          f"{args.runs} runs each (reference: {max(1, args.runs // BLOCK)}), "
+          f"median / p99 ms, ratio = median / LiteRT direct median")
+    print("| model | segs | LiteRT direct | driver | ratio | nnrt API | ratio | reference | ratio |")
+    print("|---|---:|---|---|---:|---|---:|---|---:|")
+    for name in NAMES:
+        if not fnmatch.fnmatch(name.split("/")[-1], args.models):
+            continue
+        row = anyio.run(bench_model, name, args.runs, segment_time)
+        model, segs, dm, dp, drm, drp, drr, am, ap, ar, rm, rp, rr = row
+        print(f"| {model} | {segs} | {dm:.3f} / {dp:.3f} | {drm:.3f} / {drp:.3f} | {drr:.2f}x "
+              f"| {am:.3f} / {ap:.3f} | {ar:.2f}x | {rm:.2f} / {rp:.2f} | {rr:.1f}x |",
+              flush=True)
+    print("not read by the test reader (no numbers): " + "; ".join(NOT_READ))
+
+
+if __name__ == "__main__":
+    main()
