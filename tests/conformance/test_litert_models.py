@@ -38,8 +38,8 @@ def test_shared_model_on_litert_matches_litert_called_directly(name):
     inputs = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".in*.npy"))]
     expected = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".out*.npy"))]
     device = LiteRTDevice()
-    assert all(device.supported_operations(model.hal_model)), device.unsupported_reasons(
-        model.hal_model)
+    assert all(anyio.run(device.supported_operations, model.hal_model)), \
+        device.unsupported_reasons(model.hal_model)
 
     async def run():
         async with nnrt.Runtime(devices=[device]) as rt:

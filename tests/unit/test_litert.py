@@ -140,7 +140,7 @@ def request_for(inputs: list[np.ndarray], outputs: list[np.ndarray]) -> Request:
 def test_mobilenet_like_float32_matches_the_reference(relaxed):
     model = mobilenet_like(relaxed)
     litert = LiteRTDevice()
-    assert all(litert.supported_operations(model.hal_model))
+    assert all(anyio.run(litert.supported_operations, model.hal_model))
     x = random_input(model)
     got, devices = anyio.run(run_on, [litert], model, [x])
     want, _ = anyio.run(run_on, [ReferenceDevice()], model, [x])
@@ -160,7 +160,7 @@ def test_mobilenet_like_float32_matches_the_reference(relaxed):
 def test_quantized_conv_within_one_unit_of_the_reference(data, per_channel, filter_zp):
     model = quant_conv(data, per_channel, filter_zp)
     litert = LiteRTDevice()
-    assert litert.supported_operations(model.hal_model) == [True]
+    assert anyio.run(litert.supported_operations, model.hal_model) == [True]
     x = random_input(model)
     got, devices = anyio.run(run_on, [litert], model, [x])
     want, _ = anyio.run(run_on, [ReferenceDevice()], model, [x])
@@ -253,11 +253,15 @@ def _conv_with(padding: list[int], layout: bool | None = None, data=T.TENSOR_FLO
 
 def test_supported_operations_refuses_what_litert_cannot_run_as_nnapi_defines_it():
     litert = LiteRTDevice()
-    assert litert.supported_operations(_conv_with([1, 1, 1, 1])) == [True]    # = SAME
-    assert litert.supported_operations(_conv_with([0, 0, 0, 0])) == [True]    # = VALID
-    assert litert.supported_operations(_conv_with([2, 0, 1, 1])) == [False]   # neither
-    assert litert.supported_operations(_conv_with([1, 1, 1, 1], layout=True)) == [False]  # NCHW
-    assert litert.supported_operations(_conv_with([1, 1, 1, 1], data=T.TENSOR_FLOAT16)) == [False]
+
+    def supported(hal):
+        return anyio.run(litert.supported_operations, hal)
+
+    assert supported(_conv_with([1, 1, 1, 1])) == [True]    # = SAME
+    assert supported(_conv_with([0, 0, 0, 0])) == [True]    # = VALID
+    assert supported(_conv_with([2, 0, 1, 1])) == [False]   # neither
+    assert supported(_conv_with([1, 1, 1, 1], layout=True)) == [False]  # NCHW
+    assert supported(_conv_with([1, 1, 1, 1], data=T.TENSOR_FLOAT16)) == [False]
     reasons = litert.unsupported_reasons(_conv_with([2, 0, 1, 1]))
     assert "neither SAME nor VALID" in reasons[0]
 
@@ -271,7 +275,7 @@ def test_an_unsupported_operation_is_partitioned_to_the_reference_device():
     out = b.op(O.LOGISTIC, [z], b.tensor([2, 6]))
     model = b.finish([x], [out])
     litert = LiteRTDevice()
-    assert litert.supported_operations(model.hal_model) == [True, False, True]
+    assert anyio.run(litert.supported_operations, model.hal_model) == [True, False, True]
     data = RNG.standard_normal((2, 6)).astype(np.float32)
     got, devices = anyio.run(run_on, [litert, ReferenceDevice()], model, [data])
     want, _ = anyio.run(run_on, [ReferenceDevice()], model, [data])
@@ -420,7 +424,8 @@ def test_num_threads_and_settings_are_checked():
         LiteRTDevice(num_threads=0)
     with pytest.raises(NnrtError):
         LiteRTDevice(segment_time=0)
-    assert LiteRTDevice().scheduling().boundaries == "segment"
+    from nnrt.hal import Boundaries
+    assert LiteRTDevice().scheduling().boundaries is Boundaries.SEGMENT
 
 
 def test_timing_is_measured_when_asked():

@@ -19,11 +19,11 @@ def available() -> bool:
 def __getattr__(name: str):
     # The driver module imports LiteRT's schema packages: load it only when
     # asked for, so `import nnrt.drivers.litert` works without them.
-    if name in ("LiteRTDevice", "LiteRTPreparedModel", "Scheduling", "DEFAULT_SEGMENT_TIME"):
+    if name in ("LiteRTDevice", "LiteRTPreparedModel", "DEFAULT_SEGMENT_TIME"):
         from . import driver
         return getattr(driver, name)
     raise AttributeError(name)
 
 
-__all__ = ["DEFAULT_SEGMENT_TIME", "LiteRTDevice", "LiteRTPreparedModel", "Scheduling",
+__all__ = ["DEFAULT_SEGMENT_TIME", "LiteRTDevice", "LiteRTPreparedModel",
            "available"]

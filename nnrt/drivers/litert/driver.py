@@ -11,18 +11,17 @@ checkpoint between two, and copies each output once into the request's pool.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Hashable
 
 import anyio
 import numpy as np
 
 from ..._version import __version__
 from ...errors import ErrorStatus, NnrtError, invalid
-from ...hal import (NO_TIMING, Capabilities, Device, DeviceType, ExecutionPreference,
-                    ExecutionResult, OutputShape, PerformanceInfo, PreparedModel, Priority,
-                    Request, Timing, check_deadline, check_priority)
+from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device,
+                    DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
+                    PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
+                    check_deadline, check_priority)
 from ...hal.validate import validate_model, validate_request
 from ...memory import as_buffer
 from ...model.types import OperandType
@@ -41,15 +40,6 @@ _TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_INT32,
               OperandType.TENSOR_QUANT8_SYMM, OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL,
               OperandType.TENSOR_BOOL8, OperandType.FLOAT32, OperandType.INT32,
               OperandType.BOOL)
-
-
-@dataclass(frozen=True)
-class Scheduling:
-    """What a scheduler in front of this driver may do with it: stop an
-    execution between segments, run ``slots`` executions at once."""
-
-    boundaries: str = "segment"
-    slots: int = 1
 
 
 def litert_version() -> str:
@@ -85,9 +75,12 @@ class LiteRTDevice(Device):
                                            for t in OperandType}, _NOT_RUN, _NOT_RUN)
 
     def scheduling(self) -> Scheduling:
-        return Scheduling(boundaries="segment", slots=1)
+        # Stops between segments; one execution at a time (the scheduler, not
+        # the driver, decides how many run at once, and with one thread per
+        # interpreter one slot keeps a core for everyone else).
+        return Scheduling(Boundaries.SEGMENT, slots=1)
 
-    def supported_operations(self, model) -> list[bool]:
+    async def supported_operations(self, model) -> list[bool]:
         dims = validate_model(model).dims[None]
         return [self._why_not(model, k, dims) is None for k in range(len(model.main.operations))]
 
@@ -110,7 +103,7 @@ class LiteRTDevice(Device):
     async def prepare_model(self, model, preference: ExecutionPreference =
                             ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                            cache=None, *, app: Hashable = None) -> "LiteRTPreparedModel":
+                            cache=None, *, app: AppKey = None) -> "LiteRTPreparedModel":
         return await anyio.to_thread.run_sync(
             partial(self.prepare_model_synchronously, model, preference, priority, deadline,
                     app=app))
@@ -119,7 +112,7 @@ class LiteRTDevice(Device):
                                     ExecutionPreference.FAST_SINGLE_ANSWER,
                                     priority: Priority = Priority.MEDIUM,
                                     deadline: float | None = None, *,
-                                    app: Hashable = None) -> "LiteRTPreparedModel":
+                                    app: AppKey = None) -> "LiteRTPreparedModel":
         try:
             ExecutionPreference(preference)
         except ValueError:
@@ -164,7 +157,7 @@ class LiteRTDevice(Device):
 
 
 class LiteRTPreparedModel(PreparedModel):
-    def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: Hashable,
+    def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: AppKey,
                  estimated_seconds: float):
         self.model = model
         self.priority = priority
@@ -188,15 +181,9 @@ class LiteRTPreparedModel(PreparedModel):
     def segment_count(self) -> int:
         return len(self.runner.segments)
 
-    async def execute(self, request: Request, measure: bool = False,
-                      deadline: float | None = None,
-                      loop_timeout: float | None = None) -> ExecutionResult:
-        return await anyio.to_thread.run_sync(
-            partial(self.execute_synchronously, request, measure, deadline, loop_timeout))
-
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None, loop_timeout: float | None = None,
-                              *, checkpoint: Callable[[], None] | None = None) -> ExecutionResult:
+                              *, checkpoint: Checkpoint | None = None) -> ExecutionResult:
         started = time.perf_counter()
         try:
             deadline = check_deadline(deadline)
