@@ -9,7 +9,11 @@ Per model, median and p99 milliseconds per execution of:
 * ``driver``: the litert driver's ``execute_synchronously`` on a ready-made
   request, the NNAPI model read from the same file (one copy in, one out);
 * ``nnrt API``: ``await compiled.execute([x])`` on the in-process litert
-  device (staging, a worker thread, the driver, the result arrays);
+  device (staging, the QoS front's worker thread, the driver, the result
+  arrays);
+* ``burst``: ``await burst.execute([x])`` through a burst session to a
+  ``litert`` driver service (``nnrt driver serve --driver litert``, spawned
+  once for the run);
 * ``reference``: the same through the reference driver (fewer runs: slow);
 
 and the ratios to LiteRT direct. Configurations are timed in alternating
@@ -87,7 +91,7 @@ def stats(samples: list[float]) -> tuple[float, float]:
     return float(np.median(a)), float(a[min(len(a) - 1, int(np.ceil(0.99 * len(a))) - 1)])
 
 
-async def bench_model(name: str, runs: int, segment_time: float | None) -> list:
+async def bench_model(name: str, runs: int, segment_time: float | None, service_rt) -> list:
     path = Path(f"{MODELS / name}.tflite")
     stem = MODELS / name
     inputs = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".in*.npy"))]
@@ -96,37 +100,42 @@ async def bench_model(name: str, runs: int, segment_time: float | None) -> list:
     litert = LiteRTDevice(segment_time=segment_time)
     prepared = litert.prepare_model_synchronously(hal)
     req, _ = request(hal, inputs)
-    results: dict[str, list[float]] = {"direct": [], "driver": [], "api": [], "reference": []}
+    results: dict[str, list[float]] = {"direct": [], "driver": [], "api": [], "burst": [],
+                                       "reference": []}
+    sync_calls = {"direct": direct(path, inputs),
+                  "driver": lambda: prepared.execute_synchronously(req)}
     async with nnrt.Runtime(devices=[litert]) as rt, \
             nnrt.Runtime(devices=[ReferenceDevice()]) as ref_rt:
         compiled = await rt.compile(model)
         reference = await ref_rt.compile(model)
-        calls = {
-            "direct": direct(path, inputs),
-            "driver": lambda: prepared.execute_synchronously(req),
-        }
-        for fn in calls.values():       # warm up
-            for _ in range(5):
-                fn()
-        for _ in range(5):
-            await compiled.execute(inputs)
-        await reference.execute(inputs)
-        for block in range(max(1, runs // BLOCK)):
-            for key, fn in calls.items():
-                for _ in range(BLOCK):
-                    start = time.perf_counter()
+        served = await service_rt.compile(model, devices=["litert-service"])
+        async with served.burst() as burst:
+            async_calls = {"api": lambda: compiled.execute(inputs),
+                           "burst": lambda: burst.execute(inputs)}
+            for _ in range(5):       # warm up
+                for fn in sync_calls.values():
                     fn()
-                    results[key].append(time.perf_counter() - start)
-            for _ in range(BLOCK):
-                start = time.perf_counter()
-                await compiled.execute(inputs)
-                results["api"].append(time.perf_counter() - start)
-            start = time.perf_counter()
+                for fn in async_calls.values():
+                    await fn()
             await reference.execute(inputs)
-            results["reference"].append(time.perf_counter() - start)
+            for _ in range(max(1, runs // BLOCK)):
+                for key, fn in sync_calls.items():
+                    for _ in range(BLOCK):
+                        start = time.perf_counter()
+                        fn()
+                        results[key].append(time.perf_counter() - start)
+                for key, fn in async_calls.items():
+                    for _ in range(BLOCK):
+                        start = time.perf_counter()
+                        await fn()
+                        results[key].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                await reference.execute(inputs)
+                results["reference"].append(time.perf_counter() - start)
+        served.close()
     row = [name.split("/")[-1], prepared.segment_count]
     base = stats(results["direct"])[0]
-    for key in ("direct", "driver", "api", "reference"):
+    for key in ("direct", "driver", "api", "burst", "reference"):
         med, p99 = stats(results[key])
         row += [med, p99] + ([] if key == "direct" else [med / base])
     return row
@@ -178,16 +187,22 @@ def main() -> None:
     print(f"LiteRT direct (1 thread) vs nnrt litert driver vs reference driver; "
           f"{args.runs} runs each (reference: {max(1, args.runs // BLOCK)}), "
           f"median / p99 ms, ratio = median / LiteRT direct median")
-    print("| model | segs | LiteRT direct | driver | ratio | nnrt API | ratio | reference | ratio |")
-    print("|---|---:|---|---|---:|---|---:|---|---:|")
-    for name in NAMES:
-        if not fnmatch.fnmatch(name.split("/")[-1], args.models):
-            continue
-        row = anyio.run(bench_model, name, args.runs, segment_time)
-        model, segs, dm, dp, drm, drp, drr, am, ap, ar, rm, rp, rr = row
-        print(f"| {model} | {segs} | {dm:.3f} / {dp:.3f} | {drm:.3f} / {drp:.3f} | {drr:.2f}x "
-              f"| {am:.3f} / {ap:.3f} | {ar:.2f}x | {rm:.2f} / {rp:.2f} | {rr:.1f}x |",
-              flush=True)
+    print("| model | segs | LiteRT direct | driver | ratio | nnrt API | ratio | burst to service "
+          "| ratio | reference | ratio |")
+    print("|---|---:|---|---|---:|---|---:|---|---:|---|---:|")
+    names = [n for n in NAMES if fnmatch.fnmatch(n.split("/")[-1], args.models)]
+    anyio.run(table, names, args.runs, segment_time)
+
+
+async def table(names: list[str], runs: int, segment_time: float | None) -> None:
+    async with nnrt.Runtime(spawn=[("litert-service", "litert")], discover=False,
+                            litert=False) as service_rt:
+        for name in names:
+            row = await bench_model(name, runs, segment_time, service_rt)
+            model, segs, dm, dp, drm, drp, drr, am, ap, ar, bm, bp, br, rm, rp, rr = row
+            print(f"| {model} | {segs} | {dm:.3f} / {dp:.3f} | {drm:.3f} / {drp:.3f} | {drr:.2f}x "
+                  f"| {am:.3f} / {ap:.3f} | {ar:.2f}x | {bm:.3f} / {bp:.3f} | {br:.2f}x "
+                  f"| {rm:.2f} / {rp:.2f} | {rr:.1f}x |", flush=True)
     print("not read by the test reader (no numbers): " + "; ".join(NOT_READ))
 
 

@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = driver.add_parser("serve", help="run a driver in this process on a Unix socket")
     serve.add_argument("name", help="the device name the service reports")
     serve.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
-    serve.add_argument("--driver", choices=["reference", "sample-float-fast", "sample-float-slow",
-                                            "sample-minimal", "sample-quant", "sample-partial"],
+    serve.add_argument("--driver", choices=["reference", "litert", "sample-float-fast",
+                                            "sample-float-slow", "sample-minimal", "sample-quant",
+                                            "sample-partial"],
                        help="which driver to serve (default: NAME if it is one of these, "
                             "else reference)")
     serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",

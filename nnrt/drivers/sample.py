@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .._version import __version__
-from ..errors import invalid
+from ..errors import ErrorStatus, NnrtError, invalid
 from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
 from ..hal import Capabilities, Device, DeviceType, PerformanceInfo
@@ -109,8 +109,18 @@ class PartialDevice(SampleDevice):
         return op.type in self.OPERATIONS
 
 
+def _litert(name: str) -> Device:
+    # Imported when asked for: nnrt works without LiteRT installed.
+    from . import litert
+    if not litert.available():
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                        "the litert driver needs ai-edge-litert, tflite and flatbuffers")
+    return litert.LiteRTDevice(name)
+
+
 DRIVERS: dict[str, Callable[[str], Device]] = {
     "reference": ReferenceDevice,
+    "litert": _litert,
     "sample-float-fast": FloatFastDevice,
     "sample-float-slow": FloatSlowDevice,
     "sample-minimal": MinimalDevice,
