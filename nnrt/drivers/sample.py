@@ -109,16 +109,16 @@ class PartialDevice(SampleDevice):
         return op.type in self.OPERATIONS
 
 
-def _litert(name: str) -> Device:
+def _litert(name: str, **settings) -> Device:
     # Imported when asked for: nnrt works without LiteRT installed.
     from . import litert
     if not litert.available():
         raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
                         "the litert driver needs ai-edge-litert, tflite and flatbuffers")
-    return litert.LiteRTDevice(name)
+    return litert.LiteRTDevice(name, **settings)
 
 
-DRIVERS: dict[str, Callable[[str], Device]] = {
+DRIVERS: dict[str, Callable[..., Device]] = {
     "reference": ReferenceDevice,
     "litert": _litert,
     "sample-float-fast": FloatFastDevice,
@@ -129,10 +129,18 @@ DRIVERS: dict[str, Callable[[str], Device]] = {
 }
 
 
-def make_driver(kind: str, name: str | None = None) -> Device:
-    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``)."""
+# The drivers that take settings (keyword arguments of their factory).
+SETTINGS = {"litert": frozenset({"num_threads", "segment_time"})}
+
+
+def make_driver(kind: str, name: str | None = None, **settings) -> Device:
+    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default:
+    ``kind``), with ``settings`` for a driver that takes them (SETTINGS)."""
     try:
         factory = DRIVERS[kind]
     except KeyError:
         raise invalid(f"no driver {kind!r}; drivers: {', '.join(DRIVERS)}") from None
-    return factory(name or kind)
+    unknown = set(settings) - SETTINGS.get(kind, frozenset())
+    if unknown:
+        raise invalid(f"driver {kind!r} takes no setting {', '.join(sorted(unknown))}")
+    return factory(name or kind, **settings)
