@@ -17,9 +17,10 @@ Per model, median and p99 milliseconds per execution of:
 * ``reference``: the same through the reference driver (fewer runs: slow);
 
 and the ratios to LiteRT direct. Configurations are timed in alternating
-blocks of ``BLOCK`` runs (each interpreter keeps its own packed weights, so
-alternating run by run would time cache misses; alternating blocks spreads
-a noisy spell on the shared machine over all of them).
+blocks of ``BLOCK`` runs, in an order rotated block by block (each
+interpreter keeps its own packed weights, so alternating run by run would
+time cache misses; alternating blocks spreads a noisy spell on the shared
+machine over all of them); the reference driver is timed after the others.
 The litert driver runs with its default segmenting (segments of about 2 ms)
 unless ``--segment-ms 0`` (one segment).
 
@@ -117,18 +118,24 @@ async def bench_model(name: str, runs: int, segment_time: float | None, service_
                     fn()
                 for fn in async_calls.values():
                     await fn()
+            calls = [(key, fn, False) for key, fn in sync_calls.items()] + \
+                [(key, fn, True) for key, fn in async_calls.items()]
+            for block in range(max(1, runs // BLOCK)):
+                # Rotate the order: whatever a configuration leaves behind
+                # (a service thread still spinning) hits each one alike.
+                k = block % len(calls)
+                for key, fn, is_async in calls[k:] + calls[:k]:
+                    for _ in range(BLOCK):
+                        start = time.perf_counter()
+                        if is_async:
+                            await fn()
+                        else:
+                            fn()
+                        results[key].append(time.perf_counter() - start)
+            # The reference last and on its own: numpy's BLAS threads keep
+            # spinning for a while after a call and would slow whatever ran next.
             await reference.execute(inputs)
             for _ in range(max(1, runs // BLOCK)):
-                for key, fn in sync_calls.items():
-                    for _ in range(BLOCK):
-                        start = time.perf_counter()
-                        fn()
-                        results[key].append(time.perf_counter() - start)
-                for key, fn in async_calls.items():
-                    for _ in range(BLOCK):
-                        start = time.perf_counter()
-                        await fn()
-                        results[key].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 await reference.execute(inputs)
                 results["reference"].append(time.perf_counter() - start)
