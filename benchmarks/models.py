@@ -55,8 +55,9 @@ NAMES = [
     "generated/mobilenet_v2_1.0_224_int8", "conv/conv3x3_112x112x32to64_float32",
     "conv/conv3x3_112x112x32to64_int8", "mediapipe/face_detection_short_range",
     "mediapipe/hand_landmark_lite", "mediapipe/palm_detection_lite",
+    "generated/lstm_20x40_unrolled_float32",
 ]
-NOT_READ = ["lstm_20x40_* (UNPACK/PACK, WHILE, sequence LSTM)", "pose_detection (DENSIFY)",
+NOT_READ = ["lstm_20x40_fused/_while (sequence LSTM, WHILE)", "pose_detection (DENSIFY)",
             "selfie_segmentation (custom op)"]
 
 

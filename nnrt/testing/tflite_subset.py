@@ -2,12 +2,14 @@
 
 A stopgap for tests and benchmarks of the litert driver until the full
 importer (``nnrt.tflite``) lands: it covers the builtins of the shared
-MobileNet, conv and mediapipe detector/landmark models and nothing else
+MobileNet, conv, unrolled LSTM and mediapipe detector/landmark models and
+nothing else
 (anything else raises NotImplementedError naming the operator). Shapes are
 static; float16 constants behind DEQUANTIZE are folded to float32; the
 SHAPE -> STRIDED_SLICE -> PACK chain Keras puts in front of a RESHAPE is
 dropped (the RESHAPE takes its static output shape); an 8-bit requantizing
-QUANTIZE becomes DEQUANTIZE + QUANTIZE (NNAPI's QUANTIZE takes float input).
+QUANTIZE becomes DEQUANTIZE + QUANTIZE (NNAPI's QUANTIZE takes float input);
+UNPACK becomes SPLIT + RESHAPEs and PACK RESHAPEs + CONCATENATION.
 """
 from __future__ import annotations
 
@@ -242,6 +244,41 @@ class _Reader:
                 raise NotImplementedError("CONCATENATION with a fused activation")
             add(O.CONCATENATION, [*(self.op_index(t) for t in ins), self.const(o.Axis())],
                 [self.op_index(outs[0])])
+        elif code == _B.SPLIT:
+            n = _options(op, tflite.SplitOptions).NumSplits()
+            axis = int(np.asarray(self.data(ins[0])).reshape(-1)[0])
+            add(O.SPLIT, [self.op_index(ins[1]), self.const(axis), self.const(n)],
+                [self.op_index(t) for t in outs])
+        elif code == _B.UNPACK:
+            # NNAPI has no UNPACK: SPLIT into size-1 slices, RESHAPE each.
+            o = _options(op, tflite.UnpackOptions)
+            x = self.op_index(ins[0])
+            xo = self.m.operand(x)
+            shape = self.shape(ins[0])
+            axis = o.Axis() % len(shape)
+            sliced = [*shape[:axis], 1, *shape[axis + 1:]]
+            parts = [self.new(xo.type, sliced, scale=xo.scale, zero_point=xo.zero_point)
+                     for _ in outs]
+            add(O.SPLIT, [x, self.const(axis), self.const(len(outs))], parts)
+            for part, t in zip(parts, outs):
+                add(O.RESHAPE, [part, self.const(np.array(self.shape(t), np.int32),
+                                                 T.TENSOR_INT32)], [self.op_index(t)])
+        elif code == _B.PACK:
+            # NNAPI's PACK is newer than HAL 1.3: RESHAPE each, CONCATENATION.
+            o = _options(op, tflite.PackOptions)
+            out_shape = self.shape(outs[0])
+            axis = o.Axis() % len(out_shape)
+            parts = []
+            for t in ins:
+                v = self.op_index(t)
+                vo = self.m.operand(v)
+                shape = self.shape(t)
+                part = self.new(vo.type, [*shape[:axis], 1, *shape[axis:]], scale=vo.scale,
+                                zero_point=vo.zero_point)
+                add(O.RESHAPE, [v, self.const(np.array([*shape[:axis], 1, *shape[axis:]],
+                                                       np.int32), T.TENSOR_INT32)], [part])
+                parts.append(part)
+            add(O.CONCATENATION, [*parts, self.const(axis)], [self.op_index(outs[0])])
         elif code == _B.PRELU:
             add(O.PRELU, [self.op_index(ins[0]), self.op_index(ins[1])], [self.op_index(outs[0])])
         elif code == _B.RESIZE_BILINEAR:

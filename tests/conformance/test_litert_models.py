@@ -24,7 +24,7 @@ NAMES = [
     "generated/mobilenet_v2_0.35_96_float32", "generated/mobilenet_v2_0.35_96_int8",
     "generated/mobilenet_v2_0.35_96_uint8io", "generated/mobilenet_v2_1.0_224_int8",
     "mediapipe/face_detection_short_range", "mediapipe/hand_landmark_lite",
-    "mediapipe/palm_detection_lite",
+    "mediapipe/palm_detection_lite", "generated/lstm_20x40_unrolled_float32",
 ]
 
 
