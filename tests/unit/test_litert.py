@@ -260,10 +260,44 @@ def test_supported_operations_refuses_what_litert_cannot_run_as_nnapi_defines_it
     assert supported(_conv_with([1, 1, 1, 1])) == [True]    # = SAME
     assert supported(_conv_with([0, 0, 0, 0])) == [True]    # = VALID
     assert supported(_conv_with([2, 0, 1, 1])) == [False]   # neither
-    assert supported(_conv_with([1, 1, 1, 1], layout=True)) == [False]  # NCHW
     assert supported(_conv_with([1, 1, 1, 1], data=T.TENSOR_FLOAT16)) == [False]
     reasons = litert.unsupported_reasons(_conv_with([2, 0, 1, 1]))
     assert "neither SAME nor VALID" in reasons[0]
+
+
+@pytest.mark.parametrize("data", [T.TENSOR_FLOAT32, T.TENSOR_QUANT8_ASYMM])
+def test_nchw_runs_as_the_nhwc_twin_between_two_transposes(data):
+    import tflite
+    b = Builder(data)
+    q = {"scale": 0.1, "zp": 3} if data != T.TENSOR_FLOAT32 else {}
+    x = b.tensor([1, 3, 6, 5], **q)     # NCHW: 3 channels, 6 x 5
+    wv = RNG.integers(0, 255, (4, 3, 3, 3)) if q else RNG.standard_normal((4, 3, 3, 3))
+    w = b.tensor([4, 3, 3, 3], value=wv.astype(data.dtype), **({"scale": 0.05, "zp": 120} if q
+                                                                else {}))
+    bias_type = T.TENSOR_INT32 if q else T.TENSOR_FLOAT32
+    bias = b.tensor([4], bias_type, scale=0.1 * 0.05 if q else 0.0,
+                    value=np.arange(4).astype(bias_type.dtype))
+    y = b.op(O.CONV_2D, [x, w, bias, b.scalar(1), b.scalar(2), b.scalar(1), b.scalar(0),
+                         b.scalar(True, T.BOOL)],
+             b.tensor([1, 4, 6, 3], **({"scale": 0.5, "zp": 100} if q else {})))
+    model = b.finish([x], [y])
+    litert = LiteRTDevice()
+    assert anyio.run(litert.supported_operations, model.hal_model) == [True]
+    prepared = litert.prepare_model_synchronously(model.hal_model)
+    graph = tflite.Model.GetRootAsModel(prepared.runner.segments[0].model, 0)
+    codes = [graph.OperatorCodes(k).BuiltinCode() for k in range(graph.OperatorCodesLength())]
+    ops = [codes[graph.Subgraphs(0).Operators(k).OpcodeIndex()]
+           for k in range(graph.Subgraphs(0).OperatorsLength())]
+    B = tflite.BuiltinOperator
+    assert ops == [B.TRANSPOSE, B.CONV_2D, B.TRANSPOSE]
+    data_in = random_input(model)
+    got, devices = anyio.run(run_on, [litert], model, [data_in])
+    want, _ = anyio.run(run_on, [ReferenceDevice()], model, [data_in])
+    assert devices == ["litert"] and got.output_shapes == [(1, 4, 6, 3)]
+    if q:
+        assert np.abs(got.outputs[0].astype(int) - want.outputs[0].astype(int)).max() <= 1
+    else:
+        np.testing.assert_allclose(got.outputs[0], want.outputs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_an_unsupported_operation_is_partitioned_to_the_reference_device():

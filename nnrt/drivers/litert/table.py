@@ -13,12 +13,13 @@ What is deliberately left to the reference driver (``Unsupported``):
   float16, and running a float16 model in float32 would change its numerics.
   (Relaxed float32 models *are* run in float32: NNAPI allows a relaxed model
   to be computed at float32 precision.)
-* the NCHW layout flag, explicit padding that is neither SAME nor VALID for
+* explicit padding that is neither SAME nor VALID for
   the operand's shapes, grouped convolutions, reductions/softmax on any
   axis but the last where the builtin only has that one; (int8 filters with
   a non-zero zero point and per-channel filters on uint8 data, which
   TFLite's kernels do not take, run exactly as their twin in the other 8-bit
-  type: see ``_finish_filtered``);
+  type: see ``_finish_filtered``; NCHW operations run as their NHWC twin
+  between two TRANSPOSEs: see ``_from_nchw``);
 * every operand whose shape is not known at preparation (the TFLite model
   is built with static shapes), and parameters that are not constants;
 * operations whose TFLite twin differs in a way that matters (CAST's
@@ -138,6 +139,48 @@ class Rule:
     types: frozenset                   # accepted types of the data tensor (see `data`)
     lower: Callable[[OpInfo], Lowered]
     data: int = 0                      # which input's type decides (-1: output 0)
+    layout: Callable[[OpInfo], int] | None = None   # the input holding the NCHW flag
+
+
+class _NhwcView(OpInfo):
+    """An NCHW operation seen as its NHWC twin: input 0 and output 0 have
+    their NHWC shapes and the layout flag reads false. The lowering of the
+    twin is wrapped in TRANSPOSEs by :func:`_from_nchw`."""
+
+    def __init__(self, info: OpInfo, layout: int):
+        super().__init__(info.model, info.index, info._dims)
+        self._layout = layout
+
+    def dims(self, k: int) -> tuple[int, ...]:
+        d = super().dims(k)
+        return (d[0], d[2], d[3], d[1]) if k == 0 else d
+
+    def out_dims(self, k: int = 0) -> tuple[int, ...]:
+        d = super().out_dims(k)
+        return (d[0], d[2], d[3], d[1]) if k == 0 else d
+
+    def flag(self, k: int, default: bool = False) -> bool:
+        return False if k == self._layout else super().flag(k, default)
+
+
+def _from_nchw(info: OpInfo, rule: "Rule", layout: int) -> tuple[Lowered, ...]:
+    """TFLite has NHWC kernels only: transpose input 0 to NHWC, run the NHWC
+    lowering, transpose output 0 back (exact for every type)."""
+    view = _NhwcView(info, layout)
+    if len(info.dims(0)) != 4 or len(info.out_dims()) != 4:
+        raise Unsupported("NCHW on a tensor that is not 4-D")
+    lowered = rule.lower(view)
+    ops = lowered if isinstance(lowered, tuple) else (replace(lowered, builtin=rule.builtin),)
+    x, y = info.op.inputs[0], info.op.outputs[0]
+    xo, yo = info.operand(0), info.out()
+    x_t = Temp(xo.type, view.dims(0), xo.scale, xo.zero_point)
+    y_t = Temp(yo.type, view.out_dims(), yo.scale, yo.zero_point)
+    to_nhwc = Lowered((x, Const(np.array([0, 2, 3, 1], np.int32))), (x_t,), builtin="TRANSPOSE")
+    to_nchw = Lowered((y_t, Const(np.array([0, 3, 1, 2], np.int32))), (y,), builtin="TRANSPOSE")
+    body = tuple(replace(op, inputs=tuple(x_t if i == x else i for i in op.inputs),
+                         outputs=tuple(y_t if o == y else o for o in op.outputs))
+                 for op in ops)
+    return (to_nhwc, *body, to_nchw)
 
 
 # --- checks shared by the lowerings -------------------------------------------
@@ -247,6 +290,22 @@ def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int):
 
 
 # --- lowerings ------------------------------------------------------------------
+
+def _conv_layout(info: OpInfo) -> int:
+    return 10 if info.n in (10, 11, 13) and info.t(7) == T.INT32 else 7
+
+
+def _depthwise_layout(info: OpInfo) -> int:
+    return 11 if info.n in (11, 12, 14) and info.t(8) == T.INT32 else 8
+
+
+def _pool_layout(info: OpInfo) -> int:
+    return 10 if info.n in (10, 11) else 7
+
+
+def _at(k: int) -> Callable[[OpInfo], int]:
+    return lambda info: k
+
 
 def _binary(options: str) -> Callable[[OpInfo], Lowered]:
     def lower(info: OpInfo) -> Lowered:
@@ -533,14 +592,17 @@ RULES: dict[Op, Rule] = {
     Op.SUB: Rule("SUB", frozenset({F32, U8, S8, I32}), _binary("SubOptions")),
     Op.MUL: Rule("MUL", frozenset({F32, U8, S8, I32}), _binary("MulOptions")),
     Op.DIV: Rule("DIV", frozenset({F32}), _binary("DivOptions")),
-    Op.CONV_2D: Rule("CONV_2D", FLOATQ, _conv),
-    Op.DEPTHWISE_CONV_2D: Rule("DEPTHWISE_CONV_2D", FLOATQ, _depthwise),
-    Op.AVERAGE_POOL_2D: Rule("AVERAGE_POOL_2D", FLOATQ, _pool),
-    Op.MAX_POOL_2D: Rule("MAX_POOL_2D", FLOATQ, _pool),
-    Op.L2_POOL_2D: Rule("L2_POOL_2D", frozenset({F32}), _pool),
+    Op.CONV_2D: Rule("CONV_2D", FLOATQ, _conv, layout=_conv_layout),
+    Op.DEPTHWISE_CONV_2D: Rule("DEPTHWISE_CONV_2D", FLOATQ, _depthwise,
+                                 layout=_depthwise_layout),
+    Op.AVERAGE_POOL_2D: Rule("AVERAGE_POOL_2D", FLOATQ, _pool, layout=_pool_layout),
+    Op.MAX_POOL_2D: Rule("MAX_POOL_2D", FLOATQ, _pool, layout=_pool_layout),
+    Op.L2_POOL_2D: Rule("L2_POOL_2D", frozenset({F32}), _pool, layout=_pool_layout),
     Op.CONCATENATION: Rule("CONCATENATION", FLOATQ, _concatenation),
-    Op.DEPTH_TO_SPACE: Rule("DEPTH_TO_SPACE", FLOATQ, _block("DepthToSpaceOptions")),
-    Op.SPACE_TO_DEPTH: Rule("SPACE_TO_DEPTH", FLOATQ, _block("SpaceToDepthOptions")),
+    Op.DEPTH_TO_SPACE: Rule("DEPTH_TO_SPACE", FLOATQ, _block("DepthToSpaceOptions"),
+                              layout=_at(2)),
+    Op.SPACE_TO_DEPTH: Rule("SPACE_TO_DEPTH", FLOATQ, _block("SpaceToDepthOptions"),
+                              layout=_at(2)),
     Op.DEQUANTIZE: Rule("DEQUANTIZE", frozenset({U8, S8, T.TENSOR_QUANT8_SYMM}), _dequantize),
     Op.QUANTIZE: Rule("QUANTIZE", frozenset({F32}), _quantize),
     Op.FLOOR: Rule("FLOOR", frozenset({F32}), _unary),
@@ -556,9 +618,10 @@ RULES: dict[Op, Rule] = {
     Op.SQUEEZE: Rule("RESHAPE", frozenset({F32, U8, S8, I32}), _requantizing(_reshape_to_output)),
     Op.EXPAND_DIMS: Rule("RESHAPE", frozenset({F32, U8, S8, I32}),
                          _requantizing(_reshape_to_output)),
-    Op.RESIZE_BILINEAR: Rule("RESIZE_BILINEAR", FLOATQ, _resize("ResizeBilinearOptions")),
+    Op.RESIZE_BILINEAR: Rule("RESIZE_BILINEAR", FLOATQ, _resize("ResizeBilinearOptions"),
+                               layout=_at(3)),
     Op.RESIZE_NEAREST_NEIGHBOR: Rule("RESIZE_NEAREST_NEIGHBOR", FLOATQ,
-                                     _resize("ResizeNearestNeighborOptions")),
+                                     _resize("ResizeNearestNeighborOptions"), layout=_at(3)),
     Op.SOFTMAX: Rule("SOFTMAX", FLOATQ, _softmax),
     Op.LOG_SOFTMAX: Rule("LOG_SOFTMAX", frozenset({F32}), _log_softmax),
     Op.PAD: Rule("PAD", FLOATQ, _requantizing(_pad)),
@@ -572,8 +635,10 @@ RULES: dict[Op, Rule] = {
     Op.REDUCE_ALL: Rule("REDUCE_ALL", frozenset({BOOL8}), _reduce),
     Op.STRIDED_SLICE: Rule("STRIDED_SLICE", FLOATQ, _requantizing(_strided_slice)),
     Op.TRANSPOSE: Rule("TRANSPOSE", FLOATQ, _requantizing(_transpose)),
-    Op.BATCH_TO_SPACE_ND: Rule("BATCH_TO_SPACE_ND", FLOATQ, _requantizing(_batch_to_space)),
-    Op.SPACE_TO_BATCH_ND: Rule("SPACE_TO_BATCH_ND", FLOATQ, _requantizing(_space_to_batch)),
+    Op.BATCH_TO_SPACE_ND: Rule("BATCH_TO_SPACE_ND", FLOATQ, _requantizing(_batch_to_space),
+                                 layout=_at(2)),
+    Op.SPACE_TO_BATCH_ND: Rule("SPACE_TO_BATCH_ND", FLOATQ, _requantizing(_space_to_batch),
+                                 layout=_at(3)),
     Op.ARGMAX: Rule("ARG_MAX", frozenset({F32, I32, U8, S8}), _arg("ArgMaxOptions")),
     Op.ARGMIN: Rule("ARG_MIN", frozenset({F32, I32, U8, S8}), _arg("ArgMinOptions")),
     Op.EQUAL: Rule("EQUAL", _COMPARE, _plain),
@@ -614,8 +679,12 @@ def lower(info: OpInfo) -> tuple[Lowered, ...]:
     data = info.out().type if rule.data < 0 else info.t(rule.data)
     if data not in rule.types:
         raise Unsupported(f"{info.type.name} on {data.name}")
-    lowered = rule.lower(info)
-    ops = lowered if isinstance(lowered, tuple) else (replace(lowered, builtin=rule.builtin),)
+    layout = rule.layout(info) if rule.layout is not None else None
+    if layout is not None and layout < info.n and info.flag(layout):
+        ops = _from_nchw(info, rule, layout)
+    else:
+        lowered = rule.lower(info)
+        ops = lowered if isinstance(lowered, tuple) else (replace(lowered, builtin=rule.builtin),)
     for op in ops:
         for i in (*op.inputs, *op.outputs):
             if not isinstance(i, int):
