@@ -260,7 +260,7 @@ def test_supported_operations_refuses_what_litert_cannot_run_as_nnapi_defines_it
     assert supported(_conv_with([1, 1, 1, 1])) == [True]    # = SAME
     assert supported(_conv_with([0, 0, 0, 0])) == [True]    # = VALID
     assert supported(_conv_with([2, 0, 1, 1])) == [False]   # neither
-    assert supported(_conv_with([1, 1, 1, 1], data=T.TENSOR_FLOAT16)) == [False]
+    assert supported(_conv_with([1, 1, 1, 1], data=T.TENSOR_FLOAT16)) == [True]  # in float32
     reasons = litert.unsupported_reasons(_conv_with([2, 0, 1, 1]))
     assert "neither SAME nor VALID" in reasons[0]
 
@@ -298,6 +298,34 @@ def test_nchw_runs_as_the_nhwc_twin_between_two_transposes(data):
         assert np.abs(got.outputs[0].astype(int) - want.outputs[0].astype(int)).max() <= 1
     else:
         np.testing.assert_allclose(got.outputs[0], want.outputs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_float16_runs_as_the_float32_twin_widened_and_rounded():
+    import tflite
+    b = Builder(T.TENSOR_FLOAT16)
+    x = b.tensor([1, 5, 5, 2])
+    w = b.tensor([3, 3, 3, 2], value=RNG.standard_normal((3, 3, 3, 2)).astype(np.float16))
+    bias = b.tensor([3], value=np.ones(3, np.float16))
+    y = b.op(O.CONV_2D, [x, w, bias, b.scalar(1), b.scalar(1), b.scalar(1), b.scalar(1)],
+             b.tensor([1, 5, 5, 3]))
+    model = b.finish([x], [y])
+    litert = LiteRTDevice()
+    prepared = litert.prepare_model_synchronously(model.hal_model)
+    graph = tflite.Model.GetRootAsModel(prepared.runner.segments[0].model, 0)
+    codes = [graph.OperatorCodes(k).BuiltinCode() for k in range(graph.OperatorCodesLength())]
+    ops = [codes[graph.Subgraphs(0).Operators(k).OpcodeIndex()]
+           for k in range(graph.Subgraphs(0).OperatorsLength())]
+    B = tflite.BuiltinOperator
+    # input, filter, bias widened; the result rounded
+    assert ops == [B.DEQUANTIZE, B.DEQUANTIZE, B.DEQUANTIZE, B.CONV_2D, B.CAST]
+    data = RNG.standard_normal((1, 5, 5, 2)).astype(np.float16)
+    got, devices = anyio.run(run_on, [litert], model, [data])
+    want, _ = anyio.run(run_on, [ReferenceDevice()], model, [data])
+    assert devices == ["litert"] and got.outputs[0].dtype == np.float16
+    tolerance = 5 * 2.0 ** -10    # the CTS's float16 tolerance
+    np.testing.assert_allclose(got.outputs[0].astype(np.float32),
+                               want.outputs[0].astype(np.float32),
+                               atol=tolerance, rtol=tolerance)
 
 
 def test_an_unsupported_operation_is_partitioned_to_the_reference_device():

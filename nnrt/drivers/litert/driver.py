@@ -35,7 +35,8 @@ DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this lo
 # shared models (docs/litert.md), rounded in the driver's disfavour.
 _FAST = PerformanceInfo(exec_time=0.1, power_usage=0.1)
 _NOT_RUN = PerformanceInfo(float("inf"), float("inf"))
-_TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_INT32,
+_TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_FLOAT16, OperandType.FLOAT16,
+              OperandType.TENSOR_INT32,
               OperandType.TENSOR_QUANT8_ASYMM, OperandType.TENSOR_QUANT8_ASYMM_SIGNED,
               OperandType.TENSOR_QUANT8_SYMM, OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL,
               OperandType.TENSOR_BOOL8, OperandType.FLOAT32, OperandType.INT32,

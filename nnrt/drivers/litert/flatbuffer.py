@@ -18,6 +18,7 @@ from .table import Const, Lowered, Temp
 
 _TENSOR_TYPES = {
     T.TENSOR_FLOAT32: tflite.TensorType.FLOAT32,
+    T.TENSOR_FLOAT16: tflite.TensorType.FLOAT16,
     T.TENSOR_INT32: tflite.TensorType.INT32,
     T.TENSOR_QUANT8_ASYMM: tflite.TensorType.UINT8,
     T.TENSOR_QUANT8_ASYMM_SIGNED: tflite.TensorType.INT8,

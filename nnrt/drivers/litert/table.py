@@ -7,12 +7,10 @@ lowering raises :class:`Unsupported` naming what it cannot express; the
 driver's ``supported_operations`` is exactly "the rule exists and lowering
 succeeds", so what the driver claims and what it converts cannot drift apart.
 
-What is deliberately left to the reference driver (``Unsupported``):
+Float16 operations run as their float32 twin, widened and rounded around
+it (``_through_float32``); relaxed float32 models run at float32, which NNAPI
+allows. What is deliberately left to the reference driver (``Unsupported``):
 
-* TENSOR_FLOAT16 everywhere: LiteRT's builtin kernels do not compute in
-  float16, and running a float16 model in float32 would change its numerics.
-  (Relaxed float32 models *are* run in float32: NNAPI allows a relaxed model
-  to be computed at float32 precision.)
 * explicit padding that is neither SAME nor VALID for
   the operand's shapes, grouped convolutions, reductions/softmax on any
   axis but the last where the builtin only has that one; (int8 filters with
@@ -38,8 +36,9 @@ import numpy as np
 
 from ...model.types import OperandLifeTime as L, OperandType as T, OperationType as Op
 
-F32, I32, U8, S8, BOOL8 = (T.TENSOR_FLOAT32, T.TENSOR_INT32, T.TENSOR_QUANT8_ASYMM,
-                           T.TENSOR_QUANT8_ASYMM_SIGNED, T.TENSOR_BOOL8)
+F32, F16, I32, U8, S8, BOOL8 = (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_INT32,
+                                T.TENSOR_QUANT8_ASYMM, T.TENSOR_QUANT8_ASYMM_SIGNED,
+                                T.TENSOR_BOOL8)
 QUANT8 = frozenset({U8, S8})
 FLOATQ = frozenset({F32, U8, S8})
 
@@ -142,13 +141,40 @@ class Rule:
     layout: Callable[[OpInfo], int] | None = None   # the input holding the NCHW flag
 
 
-class _NhwcView(OpInfo):
+class _View(OpInfo):
+    """``base`` seen differently by a lowering; views stack (an NCHW float16
+    operation is seen as an NHWC float32 one)."""
+
+    def __init__(self, base: OpInfo):
+        super().__init__(base.model, base.index, base._dims)
+        self._base = base
+
+    def operand(self, k: int):
+        return self._base.operand(k)
+
+    def out(self, k: int = 0):
+        return self._base.out(k)
+
+    def dims(self, k: int) -> tuple[int, ...]:
+        return self._base.dims(k)
+
+    def out_dims(self, k: int = 0) -> tuple[int, ...]:
+        return self._base.out_dims(k)
+
+    def const(self, k: int):
+        return self._base.const(k)
+
+    def flag(self, k: int, default: bool = False) -> bool:
+        return self._base.flag(k, default)
+
+
+class _NhwcView(_View):
     """An NCHW operation seen as its NHWC twin: input 0 and output 0 have
     their NHWC shapes and the layout flag reads false. The lowering of the
     twin is wrapped in TRANSPOSEs by :func:`_from_nchw`."""
 
-    def __init__(self, info: OpInfo, layout: int):
-        super().__init__(info.model, info.index, info._dims)
+    def __init__(self, base: OpInfo, layout: int):
+        super().__init__(base)
         self._layout = layout
 
     def dims(self, k: int) -> tuple[int, ...]:
@@ -161,6 +187,50 @@ class _NhwcView(OpInfo):
 
     def flag(self, k: int, default: bool = False) -> bool:
         return False if k == self._layout else super().flag(k, default)
+
+
+class _Float32View(_View):
+    """A float16 operation seen as its float32 twin (its TENSOR_FLOAT16
+    operands read as TENSOR_FLOAT32; constants keep their float16 values).
+    :func:`_through_float32` puts DEQUANTIZE / CAST around the twin."""
+
+    def operand(self, k: int):
+        o = super().operand(k)
+        return replace(o, type=F32) if o.type == F16 else o
+
+    def out(self, k: int = 0):
+        o = super().out(k)
+        return replace(o, type=F32) if o.type == F16 else o
+
+
+def _through_float32(info: OpInfo, ops: tuple[Lowered, ...]) -> tuple[Lowered, ...]:
+    """Run a float16 operation in float32: every float16 tensor it reads is
+    widened by DEQUANTIZE (exact), every float16 result computed in float32
+    and rounded by CAST. NNAPI asks float16 operations for float16 precision
+    at least; computing wider and rounding once gives that."""
+    operands = info.model.main.operands
+    wide: dict[int, Temp] = {}
+    before, after = [], []
+
+    def widened(i):
+        if not isinstance(i, int) or operands[i].type != F16:
+            return i
+        if i not in wide:
+            wide[i] = Temp(F32, info._dims.get(i, operands[i].dimensions))
+            before.append(Lowered((i,), (wide[i],), builtin="DEQUANTIZE"))
+        return wide[i]
+
+    def narrowed(o):
+        if not isinstance(o, int) or operands[o].type != F16:
+            return o
+        temp = Temp(F32, info._dims.get(o, operands[o].dimensions))
+        after.append(Lowered((temp,), (o,), "CastOptions",
+                             {"InDataType": 0, "OutDataType": 1}, builtin="CAST"))
+        return temp
+
+    body = tuple(replace(op, inputs=tuple(widened(i) for i in op.inputs),
+                         outputs=tuple(narrowed(o) for o in op.outputs)) for op in ops)
+    return (*before, *body, *after)
 
 
 def _from_nchw(info: OpInfo, rule: "Rule", layout: int) -> tuple[Lowered, ...]:
@@ -497,11 +567,12 @@ def _pad(info: OpInfo) -> Lowered:
 
 def _pad_v2(info: OpInfo) -> Lowered:
     paddings = np.asarray(info.const(1), np.int32)
-    value = info.const(2)
-    dtype = info.t(0).dtype
-    return Lowered((info.op.inputs[0], Const(paddings), Const(np.array([value], dtype),
-                                                              like=info.op.inputs[0])),
-                   info.op.outputs)
+    data = info.t(0)
+    # A quantized pad value is in the input's quantization (and TFLite wants
+    # it so); a float one is a float32 tensor (float16 models run in float32).
+    value = Const(np.array([info.const(2)], data.dtype),
+                  like=info.op.inputs[0] if data in QUANT8 else None)
+    return Lowered((info.op.inputs[0], Const(paddings), value), info.op.outputs)
 
 
 def _reduce(info: OpInfo) -> Lowered:
@@ -676,21 +747,26 @@ def lower(info: OpInfo) -> tuple[Lowered, ...]:
     rule = RULES.get(info.type)
     if rule is None:
         raise Unsupported(f"no TFLite lowering for {info.type.name}")
-    data = info.out().type if rule.data < 0 else info.t(rule.data)
+    operands = info.model.main.operands
+    float16 = any(operands[i].type == F16 for i in (*info.op.inputs, *info.op.outputs))
+    view = _Float32View(info) if float16 else info
+    data = view.out().type if rule.data < 0 else view.t(rule.data)
     if data not in rule.types:
-        raise Unsupported(f"{info.type.name} on {data.name}")
-    layout = rule.layout(info) if rule.layout is not None else None
-    if layout is not None and layout < info.n and info.flag(layout):
-        ops = _from_nchw(info, rule, layout)
+        raise Unsupported(f"{info.type.name} on {(F16 if float16 else data).name}")
+    layout = rule.layout(view) if rule.layout is not None else None
+    if layout is not None and layout < view.n and view.flag(layout):
+        ops = _from_nchw(view, rule, layout)
     else:
-        lowered = rule.lower(info)
+        lowered = rule.lower(view)
         ops = lowered if isinstance(lowered, tuple) else (replace(lowered, builtin=rule.builtin),)
+    if float16:
+        ops = _through_float32(info, ops)
     for op in ops:
         for i in (*op.inputs, *op.outputs):
             if not isinstance(i, int):
                 continue
-            o = info.model.main.operands[i]
-            if o.type == T.TENSOR_FLOAT16 or o.type.is_scalar:
+            o = operands[i]
+            if o.type.is_scalar:
                 raise Unsupported(f"operand {i} is {o.type.name}")
             d = info._dims.get(i, o.dimensions)
             if not d or not all(x > 0 for x in d):
