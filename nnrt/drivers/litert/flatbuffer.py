@@ -112,13 +112,17 @@ def _per_channel_bias_scales(operands, ops: list[Lowered]) -> dict[int, tuple[fl
     input scale x filter scale of the channel."""
     scales = {}
     for lowered in ops:
-        if len(lowered.inputs) < 3 or not all(isinstance(x, int) for x in lowered.inputs[1:3]):
+        # (data, filter, bias) positions: TRANSPOSE_CONV takes the output shape first.
+        at = (2, 1, 3) if lowered.builtin == "TRANSPOSE_CONV" else (0, 1, 2)
+        if len(lowered.inputs) <= at[2]:
             continue
-        x = lowered.inputs[0]
+        x, f, b = (lowered.inputs[k] for k in at)
+        if not isinstance(f, int) or not isinstance(b, int) or x is None:
+            continue
         x_scale = x.scale if isinstance(x, Temp) else operands[x].scale
-        filt, bias = (operands[i] for i in lowered.inputs[1:3])
+        filt, bias = operands[f], operands[b]
         if filt.channel_quant is not None and bias.type == T.TENSOR_INT32:
-            scales[lowered.inputs[2]] = tuple(x_scale * s for s in filt.channel_quant.scales)
+            scales[b] = tuple(x_scale * s for s in filt.channel_quant.scales)
     return scales
 
 

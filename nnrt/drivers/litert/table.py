@@ -314,7 +314,8 @@ def _check_filter(info: OpInfo, data: T, filt: int) -> None:
         raise Unsupported(f"int8 data with a {ft.name} filter")
 
 
-def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int):
+def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int,
+                     at: tuple[int, int] = (0, 1)):
     """``op`` as it is, or run as its twin in the other 8-bit type where
     TFLite's kernels do not take the filter:
 
@@ -327,7 +328,8 @@ def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int):
     with zero point z + 128, so QUANTIZE (a pure shift at equal scales)
     turns the data (and an asymmetric filter) into the twin type, the
     twin's kernel runs, and QUANTIZE turns the result back: bit for bit
-    what the twin model computes, shifted by 128."""
+    what the twin model computes, shifted by 128. ``at`` gives the positions
+    of the data and the filter among the TFLite operator's inputs."""
     w = info.operand(filt)
     data = info.t(0)
     if data == S8 and w.type == S8 and w.zero_point != 0:
@@ -345,13 +347,15 @@ def _finish_filtered(info: OpInfo, op: Lowered, builtin: str, filt: int):
         return temp
 
     inputs = list(op.inputs)
-    inputs[0] = to_twin(0)
+    data_at, filter_at = at
+    inputs[data_at] = to_twin(0)
     if w.type == S8:
         if w.lifetime in (L.CONSTANT_COPY, L.CONSTANT_REFERENCE):
-            inputs[filt] = Const((np.asarray(info.const(filt), np.int16) + shift).astype(np.uint8),
-                                 quant=(twin, w.scale, w.zero_point + shift))
+            inputs[filter_at] = Const(
+                (np.asarray(info.const(filt), np.int16) + shift).astype(np.uint8),
+                quant=(twin, w.scale, w.zero_point + shift))
         else:
-            inputs[filt] = to_twin(filt)
+            inputs[filter_at] = to_twin(filt)
     out = info.out()
     y = Temp(twin, info.out_dims(), out.scale, out.zero_point + shift)
     ops.append(replace(op, inputs=tuple(inputs), outputs=(y,), builtin=builtin))
@@ -447,6 +451,52 @@ def _depthwise(info: OpInfo) -> Lowered:
                   "FusedActivationFunction": _activation(info, act),
                   "DilationWFactor": d[0], "DilationHFactor": d[1]})
     return _finish_filtered(info, op, "DEPTHWISE_CONV_2D", 1)
+
+
+def _transpose_conv_layout(info: OpInfo) -> int:
+    return 10 if info.n == 11 else 8
+
+
+def _transpose_conv(info: OpInfo) -> Lowered:
+    """NNAPI's filter [out, h, w, in] is TFLite's; TFLite takes the output
+    shape as its first input and a padding whose head (left/top) it computes
+    as a convolution's SAME or VALID head from that output size, then crops
+    to the output: so explicit padding maps when its heads are those."""
+    explicit = info.n == 11
+    if explicit:
+        left, _, top, _ = (int(info.const(k)) for k in (3, 4, 5, 6))
+        s, act, rest = (int(info.const(7)), int(info.const(8))), 9, 10
+    else:
+        s, act, rest = (int(info.const(5)), int(info.const(6))), 7, 8
+    _nhwc(info, rest)
+    data = info.t(0)
+    _check_filter(info, data, 1)
+    _, kh, kw, in_c = info.dims(1)
+    if in_c != info.dims(0)[3]:
+        raise Unsupported("filter depth differs from the input depth")
+    n, out_h, out_w, out_c = info.out_dims()
+    if explicit:
+        heads = []
+        for size, stride, k in ((out_h, s[1], kh), (out_w, s[0], kw)):
+            total = max((-(-size // stride) - 1) * stride + k - size, 0)
+            heads.append(total // 2)
+        if (top, left) == (0, 0):
+            padding = _VALID
+        elif (top, left) == tuple(heads):
+            padding = _SAME
+        else:
+            raise Unsupported(f"explicit padding heads ({left}, {top}) are neither SAME nor VALID")
+    else:
+        code = int(info.const(4))
+        if code not in (1, 2):
+            raise Unsupported(f"padding code {code}")
+        padding = _SAME if code == 1 else _VALID
+    shape = Const(np.array([n, out_h, out_w, out_c], np.int32))
+    op = Lowered((shape, info.op.inputs[1], info.op.inputs[0], _bias(info, 2)), info.op.outputs,
+                 "TransposeConvOptions",
+                 {"Padding": padding, "StrideW": s[0], "StrideH": s[1],
+                  "FusedActivationFunction": _activation(info, act)})
+    return _finish_filtered(info, op, "TRANSPOSE_CONV", 1, at=(2, 1))
 
 
 def _pool(info: OpInfo) -> Lowered:
@@ -666,6 +716,8 @@ RULES: dict[Op, Rule] = {
     Op.CONV_2D: Rule("CONV_2D", FLOATQ, _conv, layout=_conv_layout),
     Op.DEPTHWISE_CONV_2D: Rule("DEPTHWISE_CONV_2D", FLOATQ, _depthwise,
                                  layout=_depthwise_layout),
+    Op.TRANSPOSE_CONV_2D: Rule("TRANSPOSE_CONV", FLOATQ, _transpose_conv,
+                               layout=_transpose_conv_layout),
     Op.AVERAGE_POOL_2D: Rule("AVERAGE_POOL_2D", FLOATQ, _pool, layout=_pool_layout),
     Op.MAX_POOL_2D: Rule("MAX_POOL_2D", FLOATQ, _pool, layout=_pool_layout),
     Op.L2_POOL_2D: Rule("L2_POOL_2D", frozenset({F32}), _pool, layout=_pool_layout),
