@@ -345,6 +345,44 @@ def test_an_unsupported_operation_is_partitioned_to_the_reference_device():
     np.testing.assert_allclose(got.outputs[0], want.outputs[0], rtol=1e-6, atol=1e-6)
 
 
+def test_around_a_while_loop_the_main_graph_runs_on_litert():
+    """WHILE (and its subgraphs) stays with the reference driver; the
+    operations around it in the main graph run on litert."""
+    from .test_control_flow import fibonacci_model
+    loop = fibonacci_model().hal_model
+    b = Builder()
+    fib, i, n = b.tensor([1, 2]), b.tensor([1]), b.tensor([1])
+    fib2 = b.op(O.RELU, [fib], b.tensor([1, 2]))
+    cond_ref, body_ref = b.m.add_operand(T.SUBGRAPH), b.m.add_operand(T.SUBGRAPH)
+    b.m.set_operand_value_from_model(cond_ref, _submodel(loop, 0))
+    b.m.set_operand_value_from_model(body_ref, _submodel(loop, 1))
+    looped = b.op(O.WHILE, [cond_ref, body_ref, fib2, i, n], b.tensor([1, 2]))
+    out = b.op(O.MUL, [looped, b.tensor([1], value=np.full(1, 2, np.float32)), b.scalar(0)],
+               b.tensor([1, 2]))
+    model = b.finish([fib, i, n], [out])
+    litert = LiteRTDevice()
+    assert anyio.run(litert.supported_operations, model.hal_model) == [True, False, True]
+    inputs = [np.array([[0, 1]], np.float32), np.zeros(1, np.float32), np.full(1, 6, np.float32)]
+    got, devices = anyio.run(run_on, [litert, ReferenceDevice()], model, inputs)
+    assert devices == ["litert", "nnrt-reference", "litert"]
+    np.testing.assert_array_equal(got.outputs[0], [[16.0, 26.0]])   # fib(6), fib(7) doubled
+
+
+def _submodel(hal, index: int) -> nnrt.Model:
+    """Rebuild referenced subgraph ``index`` of ``hal`` as a finished nnrt.Model."""
+    sub = hal.referenced[index]
+    m = nnrt.Model()
+    for o in sub.operands:
+        m.add_operand(o.type, list(o.dimensions) if o.type.is_tensor else None)
+    for k, o in enumerate(sub.operands):
+        if o.location is not None and o.lifetime.name.startswith("CONSTANT"):
+            m.set_operand_value(k, np.array(hal.constant_value(o)))
+    for op in sub.operations:
+        m.add_operation(op.type, list(op.inputs), list(op.outputs))
+    m.identify_inputs_and_outputs(list(sub.input_indexes), list(sub.output_indexes))
+    return m.finish()
+
+
 def test_preparing_an_unsupported_operation_is_refused():
     with pytest.raises(NnrtError) as e:
         LiteRTDevice().prepare_model_synchronously(_conv_with([2, 0, 1, 1]))
