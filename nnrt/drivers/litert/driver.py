@@ -135,7 +135,7 @@ class LiteRTDevice(Device):
         whole = seg.whole(model, lowered, dims)
         try:
             first = seg.new_interpreter(whole.model, self.num_threads)
-            seconds = seg.time_invoke(first)
+            seconds = seg.time_invoke(first, self.num_threads)
             groups = seg.cut([seg.cost(model, op, dims) for op in lowered], seconds,
                              self.segment_time, self.segments)
             if len(groups) == 1:
