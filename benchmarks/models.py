@@ -28,7 +28,11 @@ unless ``--segment-ms 0`` (one segment).
                                           [--segments-of MODEL]
 
 ``--segments-of MODEL`` instead times MODEL end to end through the driver cut
-into 1, 4 and 16 segments (the granularity cost in docs/qos.md).
+into 1, 4 and 16 segments (the granularity cost in docs/qos.md). ``--ab``
+instead times, per model, only LiteRT direct, the driver, and the driver's
+own interpreter invoked bare (``set_tensor`` + ``invoke``), in alternating
+blocks of 100: what the conversion costs (bare vs direct) and what the
+driver's Python costs (driver vs bare).
 """
 from __future__ import annotations
 
@@ -178,6 +182,43 @@ async def granularity(name: str, runs: int) -> None:
         print(f"| {n} | {med:.3f} | {p99:.3f} | {med / base:.3f}x |")
 
 
+def ab(names: list[str], runs: int) -> None:
+    print(f"LiteRT direct vs the driver vs the driver's interpreter bare; {runs} runs each in "
+          f"blocks of 100, median ms")
+    print("| model | direct | driver | ratio | bare interpreter | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        path = Path(f"{MODELS / name}.tflite")
+        stem = MODELS / name
+        inputs = [np.load(p) for p in sorted(stem.parent.glob(stem.name + ".in*.npy"))]
+        hal = tflite_subset.load(path).hal_model
+        prepared = LiteRTDevice(segment_time=None).prepare_model_synchronously(hal)
+        req, _ = request(hal, inputs)
+        interp = prepared.runner.interpreter_for_test(0)
+        index = [d["index"] for d in interp.get_input_details()]
+
+        def bare():
+            for i, x in zip(index, inputs):
+                interp.set_tensor(i, x)
+            interp.invoke()
+
+        calls = {"direct": direct(path, inputs),
+                 "driver": lambda: prepared.execute_synchronously(req), "bare": bare}
+        samples = {k: [] for k in calls}
+        for fn in calls.values():
+            for _ in range(10):
+                fn()
+        for _ in range(max(1, runs // 100)):
+            for key, fn in calls.items():
+                for _ in range(100):
+                    start = time.perf_counter()
+                    fn()
+                    samples[key].append(time.perf_counter() - start)
+        d, r, b = (float(np.median(samples[k])) * 1e3 for k in ("direct", "driver", "bare"))
+        print(f"| {name.split('/')[-1]} | {d:.3f} | {r:.3f} | {r / d:.3f}x | {b:.3f} "
+              f"| {b / d:.3f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
@@ -186,7 +227,12 @@ def main() -> None:
                         help="the driver's segment budget in ms (0: one segment)")
     parser.add_argument("--segments-of", metavar="MODEL",
                         help="time MODEL with 1, 4 and 16 segments instead")
+    parser.add_argument("--ab", action="store_true",
+                        help="time LiteRT direct, the driver and its bare interpreter only")
     args = parser.parse_args()
+    if args.ab:
+        ab([n for n in NAMES if fnmatch.fnmatch(n.split("/")[-1], args.models)], args.runs)
+        return
     if args.segments_of:
         name = next(n for n in NAMES if n.endswith(args.segments_of))
         anyio.run(granularity, name, args.runs)
