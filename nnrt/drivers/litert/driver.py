@@ -5,8 +5,9 @@ Preparation validates the model, lowers every operation through the table
 (:mod:`.table`), converts the partition to TFLite (:mod:`.flatbuffer`),
 times it, cuts it into segments (:mod:`.segments`) and creates their
 interpreters. An execution copies each input once from the request's pool
-into an interpreter tensor, invokes the segments in order with the
-checkpoint between two, and copies each output once into the request's pool.
+(``hal.read_inputs`` views it) into an interpreter tensor, invokes the
+segments in order with the checkpoint between two, and copies each output
+once from the interpreter into the request's pool (``hal.write_outputs``).
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ from ...errors import ErrorStatus, NnrtError, invalid
 from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device,
                     DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
                     PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
-                    check_deadline, check_priority)
+                    check_deadline, check_priority, read_inputs, write_outputs)
 from ...hal.validate import validate_model, validate_request
-from ...memory import as_buffer
 from ...model.types import OperandType
 from ...vlog import vlog
 from . import segments as seg
@@ -196,9 +196,8 @@ class LiteRTPreparedModel(PreparedModel):
             if deadline is not None and time.monotonic() > deadline:
                 raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                                 "the deadline passed before the execution began")
-            busy = self.runner.run(partial(self._read_input, request),
-                                   partial(self._write_output, request),
-                                   checkpoint)
+            busy = self.runner.run(self._inputs_of(request),
+                                   partial(self._deliver, request), checkpoint)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
         except (ValueError, RuntimeError) as e:
@@ -217,22 +216,18 @@ class LiteRTPreparedModel(PreparedModel):
         return tuple(OutputShape(dims, arg.location.length >= need)
                      for arg, (_, _, dims, need) in zip(request.outputs, self._outputs.values()))
 
-    def _read_input(self, request: Request, operand: int) -> np.ndarray:
-        k, dtype, dims, size = self._inputs[operand]
-        arg = request.inputs[k]
-        if arg.has_no_value:
-            raise invalid(f"input operand {operand} has no value")
-        if arg.dimensions and tuple(arg.dimensions) != dims:
-            raise invalid(f"input operand {operand}: dimensions {list(arg.dimensions)}, "
-                          f"the prepared model takes {list(dims)}")
-        loc = arg.location
-        if loc.length < size:
-            raise invalid(f"input operand {operand}: {loc.length} bytes, needs {size}")
-        return np.ndarray(dims, dtype, as_buffer(request.pools[loc.pool_index]), loc.offset)
+    def _inputs_of(self, request: Request) -> dict[int, np.ndarray]:
+        """The request's inputs (views of its pools) by operand, as prepared."""
+        values = read_inputs(self.model, request)
+        inputs = {}
+        for value, (i, (_, _, dims, _)) in zip(values, self._inputs.items()):
+            if value is None:
+                raise invalid(f"input operand {i} has no value")
+            if value.shape != dims:
+                raise invalid(f"input operand {i}: dimensions {list(value.shape)}, "
+                              f"the prepared model takes {list(dims)}")
+            inputs[i] = value
+        return inputs
 
-    def _write_output(self, request: Request, operand: int, value: np.ndarray) -> None:
-        loc = request.outputs[self._outputs[operand][0]].location
-        pool = as_buffer(request.pools[loc.pool_index])
-        if pool.readonly:
-            raise invalid(f"output operand {operand}: pool {loc.pool_index} is read-only")
-        np.copyto(np.ndarray(value.shape, value.dtype, pool, loc.offset), value)
+    def _deliver(self, request: Request, outputs: dict[int, np.ndarray]) -> None:
+        write_outputs(self.model, request, [outputs[i] for i in self._outputs])
