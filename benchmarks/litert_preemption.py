@@ -22,7 +22,7 @@ import numpy as np
 
 import nnrt
 from nnrt import Priority
-from nnrt.testing import tflite_subset
+import nnrt.tflite
 
 MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "generated" / \
     "mobilenet_v2_1.0_224_int8"
@@ -49,7 +49,7 @@ def pct(values, q) -> float:
 
 
 async def measure(segment_ms: float, runs: int) -> None:
-    mobilenet = tflite_subset.load(f"{MODEL}.tflite")
+    mobilenet = nnrt.tflite.load(f"{MODEL}.tflite")
     image = np.load(f"{MODEL}.in0.npy")
     x = np.zeros(16, np.float32)
     spec = ("cpu-fast", "litert", "--app-key", "pid", "--segment-ms", str(segment_ms))

@@ -14,7 +14,7 @@ pytest.importorskip("ai_edge_litert")
 
 import nnrt  # noqa: E402
 from nnrt import ErrorStatus, Priority  # noqa: E402
-from nnrt.testing import tflite_subset  # noqa: E402
+import nnrt.tflite  # noqa: E402
 
 from .test_qos_inprocess import chain_model  # noqa: E402
 
@@ -28,7 +28,7 @@ async def test_high_waits_at_most_one_litert_segment_behind_a_low_mobilenet_floo
         pytest.skip(f"{MODEL}.tflite is not beside the checkout")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    mobilenet = tflite_subset.load(f"{MODEL}.tflite")
+    mobilenet = nnrt.tflite.load(f"{MODEL}.tflite")
     image = np.load(f"{MODEL}.in0.npy")
     expected = np.load(f"{MODEL}.out0.npy").astype(np.int32)
     # Segments of about 1 ms: MobileNet v2 (2-4 ms here) runs in several.
