@@ -328,6 +328,32 @@ def test_float16_runs_as_the_float32_twin_widened_and_rounded():
                                atol=tolerance, rtol=tolerance)
 
 
+def test_quantize_is_left_to_the_reference_unless_it_meets_no_ties():
+    """LiteRT rounds x / scale = k + 0.5 to even, NNAPI away from zero; a
+    QUANTIZE of arbitrary floats goes to the reference driver, one undoing a
+    same-scale DEQUANTIZE (no ties possible) stays on litert."""
+    b = Builder()
+    x = b.tensor([4])
+    y = b.op(O.QUANTIZE, [x], b.tensor([4], T.TENSOR_QUANT8_ASYMM_SIGNED, scale=0.5, zp=0))
+    model = b.finish([x], [y])
+    litert = LiteRTDevice()
+    assert anyio.run(litert.supported_operations, model.hal_model) == [False]
+    ties = np.array([0.25, 0.75, 1.25, -0.25], np.float32)
+    got, devices = anyio.run(run_on, [litert, ReferenceDevice()], model, [ties])
+    assert devices == ["nnrt-reference"]
+    assert got.outputs[0].tolist() == [1, 2, 3, -1]
+
+    b = Builder(T.TENSOR_QUANT8_ASYMM)
+    u = b.tensor([4], scale=0.5, zp=128)
+    f = b.op(O.DEQUANTIZE, [u], b.tensor([4], T.TENSOR_FLOAT32))
+    s8 = b.op(O.QUANTIZE, [f], b.tensor([4], T.TENSOR_QUANT8_ASYMM_SIGNED, scale=0.5, zp=0))
+    requantize = b.finish([u], [s8])
+    assert anyio.run(litert.supported_operations, requantize.hal_model) == [True, True]
+    data = np.array([0, 127, 128, 255], np.uint8)
+    got, devices = anyio.run(run_on, [litert], requantize, [data])
+    assert devices == ["litert"] and got.outputs[0].tolist() == [-128, -1, 0, 127]
+
+
 def test_an_unsupported_operation_is_partitioned_to_the_reference_device():
     b = Builder()
     x = b.tensor([2, 6])

@@ -21,7 +21,8 @@ allows. What is deliberately left to the reference driver (``Unsupported``):
 * every operand whose shape is not known at preparation (the TFLite model
   is built with static shapes), and parameters that are not constants;
 * operations whose TFLite twin differs in a way that matters (CAST's
-  saturation, TOPK_V2's tie order, DIV on int32, ELU with alpha != 1, ...)
+  saturation, TOPK_V2's tie order, DIV on int32, ELU with alpha != 1,
+  QUANTIZE's rounding of ties, ...)
   and those with no twin at all (LSTM family, detection, ROI ops, IF/WHILE).
 
 ``lower`` works on :class:`OpInfo`, a read-only view of one NNAPI operation
@@ -546,8 +547,21 @@ def _dequantize(info: OpInfo) -> Lowered:
 
 
 def _quantize(info: OpInfo) -> Lowered:
-    if info.out().type not in QUANT8:
-        raise Unsupported(f"QUANTIZE to {info.out().type.name}")
+    """XNNPACK's QUANTIZE rounds a tie (x / scale exactly halfway) to even,
+    NNAPI's rounds it away from zero: 0.25 at scale 0.5 is 0 here and 1
+    there. So only a QUANTIZE that meets no ties runs here: one undoing a
+    DEQUANTIZE of the same scale (a change of zero point or of 8-bit type,
+    as an importer writes a uint8 <-> int8 requantization), whose inputs are
+    whole multiples of the scale."""
+    out = info.out()
+    if out.type not in QUANT8:
+        raise Unsupported(f"QUANTIZE to {out.type.name}")
+    x = info.op.inputs[0]
+    producer = next((op for op in info.model.main.operations if x in op.outputs), None)
+    if producer is None or producer.type != Op.DEQUANTIZE or \
+            info.model.main.operands[producer.inputs[0]].scale != out.scale:
+        raise Unsupported("QUANTIZE of arbitrary floats: LiteRT rounds ties to even, "
+                          "NNAPI away from zero")
     return _unary(info)
 
 
