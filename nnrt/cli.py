@@ -40,7 +40,15 @@ def _driver_serve(args) -> int:
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
     kind = args.driver or (args.name if args.name in DRIVERS else "reference")
-    device = ScheduledDevice(make_driver(kind, args.name), slots=args.slots,
+    settings = {key: value for key, value in (("num_threads", args.threads),
+                                              ("segment_time", args.segment_ms and
+                                               args.segment_ms / 1e3)) if value is not None}
+    try:
+        driver = make_driver(kind, args.name, **settings)
+    except nnrt.NnrtError as e:
+        print(f"nnrt driver serve: {e.message}", file=sys.stderr)
+        return 1
+    device = ScheduledDevice(driver, slots=args.slots,
                              queue_limit=args.queue_limit, memory_limit=args.memory_limit)
     path = args.socket or default_socket_path(args.name)
 
@@ -296,10 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     serve = driver.add_parser("serve", help="run a driver in this process on a Unix socket")
     serve.add_argument("name", help="the device name the service reports")
     serve.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
-    serve.add_argument("--driver", choices=["reference", "sample-float-fast", "sample-float-slow",
-                                            "sample-minimal", "sample-quant", "sample-partial"],
+    serve.add_argument("--driver", choices=["reference", "litert", "sample-float-fast",
+                                            "sample-float-slow", "sample-minimal", "sample-quant",
+                                            "sample-partial"],
                        help="which driver to serve (default: NAME if it is one of these, "
                             "else reference)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="litert: threads per interpreter (default: 1)")
+    serve.add_argument("--segment-ms", type=float, default=None,
+                       help="litert: bound on a segment's estimated run time, the longest a "
+                            "HIGH execution waits behind a running one (default: 2)")
     serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
                        help="which peer credential keys an app's queue (default: uid)")
     serve.add_argument("--slots", type=int, default=1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .._version import __version__
-from ..errors import invalid
+from ..errors import ErrorStatus, NnrtError, invalid
 from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
 from ..hal import Capabilities, Device, DeviceType, PerformanceInfo
@@ -109,8 +109,18 @@ class PartialDevice(SampleDevice):
         return op.type in self.OPERATIONS
 
 
-DRIVERS: dict[str, Callable[[str], Device]] = {
+def _litert(name: str, **settings) -> Device:
+    # Imported when asked for: nnrt works without LiteRT installed.
+    from . import litert
+    if not litert.available():
+        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                        "the litert driver needs ai-edge-litert, tflite and flatbuffers")
+    return litert.LiteRTDevice(name, **settings)
+
+
+DRIVERS: dict[str, Callable[..., Device]] = {
     "reference": ReferenceDevice,
+    "litert": _litert,
     "sample-float-fast": FloatFastDevice,
     "sample-float-slow": FloatSlowDevice,
     "sample-minimal": MinimalDevice,
@@ -119,10 +129,18 @@ DRIVERS: dict[str, Callable[[str], Device]] = {
 }
 
 
-def make_driver(kind: str, name: str | None = None) -> Device:
-    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default: ``kind``)."""
+# The drivers that take settings (keyword arguments of their factory).
+SETTINGS = {"litert": frozenset({"num_threads", "segment_time"})}
+
+
+def make_driver(kind: str, name: str | None = None, **settings) -> Device:
+    """The driver ``kind`` (a key of DRIVERS) named ``name`` (default:
+    ``kind``), with ``settings`` for a driver that takes them (SETTINGS)."""
     try:
         factory = DRIVERS[kind]
     except KeyError:
         raise invalid(f"no driver {kind!r}; drivers: {', '.join(DRIVERS)}") from None
-    return factory(name or kind)
+    unknown = set(settings) - SETTINGS.get(kind, frozenset())
+    if unknown:
+        raise invalid(f"driver {kind!r} takes no setting {', '.join(sorted(unknown))}")
+    return factory(name or kind, **settings)

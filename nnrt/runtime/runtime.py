@@ -37,12 +37,14 @@ class Runtime:
     """Finds devices and compiles models for them. Use as ``async with``."""
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
-                 discover: bool = True):
+                 discover: bool = True, litert: bool = True):
         """``devices`` replaces discovery with the given devices. Otherwise the
-        runtime has the in-process reference CPU device, the services listed in
-        ``NNRT_DRIVERS`` and the config file (``discover=True``), and the
-        services it starts itself from ``spawn`` (driver kinds such as
-        ``"sample-float-fast"``, or ``(name, kind)`` pairs), stopped on close."""
+        runtime has the services listed in ``NNRT_DRIVERS`` and the config
+        file (``discover=True``), the services it starts itself from ``spawn``
+        (driver kinds such as ``"sample-float-fast"``, or ``(name, kind)``
+        pairs), stopped on close, and the in-process CPU devices: ``litert``
+        when LiteRT is installed (and ``litert`` is true), then the reference."""
+        self._litert = litert
         self._given_devices = list(devices) if devices is not None else None
         self._spawn = list(spawn)
         self._discover = discover
@@ -120,8 +122,9 @@ class Runtime:
                     self._services, spawned = await discovery.spawn(self._spawn,
                                                                     self._folder.name)
                     found += spawned
-            self._cpu = ScheduledDevice(ReferenceDevice())
-            self._devices = found + [self._cpu]
+            local = [ScheduledDevice(d) for d in in_process_devices(litert=self._litert)]
+            self._cpu = local[-1]    # the reference device: the fallback
+            self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
     def close(self) -> None:
@@ -242,6 +245,18 @@ class Runtime:
         if self._devices is not None and device in self._devices:
             self._devices.remove(device)
             vlog("manager", "device %s is gone", device.name)
+
+
+def in_process_devices(*, litert: bool = True) -> list[Device]:
+    """The drivers every runtime runs in its own process: the litert driver
+    when LiteRT is installed (first: it is the faster CPU driver), then the
+    reference CPU driver (the fallback)."""
+    from ..drivers import litert as litert_driver
+    devices: list[Device] = []
+    if litert and litert_driver.available():
+        devices.append(litert_driver.LiteRTDevice())
+    devices.append(ReferenceDevice())
+    return devices
 
 
 # Failures that are about the request or the app, not the driver: retrying on

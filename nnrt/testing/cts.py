@@ -6,6 +6,11 @@
 ``--spawn sample-float-fast --device sample-float-fast`` runs the vectors on an
 out-of-process driver service the runner starts (one per worker process).
 
+``--device litert --fallback`` runs each model on ``litert`` where it claims
+the operations and partitions the rest to the runtime's reference CPU device
+(nothing is skipped); the summary then counts the runs by the devices they
+ran on (``litert``, ``nnrt-reference``, or both in one partitioned run).
+
 Each case runs once per CTS suite this runner implements that the case belongs
 to: ``GeneratedTests`` (as specified), ``DynamicOutputShapeTest`` (every
 output declared with unknown dimensions), ``QuantizationCouplingTest`` (every
@@ -49,6 +54,7 @@ class Outcome:
     suite: str
     status: str          # "passed" | "failed" | "skipped"
     detail: str = ""     # failing operand and worst error, or skip reason
+    devices: str = ""    # the devices that ran it, "+"-joined in step order
 
 
 def load_cases(paths: list[str], pattern: str | None = None):
@@ -206,12 +212,31 @@ def check_multinomial(case: dict, outputs: list[np.ndarray]) -> str | None:
 
 # --- running ------------------------------------------------------------------
 
-async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None) -> Outcome:
+def _candidates(rt: nnrt.Runtime, device: str | None, fallback: bool) -> list[str] | None:
+    """The devices a run may use: all, ``device`` only, or ``device`` and the CPU."""
+    if device is None:
+        return None
+    if fallback and device != rt.cpu.name:
+        return [device, rt.cpu.name]
+    return [device]
+
+
+def _ran_on(compiled) -> str:
+    names = []
+    for d in compiled.devices:
+        if d.name not in names:
+            names.append(d.name)
+    return "+".join(names)
+
+
+async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
+                   fallback: bool = False) -> Outcome:
     name = case["name"]
+    candidates = _candidates(rt, device, fallback)
     if case["expectFailure"]:
         try:
             model = build_model(case)
-            compiled = await rt.compile(model, devices=None if device is None else [device])
+            compiled = await rt.compile(model, devices=candidates)
             await compiled.execute(_inputs(case))
         except NnrtError:
             return Outcome(name, suite, "passed")
@@ -219,7 +244,7 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
             return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
         return Outcome(name, suite, "failed", "expected a failure, but everything succeeded")
     if suite == "SignedIdentity":
-        return await run_signed_identity(rt, case, device)
+        return await run_signed_identity(rt, case, candidates)
     if suite == "QuantizationCouplingTest":
         case = to_signed(case)
     try:
@@ -228,36 +253,43 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None)
         return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
     except NnrtError as e:
         return Outcome(name, suite, "failed", f"model building refused: {e}")
-    unsupported = await _unsupported(rt, model, device)
+    unsupported = await _unsupported(rt, model, candidates)
     if unsupported:
         return Outcome(name, suite, "skipped", unsupported)
+    ran_on = ""
     try:
-        compiled = await rt.compile(model, devices=None if device is None else [device])
+        compiled = await rt.compile(model, devices=candidates)
+        ran_on = _ran_on(compiled)
         result = await compiled.execute(_inputs(case))
     except NnrtError as e:
-        return Outcome(name, suite, "failed", str(e))
+        return Outcome(name, suite, "failed", str(e), ran_on)
     if case["expectedMultinomialDistributionTolerance"] > 0:
         problem = check_multinomial(case, result.outputs)
     else:
         problem = check_outputs(case, result.outputs, result.output_shapes)
-    return Outcome(name, suite, "failed" if problem else "passed", problem or "")
+    return Outcome(name, suite, "failed" if problem else "passed", problem or "", ran_on)
 
 
-async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) -> Outcome:
+async def run_signed_identity(rt: nnrt.Runtime, case: dict,
+                              candidates: list[str] | None) -> Outcome:
     """Run ``case`` and its signed variant; quantized outputs must differ by
     exactly 128 and every other output must be identical."""
     name, suite = case["name"], "SignedIdentity"
     results = []
+    ran_on = []
     for variant in (case, to_signed(case)):
         try:
             model = build_model(variant)
-            unsupported = await _unsupported(rt, model, device)
+            unsupported = await _unsupported(rt, model, candidates)
             if unsupported:
                 return Outcome(name, suite, "skipped", unsupported)
-            compiled = await rt.compile(model, devices=None if device is None else [device])
+            compiled = await rt.compile(model, devices=candidates)
+            ran_on.append(_ran_on(compiled))
             results.append(await compiled.execute(_inputs(variant)))
         except NnrtError as e:
-            return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")
+            return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}",
+                           ",".join(ran_on))
+    devices = ran_on[0] if ran_on[0] == ran_on[1] else ",".join(ran_on)
     unsigned, signed = results
     main = case["main"]
     for pos, index in enumerate(main["outputIndexes"]):
@@ -266,7 +298,8 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
         u, s = np.asarray(unsigned.outputs[pos]), np.asarray(signed.outputs[pos])
         if unsigned.output_shapes[pos] != signed.output_shapes[pos]:
             return Outcome(name, suite, "failed", f"output {pos}: shapes "
-                           f"{unsigned.output_shapes[pos]} and {signed.output_shapes[pos]} differ")
+                           f"{unsigned.output_shapes[pos]} and {signed.output_shapes[pos]} differ",
+                           devices)
         expected = u.astype(np.int32) - 128 if u.dtype == np.uint8 else u
         diff = np.flatnonzero(s.astype(np.float64).reshape(-1)
                               != expected.astype(np.float64).reshape(-1))
@@ -274,13 +307,14 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
             k = int(diff[0])
             return Outcome(name, suite, "failed",
                            f"output {pos}: {diff.size} elements differ, first at {k}: signed "
-                           f"{s.reshape(-1)[k]!r}, unsigned {u.reshape(-1)[k]!r}")
-    return Outcome(name, suite, "passed")
+                           f"{s.reshape(-1)[k]!r}, unsigned {u.reshape(-1)[k]!r}", devices)
+    return Outcome(name, suite, "passed", devices=devices)
 
 
-async def _unsupported(rt: nnrt.Runtime, model: nnrt.Model, device: str | None) -> str | None:
-    """The skip reason when the device reports an operation unsupported."""
-    flags = await rt.supported_operations(model, None if device is None else [device])
+async def _unsupported(rt: nnrt.Runtime, model: nnrt.Model,
+                       devices: list[str] | None) -> str | None:
+    """The skip reason when the devices report an operation unsupported."""
+    flags = await rt.supported_operations(model, devices)
     if all(flags):
         return None
     ops = model.hal_model.main.operations
@@ -308,7 +342,7 @@ def suites_of(case: dict) -> list[str]:
 
 def _run_file_group(args) -> list[dict]:
     """Worker: run every case of some spec files; returns outcomes as dicts."""
-    paths, pattern, device, spawn = args
+    paths, pattern, device, spawn, fallback = args
 
     async def main():
         out = []
@@ -316,7 +350,7 @@ def _run_file_group(args) -> list[dict]:
             for _stem, case in load_cases(paths, pattern):
                 for suite in suites_of(case):
                     try:
-                        outcome = await run_case(rt, case, suite, device)
+                        outcome = await run_case(rt, case, suite, device, fallback)
                     except Exception as e:  # a crash in one case must not hide the others
                         outcome = Outcome(case["name"], suite, "failed",
                                           f"crashed: {type(e).__name__}: {e}")
@@ -339,7 +373,10 @@ def _spec_files(paths: list[str]) -> list[str]:
 
 
 def run(paths: list[str], *, pattern: str | None = None, device: str | None = None,
-        jobs: int | None = None, progress=None, spawn: list[str] = ()) -> list[Outcome]:
+        jobs: int | None = None, progress=None, spawn: list[str] = (),
+        fallback: bool = False) -> list[Outcome]:
+    """Run every case under ``paths``; ``fallback`` lets operations ``device``
+    does not support run on the reference CPU device instead of skipping."""
     files = _spec_files(paths)
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
@@ -347,9 +384,9 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
     if jobs > 1 and spawn:
         # Each worker starts its own services; group the files so that
         # happens once per worker, not once per spec file.
-        tasks = [(files[k::jobs], pattern, device, list(spawn)) for k in range(jobs)]
+        tasks = [(files[k::jobs], pattern, device, list(spawn), fallback) for k in range(jobs)]
     else:
-        tasks = [([f], pattern, device, list(spawn)) for f in files]
+        tasks = [([f], pattern, device, list(spawn), fallback) for f in files]
     outcomes: list[Outcome] = []
     if jobs == 1:
         for t in tasks:
@@ -370,6 +407,15 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
     return outcomes
 
 
+def count_by_devices(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """{devices the run used: {status: count}}."""
+    counts: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        per = counts.setdefault(o.devices, {})
+        per[o.status] = per.get(o.status, 0) + 1
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nnrt.testing.cts",
@@ -380,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn", action="append", default=[], metavar="KIND",
                         help="start a driver service of this kind (e.g. sample-float-fast, "
                              "named after it) for the run; repeatable")
+    parser.add_argument("--fallback", action="store_true",
+                        help="with --device: partition what the device does not support to the "
+                             "reference CPU device instead of skipping the run")
     parser.add_argument("--filter", dest="pattern",
                         help="fnmatch glob on case names or spec file names, e.g. 'conv*'")
     parser.add_argument("--json", dest="json_out", help="write every outcome to this JSON file")
@@ -396,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         outcomes = run(args.paths, pattern=args.pattern, device=args.device, jobs=args.jobs,
-                       progress=progress, spawn=args.spawn)
+                       progress=progress, spawn=args.spawn, fallback=args.fallback)
     except FileNotFoundError as e:
         parser.error(str(e))
     if interactive:
@@ -415,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
     if not args.quiet:
         print(f"({len(outcomes)} runs in {time.monotonic() - start:.1f} s)", file=sys.stderr)
+    if args.device:
+        for devices, counts in sorted(count_by_devices(outcomes).items()):
+            print(f"ran on {devices or '(not compiled)'}: " +
+                  ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
 

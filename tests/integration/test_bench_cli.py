@@ -18,7 +18,8 @@ def _bench(*args, timeout=240):
 
 
 def test_every_mode_on_two_devices_with_json_and_report(tmp_path):
-    out = _bench("--spawn", "sample-float-fast", "--mode", "execute,burst,fenced,sync",
+    out = _bench("--spawn", "sample-float-fast", "--device", "sample-float-fast",
+                 "--device", "nnrt-reference", "--mode", "execute,burst,fenced,sync",
                  "--runs", "8", "--warmup", "1", "--json", str(tmp_path / "b.json"),
                  "--report", str(tmp_path / "b.html"))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -51,7 +52,8 @@ def test_every_mode_on_two_devices_with_json_and_report(tmp_path):
 
 
 def test_an_impossible_deadline_is_counted_as_misses(tmp_path):
-    out = _bench("--mode", "execute", "--runs", "5", "--warmup", "0", "--deadline-ms", "0.001",
+    out = _bench("--device", "nnrt-reference", "--mode", "execute", "--runs", "5", "--warmup", "0",
+                 "--deadline-ms", "0.001",
                  "--json", str(tmp_path / "b.json"))
     assert out.returncode == 0, out.stdout + out.stderr
     [case] = json.loads((tmp_path / "b.json").read_text())["cases"]

@@ -35,7 +35,7 @@ def service(tmp_path):
 async def test_nnrt_drivers_and_the_config_file_name_services(service, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("NNRT_DRIVERS", service)
-    async with nnrt.Runtime() as rt:
+    async with nnrt.Runtime(litert=False) as rt:
         assert [d.name for d in rt.devices] == ["fast", "nnrt-reference"]
         fast = rt.devices[0]
         assert fast.version_string and fast.feature_level == 30
@@ -45,14 +45,14 @@ async def test_nnrt_drivers_and_the_config_file_name_services(service, tmp_path,
     conf.parent.mkdir(parents=True)
     conf.write_text(f"# services of this machine\n{service}\n{tmp_path / 'nobody.sock'}\n")
     assert discovery.configured_sockets() == [service, str(tmp_path / "nobody.sock")]
-    async with nnrt.Runtime() as rt:  # the dead entry is left out, the rest works
+    async with nnrt.Runtime(litert=False) as rt:  # the dead entry is left out, the rest works
         assert [d.name for d in rt.devices] == ["fast", "nnrt-reference"]
 
 
 async def test_spawned_services_run_part_of_a_model_and_stop_on_close(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    rt = nnrt.Runtime(spawn=["sample-partial"])
+    rt = nnrt.Runtime(spawn=["sample-partial"], litert=False)
     async with rt:
         assert [d.name for d in rt.devices] == ["sample-partial", "nnrt-reference"]
         processes = [s.process for s in rt._services]

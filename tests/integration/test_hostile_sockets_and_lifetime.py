@@ -198,7 +198,7 @@ async def test_a_socket_that_never_answers_does_not_block_runtime_start(tmp_path
         monkeypatch.setenv("NNRT_CONNECT_TIMEOUT", "0.3")
         start = time.monotonic()
         with anyio.fail_after(GUARD):
-            async with nnrt.Runtime() as rt:
+            async with nnrt.Runtime(litert=False) as rt:
                 assert [d.name for d in rt.devices] == ["real", "nnrt-reference"]
         assert time.monotonic() - start < GUARD
         assert silent.held, "the runtime did connect to the silent socket"

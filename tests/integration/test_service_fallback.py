@@ -46,7 +46,7 @@ async def test_pending_executions_fail_with_dead_object_when_devices_are_named(m
                                                                                tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    async with nnrt.Runtime(spawn=[("npu", "reference")]) as rt:
+    async with nnrt.Runtime(spawn=[("npu", "reference")], litert=False) as rt:
         compiled = await rt.compile(slow_model(), devices=["npu"])
         x = np.random.default_rng(0).random((1, 40, 40, 32), dtype=np.float32)
         await compiled.execute([x])
@@ -65,7 +65,7 @@ async def test_pending_executions_fail_with_dead_object_when_devices_are_named(m
 async def test_executions_fall_back_to_the_cpu_when_the_service_dies(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    async with nnrt.Runtime(spawn=[("npu", "reference")]) as rt:
+    async with nnrt.Runtime(spawn=[("npu", "reference")], litert=False) as rt:
         compiled = await rt.compile(slow_model())
         assert [d.name for d in compiled.devices] == ["npu"]
         x = np.random.default_rng(0).random((1, 40, 40, 32), dtype=np.float32)

@@ -139,8 +139,11 @@ def test_selfie_segmentation_is_refused_naming_the_custom_op():
 def test_cli_run_inspect_and_refusal(tmp_path, capsys):
     model = _path("mobilenet_v1_0.25_128_int8")
     out = tmp_path / "out.npz"
+    # On the reference device: its output is compared with LiteRT's reference
+    # kernels bit for bit (the litert device matches XNNPACK's instead).
     assert cli(["run", str(model), "--input", f"keras_tensor={model.with_suffix('.in0.npy')}",
-                "--repeat", "3", "--output", str(out), "--no-discover"]) == 0
+                "--repeat", "3", "--output", str(out), "--no-discover",
+                "--device", "nnrt-reference"]) == 0
     printed = capsys.readouterr().out
     assert "ran on: nnrt-reference" in printed and "shape [1, 1000] int8" in printed
     assert "2 more executions" in printed

@@ -1,0 +1,233 @@
+"""The litert device and its prepared models (the only module of this
+package that sees the HAL classes).
+
+Preparation validates the model, lowers every operation through the table
+(:mod:`.table`), converts the partition to TFLite (:mod:`.flatbuffer`),
+times it, cuts it into segments (:mod:`.segments`) and creates their
+interpreters. An execution copies each input once from the request's pool
+(``hal.read_inputs`` views it) into an interpreter tensor, invokes the
+segments in order with the checkpoint between two, and copies each output
+once from the interpreter into the request's pool (``hal.write_outputs``).
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import anyio
+import numpy as np
+
+from ..._version import __version__
+from ...errors import ErrorStatus, NnrtError, invalid
+from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device,
+                    DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
+                    PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
+                    check_deadline, check_priority, read_inputs, write_outputs)
+from ...hal.validate import validate_model, validate_request
+from ...model.types import OperandType
+from ...vlog import vlog
+from . import segments as seg
+from .table import OpInfo, Unsupported, lower
+
+DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long
+
+# Relative to the reference driver (1.0): LiteRT is 5-30x faster on the
+# shared models on a quiet host (docs/benchmarks.md); 0.1 stays on the safe side.
+_FAST = PerformanceInfo(exec_time=0.1, power_usage=0.1)
+_NOT_RUN = PerformanceInfo(float("inf"), float("inf"))
+_TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_FLOAT16, OperandType.FLOAT16,
+              OperandType.TENSOR_INT32,
+              OperandType.TENSOR_QUANT8_ASYMM, OperandType.TENSOR_QUANT8_ASYMM_SIGNED,
+              OperandType.TENSOR_QUANT8_SYMM, OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL,
+              OperandType.TENSOR_BOOL8, OperandType.FLOAT32, OperandType.INT32,
+              OperandType.BOOL)
+
+
+def litert_version() -> str:
+    from importlib.metadata import version
+    return version("ai-edge-litert")
+
+
+class LiteRTDevice(Device):
+    type = DeviceType.CPU
+    feature_level = 30
+
+    def __init__(self, name: str = "litert", *, num_threads: int = 1,
+                 segment_time: float | None = DEFAULT_SEGMENT_TIME,
+                 segments: int | None = None):
+        """``num_threads`` per interpreter (1: the scheduler, not the driver,
+        decides concurrency); ``segment_time`` (seconds) bounds a segment's
+        estimated run time, None for one segment; ``segments`` instead cuts
+        every partition into that many segments (for measurements)."""
+        if num_threads < 1:
+            raise invalid(f"num_threads must be at least 1, got {num_threads}")
+        if segment_time is not None and segment_time <= 0:
+            raise invalid(f"segment_time must be positive, got {segment_time}")
+        if segments is not None and segments < 1:
+            raise invalid(f"segments must be at least 1, got {segments}")
+        self.name = name
+        self.version_string = f"nnrt-litert-{__version__} (ai-edge-litert {litert_version()})"
+        self.num_threads = num_threads
+        self.segment_time = segment_time
+        self.segments = segments
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(_FAST, _FAST, {t: (_FAST if t in _TYPES_RUN else _NOT_RUN)
+                                           for t in OperandType}, _NOT_RUN, _NOT_RUN)
+
+    def scheduling(self) -> Scheduling:
+        # Stops between segments; one execution at a time (the scheduler, not
+        # the driver, decides how many run at once, and with one thread per
+        # interpreter one slot keeps a core for everyone else).
+        return Scheduling(Boundaries.SEGMENT, slots=1)
+
+    async def supported_operations(self, model) -> list[bool]:
+        dims = validate_model(model).dims[None]
+        return [self._why_not(model, k, dims) is None for k in range(len(model.main.operations))]
+
+    def unsupported_reasons(self, model) -> dict[int, str]:
+        """Why each operation the driver does not run is refused (for reports)."""
+        dims = validate_model(model).dims[None]
+        reasons = {k: self._why_not(model, k, dims) for k in range(len(model.main.operations))}
+        return {k: r for k, r in reasons.items() if r is not None}
+
+    @staticmethod
+    def _why_not(model, k: int, dims) -> str | None:
+        # IF and WHILE have no rule: they, and the subgraphs they run, stay
+        # with the reference driver; the rest of the main graph can run here.
+        try:
+            lower(OpInfo(model, k, dims))
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    async def prepare_model(self, model, preference: ExecutionPreference =
+                            ExecutionPreference.FAST_SINGLE_ANSWER,
+                            priority: Priority = Priority.MEDIUM, deadline: float | None = None,
+                            cache=None, *, app: AppKey = None) -> "LiteRTPreparedModel":
+        return await anyio.to_thread.run_sync(
+            partial(self.prepare_model_synchronously, model, preference, priority, deadline,
+                    app=app))
+
+    def prepare_model_synchronously(self, model, preference: ExecutionPreference =
+                                    ExecutionPreference.FAST_SINGLE_ANSWER,
+                                    priority: Priority = Priority.MEDIUM,
+                                    deadline: float | None = None, *,
+                                    app: AppKey = None) -> "LiteRTPreparedModel":
+        try:
+            ExecutionPreference(preference)
+        except ValueError:
+            raise invalid(f"execution preference {preference!r} is not valid") from None
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        if deadline is not None and time.monotonic() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                            "the preparation deadline had passed before preparation began")
+        dims = validate_model(model).dims[None]
+        lowered = []
+        for k in range(len(model.main.operations)):
+            reason = self._why_not(model, k, dims)
+            if reason is not None:
+                raise invalid(f"{self.name} does not support operation {k} "
+                              f"({model.main.operations[k].type.name}): {reason}")
+            lowered.append(lower(OpInfo(model, k, dims)))
+        start = time.perf_counter()
+        whole = seg.whole(model, lowered, dims)
+        try:
+            first = seg.new_interpreter(whole.model, self.num_threads)
+            seconds = seg.time_invoke(first, self.num_threads)
+            groups = seg.cut([seg.cost(model, op, dims) for op in lowered], seconds,
+                             self.segment_time, self.segments)
+            if len(groups) == 1:
+                parts = [whole]
+            else:
+                parts, first = seg.plan(model, lowered, dims, groups), None
+            runner = seg.Runner(parts, model.main.input_indexes, model.main.output_indexes,
+                                self.num_threads, first)
+        except (ValueError, RuntimeError) as e:   # LiteRT refused the converted model
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"{self.name}: LiteRT could not prepare the converted model: {e}") \
+                from None
+        vlog("driver", "%s: prepared %d operations in %d segment(s), %.2f ms per run, "
+             "in %.0f ms", self.name, len(lowered), len(parts), seconds * 1e3,
+             (time.perf_counter() - start) * 1e3)
+        if deadline is not None and time.monotonic() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                            "the model was prepared after its preparation deadline")
+        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds)
+
+
+class LiteRTPreparedModel(PreparedModel):
+    def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: AppKey,
+                 estimated_seconds: float):
+        self.model = model
+        self.priority = priority
+        self.app = app
+        self.runner = runner
+        self.estimated_seconds = estimated_seconds
+        main = model.main
+        # Per input/output operand: (position in the request, dtype, dims,
+        # bytes); and the output shapes of a run whose buffers are all big
+        # enough, made once (an execution is a few microseconds of Python
+        # around invoke: keep it so).
+        self._inputs = {i: (k, main.operands[i].type.dtype, tuple(dims[i]),
+                            int(np.prod(dims[i])) * main.operands[i].type.element_size)
+                        for k, i in enumerate(main.input_indexes)}
+        self._outputs = {i: (k, main.operands[i].type.dtype, tuple(dims[i]),
+                             int(np.prod(dims[i])) * main.operands[i].type.element_size)
+                         for k, i in enumerate(main.output_indexes)}
+        self._sufficient = tuple(OutputShape(dims_) for _, _, dims_, _ in self._outputs.values())
+
+    @property
+    def segment_count(self) -> int:
+        return len(self.runner.segments)
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None, loop_timeout: float | None = None,
+                              *, checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        started = time.perf_counter()
+        try:
+            deadline = check_deadline(deadline)
+            validate_request(self.model, request)
+            shapes = self._output_shapes(request)
+            if not all(s.is_sufficient for s in shapes):
+                return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
+                                       message="an output buffer is too small")
+            if deadline is not None and time.monotonic() > deadline:
+                raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                                "the deadline passed before the execution began")
+            busy = self.runner.run(self._inputs_of(request),
+                                   partial(self._deliver, request), checkpoint)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        except (ValueError, RuntimeError) as e:
+            return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                   message=f"LiteRT failed: {e}")
+        timing = NO_TIMING
+        if measure:
+            on_device = int(busy * 1e6)
+            timing = Timing(on_device, max(int((time.perf_counter() - started) * 1e6), on_device))
+        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
+
+    def _output_shapes(self, request: Request) -> tuple[OutputShape, ...]:
+        if all(arg.location.length >= need
+               for arg, (_, _, _, need) in zip(request.outputs, self._outputs.values())):
+            return self._sufficient
+        return tuple(OutputShape(dims, arg.location.length >= need)
+                     for arg, (_, _, dims, need) in zip(request.outputs, self._outputs.values()))
+
+    def _inputs_of(self, request: Request) -> dict[int, np.ndarray]:
+        """The request's inputs (views of its pools) by operand, as prepared."""
+        values = read_inputs(self.model, request)
+        inputs = {}
+        for value, (i, (_, _, dims, _)) in zip(values, self._inputs.items()):
+            if value is None:
+                raise invalid(f"input operand {i} has no value")
+            if value.shape != dims:
+                raise invalid(f"input operand {i}: dimensions {list(value.shape)}, "
+                              f"the prepared model takes {list(dims)}")
+            inputs[i] = value
+        return inputs
+
+    def _deliver(self, request: Request, outputs: dict[int, np.ndarray]) -> None:
+        write_outputs(self.model, request, [outputs[i] for i in self._outputs])
