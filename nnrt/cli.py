@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("name", help="the device name the service reports")
     serve.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
     serve.add_argument("--driver", choices=["reference", "sample-float-fast", "sample-float-slow",
-                                            "sample-minimal", "sample-quant", "sample-partial"],
+                                            "sample-minimal", "sample-quant", "sample-partial",
+                                            "mediapipe"],
                        help="which driver to serve (default: NAME if it is one of these, "
                             "else reference)")
     serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
