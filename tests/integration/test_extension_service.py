@@ -1,0 +1,148 @@
+"""The mediapipe extension driver as a driver service (`nnrt driver serve
+... --driver mediapipe`): extension definitions and types over the socket,
+the service's own allowlist check of the peer's executable, and
+selfie_segmentation end to end through the importer."""
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnrt
+import nnrt.tflite
+from nnrt import ErrorStatus, NnrtError
+from nnrt.drivers.mediapipe import MediapipeDevice
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.drivers.service.client import ServiceDevice
+from nnrt.extensions import mediapipe as mp
+from tests.unit.test_extension_mediapipe import mediapipe_model, transpose_conv_bias_f64
+from tests.unit.test_extensions import allow_this_app  # noqa: F401 (fixture)
+
+MODELS = Path("/work/shared/models/mediapipe")
+SELFIE = MODELS / "selfie_segmentation"
+
+
+def serve_mediapipe(socket_path, config_home):
+    """A mediapipe service whose allowlist is ``config_home``/nnrt/extensions-allowlist."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(config_home))
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "mp",
+                             "--socket", str(socket_path), "--driver", "mediapipe"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else b""
+    if b"listening" not in line:
+        proc.kill()
+        raise RuntimeError(f"service did not start: {line!r} {proc.stderr.read()!r}")
+    return proc
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def small_model():
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((2, 2, 2, 3)).astype(np.float32)
+    b = rng.standard_normal(2).astype(np.float32)
+    x = rng.standard_normal((1, 3, 3, 3)).astype(np.float32)
+    model = mediapipe_model(list(x.shape), w, b, mp.PARAMS_FORMAT.pack(1, 2, 2))
+    return model, x, transpose_conv_bias_f64(x, w, b, 1, 2, 2)
+
+
+def write_allowlist(folder: Path, text: str) -> Path:
+    (folder / "nnrt").mkdir(exist_ok=True)
+    (folder / "nnrt" / "extensions-allowlist").write_text(text)
+    return folder
+
+
+async def test_extension_runs_in_a_service_for_an_allowed_app(tmp_path, allow_this_app):
+    config = tmp_path / "svc-config"
+    config.mkdir()
+    write_allowlist(config, os.path.realpath(sys.executable) + "\n")
+    proc = serve_mediapipe(tmp_path / "mp.sock", config)
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        try:
+            assert dev.supported_extensions() == [mp.EXTENSION]
+            model, x, want = small_model()
+            assert await dev.supported_operations(model.hal_model) == [True]
+            async with nnrt.Runtime(devices=[ReferenceDevice(), dev]) as rt:
+                compiled = await rt.compile(model)
+                assert [d.name for d in compiled.devices] == ["mp"]
+                got = (await compiled.execute([x])).outputs[0]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
+
+
+async def test_the_service_refuses_an_app_not_on_its_allowlist(tmp_path, monkeypatch):
+    # The app calls itself "camera-app" and the service's list has that name,
+    # but a service believes only the kernel: the peer's executable is the
+    # Python interpreter, which is not listed.
+    config = tmp_path / "svc-config"
+    config.mkdir()
+    write_allowlist(config, "camera-app\n/usr/bin/some-other-app\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    monkeypatch.setenv("NNRT_APP_NAME", "camera-app")   # enough for the in-process check
+    proc = serve_mediapipe(tmp_path / "mp.sock", config)
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        try:
+            model, x, _ = small_model()
+            with pytest.raises(NnrtError, match="not allowed to use vendor extensions") as e:
+                await dev.prepare_model(model.hal_model)
+            assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+            assert f"pid {os.getpid()}" in e.value.message
+            async with nnrt.Runtime(devices=[ReferenceDevice(), dev]) as rt:
+                with pytest.raises(NnrtError, match="not allowed"):
+                    await rt.compile(model)
+            # The same connection still serves what needs no extension.
+            assert await dev.supported_operations(model.hal_model) == [True]
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
+
+
+async def _run_selfie(spawn: bool):
+    model = nnrt.tflite.load(f"{SELFIE}.tflite")
+    x = np.load(f"{SELFIE}.in0.npy")
+    runtime = nnrt.Runtime(spawn=[("mp", "mediapipe")], discover=False) if spawn else \
+        nnrt.Runtime(devices=[MediapipeDevice("mp"), ReferenceDevice()])
+    async with runtime as rt:
+        compiled = await rt.compile(model)
+        names = [d.name for d in compiled.devices]
+        result = await compiled.execute([x])
+    return names, result.outputs[0]
+
+
+async def test_selfie_segmentation_end_to_end_in_process_and_as_a_service(allow_this_app):
+    names, in_process = await _run_selfie(spawn=False)
+    assert names == ["nnrt-reference", "mp", "nnrt-reference"]
+    names, served = await _run_selfie(spawn=True)
+    assert names == ["nnrt-reference", "mp", "nnrt-reference"]
+    # The same kernels on both sides of the socket: the same bits.
+    np.testing.assert_array_equal(in_process, served)
+    assert in_process.shape == (1, 256, 256, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="the operations around the custom op run on the "
+                   "reference driver, whose float32 kernels differ from XNNPACK's by 1.3e-4 "
+                   "of the largest output (a 1e-4 logit difference behind a saturated "
+                   "sigmoid whose largest value is 0.015); the custom op itself matches "
+                   "float64 (tests/unit/test_extension_mediapipe.py)")
+async def test_selfie_segmentation_matches_xnnpack(allow_this_app):
+    _, got = await _run_selfie(spawn=False)
+    expected = np.load(f"{SELFIE}.out0.npy")
+    assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
