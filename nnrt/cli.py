@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
     serve.add_argument("--driver", choices=["reference", "litert", "sample-float-fast",
                                             "sample-float-slow", "sample-minimal", "sample-quant",
-                                            "sample-partial"],
+                                            "sample-partial", "mediapipe"],
                        help="which driver to serve (default: NAME if it is one of these, "
                             "else reference)")
     serve.add_argument("--threads", type=int, default=None,

@@ -17,7 +17,7 @@ RANKS = [
     {"handoff"},                             # worker threads, results handed to a loop
     {"fmq", "memory", "fence"},              # the ring, shared memory, sync fences
     {"model"},                               # operand/operation types, graphs, the builder
-    {"ops"},                                 # the operation registry and kernels
+    {"ops", "extensions"},                   # the operation registry and kernels; extension definitions
     {"hal"},                                 # the seam: value types, interfaces, validation
     {"burst", "tflite"},                     # the burst wire and its two ends; model import
     {"qos"},                                 # the scheduler that wraps any hal.Device

@@ -17,6 +17,7 @@ from ..errors import ErrorStatus, NnrtError, invalid
 from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
 from ..hal import Capabilities, Device, DeviceType, PerformanceInfo
+from .mediapipe import MediapipeDevice
 from .reference import ReferenceDevice
 
 
@@ -126,6 +127,7 @@ DRIVERS: dict[str, Callable[..., Device]] = {
     "sample-minimal": MinimalDevice,
     "sample-quant": QuantDevice,
     "sample-partial": PartialDevice,
+    "mediapipe": MediapipeDevice,     # an extension driver: com.nnrt.mediapipe
 }
 
 

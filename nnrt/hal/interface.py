@@ -30,6 +30,7 @@ import anyio
 
 from ..errors import ErrorStatus, NnrtError
 from ..handoff import Waiter, run_soon
+from ..model.extensions import Extension
 from ..model.graph import HalModel
 from .types import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, Priority,
                     Request, Timing)
@@ -223,7 +224,11 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 
-    def supported_extensions(self) -> list[str]:
+    def supported_extensions(self) -> list[Extension]:
+        """The vendor extensions this driver implements, each with its name
+        and operand types (HAL ``getSupportedExtensions``). A driver listing
+        one validates the semantics of its operations in
+        ``supported_operations`` and ``prepare_model``."""
         return []
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:

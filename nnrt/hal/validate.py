@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import NnrtError, invalid
 from .. import ops
 from ..memory import as_buffer
+from ..model.extensions import MAX_PREFIX, check_extension_name
 from ..model.graph import HalModel, Operand, Subgraph
 from ..model.types import HalVersion, OperandLifeTime as L, OperandType
 
@@ -34,9 +35,14 @@ class ValidatedModel:
 
 
 def validate_model(model: HalModel) -> ValidatedModel:
+    """Check everything the runtime can check. Extension and OEM operations
+    are checked only as a graph (operand indexes, run order, declared
+    outputs); their semantics are the driver's to validate."""
     version = HalVersion.V1_0
     if model.relax_computation_float32_to_float16:
         version = HalVersion.V1_1
+    if _check_extension_prefixes(model):
+        version = max(version, HalVersion.V1_2)
     _check_no_reference_cycle(model)
     dims = {}
     for index in [None, *range(len(model.referenced))]:
@@ -45,6 +51,25 @@ def validate_model(model: HalModel) -> ValidatedModel:
         version = max(version, v)
         dims[index] = d
     return ValidatedModel(version, dims)
+
+
+def _check_extension_prefixes(model: HalModel) -> bool:
+    """The prefix map must be a bijection between valid names and prefixes
+    in [1, 65535]. True when the model maps any extension."""
+    names, prefixes = set(), set()
+    for e in model.extension_prefixes:
+        try:
+            check_extension_name(e.name)
+        except NnrtError as err:
+            raise invalid(f"extension prefix map: {err.message}") from None
+        if not 0 < e.prefix <= MAX_PREFIX:
+            raise invalid(f"extension prefix map: prefix {e.prefix} of {e.name} is not in "
+                          f"[1, 65535]")
+        if e.name in names or e.prefix in prefixes:
+            raise invalid(f"extension prefix map: {e.name} or prefix {e.prefix} appears twice")
+        names.add(e.name)
+        prefixes.add(e.prefix)
+    return bool(names)
 
 
 def _check_no_reference_cycle(model: HalModel) -> None:
@@ -122,6 +147,11 @@ def _validate_subgraph(model: HalModel, index: int | None, where: str):
                 raise invalid(f"{what}: operand {i} is written more than once")
             written.add(i)
             defined.add(i)
+        if op.type.is_extension or op.type.is_oem:
+            # The driver that claims it validates it; outputs keep their
+            # declared dimensions.
+            version = max(version, HalVersion.V1_2)
+            continue
         opdef = ops.definition(op.type)
         view = ops.OpView(model, index, op, known)
         try:
@@ -161,6 +191,14 @@ def _merge_dims(declared: tuple[int, ...], inferred: tuple[int, ...], what: str)
 
 def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
     t = operand.type
+    if t.is_extension:
+        mapped = {e.prefix: e.name for e in model.extension_prefixes}
+        if mapped.get(t.prefix) != t.extension:
+            raise invalid(f"{what}: type {t.name} has prefix {t.prefix}, which the model maps "
+                          f"to {mapped.get(t.prefix)!r}")
+    elif operand.extra_params is not None:
+        raise invalid(f"{what}: extension data on a {t.name} operand (only extension "
+                      f"operands carry it)")
     if t.is_scalar and operand.dimensions:
         raise invalid(f"{what}: scalar type {t.name} with dimensions {list(operand.dimensions)}")
     if any(d < 0 for d in operand.dimensions):

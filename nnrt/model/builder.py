@@ -16,8 +16,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import bad_state, invalid
-from .graph import ChannelQuant, DataLocation, HalModel, Operand, Operation, Subgraph
+from ..errors import NnrtError, bad_state, invalid
+from .extensions import (ExtensionOperandType, ExtensionOperationType, TYPE_WITHIN_BITS,
+                         MAX_PREFIX, known_extension, operand_type, operation_type,
+                         check_extension_name)
+from .graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand, Operation,
+                    Subgraph)
 from ..memory import Memory
 from .metadata import ModelMetadata
 from .types import OperandLifeTime as L, OperandType, OperationType
@@ -43,6 +47,7 @@ class Model:
         self._memories: dict[int, tuple] = {}  # operand -> (Memory, offset, length)
         self._hal: HalModel | None = None
         self._metadata: ModelMetadata | None = None
+        self._prefixes: dict[str, int] = {}  # extension name -> prefix, assigned on first use
 
     # --- state ---------------------------------------------------------------
     @property
@@ -74,17 +79,79 @@ class Model:
     def operand(self, index: int) -> Operand:
         return self._operands[self._operand_index(index, "operand")]
 
+    # --- extensions ------------------------------------------------------------
+    def _prefix(self, name: str) -> int:
+        """This model's prefix for extension ``name``, assigned on first use."""
+        check_extension_name(name)
+        if name not in self._prefixes:
+            if len(self._prefixes) >= MAX_PREFIX:
+                raise invalid("the model uses more extensions than prefixes exist")
+            self._prefixes[name] = len(self._prefixes) + 1   # 0 means "not an extension"
+        return self._prefixes[name]
+
+    @property
+    def _prefix_map(self) -> dict[int, str]:
+        return {p: n for n, p in self._prefixes.items()}
+
+    def get_extension_operand_type(self, extension: str, type_within: int) -> ExtensionOperandType:
+        """The operand type ``type_within`` of extension ``extension`` in this
+        model (ANeuralNetworksModel_getExtensionOperandType). The extension's
+        definition must be known in this process (nnrt.model.extensions)."""
+        self._check_mutable("get_extension_operand_type")
+        ext = known_extension(extension)
+        if isinstance(type_within, bool) or not isinstance(type_within, (int, np.integer)) \
+                or not 0 <= type_within <= MAX_PREFIX:
+            raise invalid(f"get_extension_operand_type: type {type_within!r} is not in [0, 65535]")
+        info = ext.operand_type_info(int(type_within))
+        code = (self._prefix(ext.name) << TYPE_WITHIN_BITS) | int(type_within)
+        return ExtensionOperandType(code, ext.name, info)
+
+    def get_extension_operation_type(self, extension: str,
+                                     type_within: int) -> ExtensionOperationType:
+        """The operation type ``type_within`` of extension ``extension`` in
+        this model (ANeuralNetworksModel_getExtensionOperationType)."""
+        self._check_mutable("get_extension_operation_type")
+        check_extension_name(extension)
+        if isinstance(type_within, bool) or not isinstance(type_within, (int, np.integer)) \
+                or not 0 <= type_within <= MAX_PREFIX:
+            raise invalid(f"get_extension_operation_type: type {type_within!r} is not in "
+                          f"[0, 65535]")
+        code = (self._prefix(extension) << TYPE_WITHIN_BITS) | int(type_within)
+        return operation_type(code, self._prefix_map)
+
+    def set_operand_extension_data(self, index: int, data: bytes | None) -> None:
+        """Attach an opaque blob to extension operand ``index``
+        (ANeuralNetworksModel_setOperandExtensionData); None removes it."""
+        self._check_mutable("set_operand_extension_data")
+        index = self._operand_index(index, "set_operand_extension_data")
+        operand = self._operands[index]
+        if not operand.type.is_extension:
+            raise invalid(f"set_operand_extension_data: operand {index} is {operand.type.name}, "
+                          f"not an extension operand type")
+        if data is not None and not isinstance(data, (bytes, bytearray, memoryview)):
+            raise invalid(f"set_operand_extension_data: expected bytes, got "
+                          f"{type(data).__name__}")
+        self._operands[index] = replace(operand,
+                                        extra_params=None if data is None else bytes(data))
+
     # --- building --------------------------------------------------------------
     def add_operand(self, type: OperandType | int, dimensions: Sequence[int] | None = None, *,
                     scale: float = 0.0, zero_point: int = 0,
                     channel_quant: tuple[int, Sequence[float]] | None = None) -> int:
         """Add an operand and return its index. ``dimensions`` None or [] is a
         scalar for scalar types and an unknown rank for tensor types; a 0
-        extent is unknown."""
+        extent is unknown. ``type`` may be an extension type of this model
+        (:meth:`get_extension_operand_type`)."""
         self._check_mutable("add_operand")
+        if isinstance(type, ExtensionOperandType) \
+                and self._prefixes.get(type.extension) != type.prefix:
+            raise invalid(f"add_operand: {type.name} was made by another model "
+                          f"(prefixes are per model)")
         try:
-            type = OperandType(type)
-        except ValueError:
+            type = operand_type(type, self._prefix_map)
+        except NnrtError as e:
+            raise invalid(f"add_operand: {e.message}") from None
+        except TypeError:
             raise invalid(f"add_operand: unknown operand type {type!r}") from None
         index = len(self._operands)
         dims = tuple(int(d) for d in (dimensions or ()))
@@ -236,9 +303,15 @@ class Model:
         """Add an operation; returns its index (in the order added)."""
         self._check_mutable("add_operation")
         index = len(self._operations)
+        if isinstance(type, ExtensionOperationType) \
+                and self._prefixes.get(type.extension) != type.prefix:
+            raise invalid(f"add_operation: {type.name} was made by another model "
+                          f"(prefixes are per model)")
         try:
-            type = OperationType(type)
-        except ValueError:
+            type = operation_type(type, self._prefix_map)
+        except NnrtError as e:
+            raise invalid(f"add_operation: {e.message}") from None
+        except TypeError:
             raise invalid(f"add_operation: unknown operation type {type!r}") from None
         ins = tuple(self._operand_index(i, f"add_operation {index} ({type.name}) input")
                     for i in inputs)
@@ -324,6 +397,12 @@ class Model:
         referenced: list[Subgraph] = []
         placed: dict[int, int] = {}
         for index, model in self._models.items():
+            if model.hal_model.extension_prefixes:
+                # Each model numbers its extensions itself; renumbering the
+                # types of a referenced body is not done (yet).
+                raise invalid(f"finish: the model referenced by operand {index} uses "
+                              f"extensions; extension types inside IF/WHILE bodies are not "
+                              f"supported")
             slot = _place(model.hal_model, values, pools, referenced, placed)
             operands[index] = replace(operands[index], location=DataLocation(-1, slot, 0))
         hal = HalModel(
@@ -332,6 +411,7 @@ class Model:
             operand_values=bytes(values),
             pools=tuple(pools),
             relax_computation_float32_to_float16=self._relaxed,
+            extension_prefixes=tuple(ExtensionPrefix(n, p) for n, p in self._prefixes.items()),
         )
         self._large_values = []  # the app may reuse its buffers from now on
         self._hal = hal

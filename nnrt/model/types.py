@@ -24,6 +24,14 @@ class OperandType(enum.IntEnum):
     TENSOR_QUANT8_SYMM = 13
     TENSOR_QUANT8_ASYMM_SIGNED = 14
     SUBGRAPH = 15  # ANEURALNETWORKS_MODEL in the NDK header
+    # Deprecated OEM types (NeuralNetworksOEM.h): opaque to the runtime, for
+    # a driver that claims OEM_OPERATION. Extensions replace them.
+    OEM = 10000
+    TENSOR_OEM_BYTE = 10001
+
+    @property
+    def is_extension(self) -> bool:
+        return False
 
     @property
     def is_tensor(self) -> bool:
@@ -48,7 +56,8 @@ class OperandType(enum.IntEnum):
 
 
 _SCALARS = frozenset({OperandType.FLOAT32, OperandType.INT32, OperandType.UINT32,
-                      OperandType.BOOL, OperandType.FLOAT16, OperandType.SUBGRAPH})
+                      OperandType.BOOL, OperandType.FLOAT16, OperandType.SUBGRAPH,
+                      OperandType.OEM})
 _QUANTIZED = frozenset({OperandType.TENSOR_QUANT8_ASYMM, OperandType.TENSOR_QUANT8_ASYMM_SIGNED,
                         OperandType.TENSOR_QUANT8_SYMM, OperandType.TENSOR_QUANT8_SYMM_PER_CHANNEL,
                         OperandType.TENSOR_QUANT16_ASYMM, OperandType.TENSOR_QUANT16_SYMM})
@@ -69,6 +78,9 @@ _DTYPES = {
     OperandType.TENSOR_QUANT8_SYMM: np.dtype(np.int8),
     OperandType.TENSOR_QUANT8_ASYMM_SIGNED: np.dtype(np.int8),
     OperandType.SUBGRAPH: np.dtype(np.uint32),
+    # An OEM scalar is one opaque byte here; its meaning is the driver's.
+    OperandType.OEM: np.dtype(np.uint8),
+    OperandType.TENSOR_OEM_BYTE: np.dtype(np.uint8),
 }
 
 
@@ -179,6 +191,16 @@ class OperationType(enum.IntEnum):
     HARD_SWISH = 99
     FILL = 100
     RANK = 101
+    # NeuralNetworksOEM.h: passed to a driver that claims it, never run by the runtime.
+    OEM_OPERATION = 10000
+
+    @property
+    def is_extension(self) -> bool:
+        return False
+
+    @property
+    def is_oem(self) -> bool:
+        return self == OperationType.OEM_OPERATION
 
 
 class OperandLifeTime(enum.IntEnum):

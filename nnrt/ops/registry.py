@@ -198,7 +198,7 @@ def definition(type: OperationType) -> OperationDef:
     try:
         return _REGISTRY[type]
     except KeyError:
-        raise invalid(f"operation {OperationType(type).name} is not supported") from None
+        raise invalid(f"operation {type.name} is not supported") from None
 
 
 def registered() -> dict[OperationType, OperationDef]:

@@ -3,7 +3,15 @@
 Each operation goes to the device that supports it and reports the best
 performance for the compilation's preference (LOW_POWER compares
 ``power_usage``, the others ``exec_time``) for the operation's data type;
-ties go to the device listed first. Consecutive operations (in run order) on
+ties go to the device listed first.
+
+Extensions: an extension operation goes only to a device whose
+``supported_extensions()`` lists its extension (and those of every extension
+operand it touches), whatever that device's ``supported_operations`` says;
+there is no CPU fallback for it (NNAPI has none), so a model needing an
+extension no device offers fails to compile with a message naming it. A
+model using extensions or OEM types compiles only for an app on the
+allowlist (``nnrt.hal.allowlist``). Consecutive operations (in run order) on
 one device form a step. A step is a HAL model of its own: it shares the
 original model's constants (``operand_values``, pools, referenced subgraphs),
 so only the main subgraph's operands are renumbered; operands that cross a
@@ -14,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..hal import Device, ExecutionPreference
+from ..hal.allowlist import check_current_app
+from ..model.extensions import uses_extensions
 from ..errors import NnrtError, ErrorStatus
 from ..model.graph import HalModel, Operation, Subgraph
 from ..model.types import OperandLifeTime as L, OperandType
@@ -44,11 +54,14 @@ def assign_devices(model: HalModel, devices: list[Device], supported: list[list[
     """The device for each operation of the main subgraph (in order), given
     each device's ``supported_operations`` answer."""
     relaxed = model.relax_computation_float32_to_float16
+    check_current_app(uses_extensions(model))
+    offered = [{e.name for e in d.supported_extensions()} for d in devices]
     chosen = []
     for k, op in enumerate(model.main.operations):
+        needed = _extensions_of(model, op)
         best, best_cost = None, None
-        for d, flags in zip(devices, supported):
-            if not flags[k]:
+        for d, flags, has in zip(devices, supported, offered):
+            if not flags[k] or not needed <= has:
                 continue
             caps = d.capabilities()
             t = _operation_type(model, op)
@@ -61,10 +74,25 @@ def assign_devices(model: HalModel, devices: list[Device], supported: list[list[
             if best is None or cost < best_cost:
                 best, best_cost = d, cost
         if best is None:
+            missing = sorted(needed - set().union(*offered)) if needed else []
+            if missing:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"operation {k} ({op.type.name}) needs the extension "
+                                f"{', '.join(missing)}, which no device offers")
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"no device supports operation {k} ({op.type.name})")
         chosen.append(best)
     return chosen
+
+
+def _extensions_of(model: HalModel, op: Operation) -> set[str]:
+    """The extensions a device needs to run ``op``."""
+    operands = model.main.operands
+    needed = {operands[i].type.extension for i in (*op.inputs, *op.outputs)
+              if operands[i].type.is_extension}
+    if op.type.is_extension:
+        needed.add(op.type.extension)
+    return needed
 
 
 def split(model: HalModel, assignment: list[Device]) -> list[StepPlan]:

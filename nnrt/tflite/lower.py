@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import NnrtError, invalid
+from ..extensions import mediapipe as _mediapipe
 from ..model.builder import Model
 from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
 from ..model.types import OperandType as T, OperationType as Op
@@ -257,10 +258,13 @@ class Lowering:
                 self.values[t] = v
             return
         handler = _HANDLERS.get(op.name)
+        if handler is None and op.name.startswith("CUSTOM:"):
+            handler = _CUSTOM_HANDLERS.get(op.name[7:])
         if handler is None:
             if op.name.startswith("CUSTOM:"):
                 raise self.fail(op, f"custom op {op.name[7:]!r} has no NNAPI operation and no "
-                                    f"device offers it as a vendor extension; the model "
+                                    f"known vendor extension defines it (known custom ops: "
+                                    f"{', '.join(sorted(_CUSTOM_HANDLERS))}); the model "
                                     f"cannot be imported")
             raise self.fail(op, "this TFLite operator has no NNAPI lowering")
         try:
@@ -899,6 +903,33 @@ def _transpose_conv(c: Lowering, op: Operator) -> None:
            c.i32(o.get("StrideH", 1))]
     act, out = c.fused(op, op.outputs[0])
     c.emit(Op.TRANSPOSE_CONV_2D, ins + [c.i32(act), c.boolean(False)], [out])
+
+
+def _mediapipe_transpose_conv_bias(c: Lowering, op: Operator) -> None:
+    # mediapipe's Convolution2DTransposeBias: (input, weights [O, H, W, I], bias),
+    # its custom options the raw TfLiteTransposeConvParams, which the
+    # com.nnrt.mediapipe operation takes as its extension parameters operand.
+    if len(op.inputs) != 3 or len(op.outputs) != 1:
+        raise c.fail(op, f"takes 3 inputs and 1 output, has {len(op.inputs)} and "
+                         f"{len(op.outputs)}")
+    raw = op.custom_options
+    if len(raw) != _mediapipe.PARAMS_FORMAT.size:
+        raise c.fail(op, f"custom options of {len(raw)} bytes; TfLiteTransposeConvParams "
+                         f"takes {_mediapipe.PARAMS_FORMAT.size}")
+    params_type = c.model.get_extension_operand_type(_mediapipe.NAME,
+                                                     _mediapipe.TRANSPOSE_CONV_PARAMS)
+    params = c.model.add_operand(params_type)
+    c.model.set_operand_value(params, bytes(raw))
+    ins = [_input(c, op, t) for t in op.inputs] + [params]
+    kind = c.model.get_extension_operation_type(_mediapipe.NAME,
+                                                _mediapipe.CONVOLUTION_2D_TRANSPOSE_BIAS)
+    c.emit(kind, ins, [c.output(op.outputs[0], op)])
+
+
+# TFLite custom codes a known vendor extension defines.
+_CUSTOM_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
+    code: _mediapipe_transpose_conv_bias for code in _mediapipe.CUSTOM_OPS
+}
 
 
 def _space_to_batch(c: Lowering, op: Operator) -> None:

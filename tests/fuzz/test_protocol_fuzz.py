@@ -11,6 +11,7 @@ from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                       OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
+from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import DataLocation
 
 
@@ -32,6 +33,12 @@ def _model():
                          (p.WirePool(0, 3, False, 0, 4096, 0, 16),))
 
 
+def _extension_model():
+    """Two extensions, an extension tensor constant and extension data."""
+    from tests.unit.test_extensions import example_model
+    return example_model().hal_model
+
+
 ARG = RequestArgument(False, DataLocation(0, 0, 16), (2, 2))
 POOL = p.WirePool(1, 4, True, 0, 4096, 0, 64)
 PERF = PerformanceInfo(1.0, 2.0)
@@ -49,12 +56,14 @@ MESSAGES = [
     p.Reply(2, p.Method.CAPABILITIES,
             value=Capabilities(PERF, PERF, {T.TENSOR_FLOAT32: PERF}, PERF, PERF)),
     p.Query(3, p.Method.SUPPORTED_EXTENSIONS),
-    p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=["com.example.ext"]),
+    p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=[
+        Extension("com.example.ext", (ExtensionOperandTypeInfo(1, False, 4),), ((0, "OP"),))]),
     p.Query(4, p.Method.NUMBER_OF_CACHE_FILES),
     p.Reply(4, p.Method.NUMBER_OF_CACHE_FILES, value=(1, 2)),
     p.Query(5, p.Method.STATISTICS),
     p.Reply(5, p.Method.STATISTICS, value=STATISTICS),
     p.SupportedOperations(3, _model()),
+    p.SupportedOperations(3, _extension_model()),
     p.Reply(3, p.Method.SUPPORTED_OPERATIONS, value=[True, False]),
     p.PrepareModel(4, _model(), ExecutionPreference.FAST_SINGLE_ANSWER, Priority.MEDIUM, 1.5),
     p.Reply(4, p.Method.PREPARE_MODEL, value=12),

@@ -12,6 +12,7 @@ from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, 
 from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
+from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
 from nnrt.model.types import OperandLifeTime as L
 
@@ -59,7 +60,9 @@ def sample_messages():
         p.Cancel(10, 8),
         p.Reply(1, p.Method.HELLO, value=p.DeviceInfo("dev", DeviceType.GPU, "v1", 30)),
         p.Reply(2, p.Method.CAPABILITIES, value=caps),
-        p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=["a", "b"]),
+        p.Reply(3, p.Method.SUPPORTED_EXTENSIONS, value=[
+            Extension("com.example.a"),
+            Extension("com.example.b", (ExtensionOperandTypeInfo(2, True, 4),), ((1, "OP"),))]),
         p.Reply(4, p.Method.NUMBER_OF_CACHE_FILES, value=(1, 2)),
         p.Reply(5, p.Method.SUPPORTED_OPERATIONS, value=[True, False]),
         p.Reply(6, p.Method.PREPARE_MODEL, value=42),

@@ -401,7 +401,7 @@ class ServiceDevice(Device):
     """A driver service seen through the HAL. Make one with :meth:`connect`."""
 
     def __init__(self, channel: _Channel, info: p.DeviceInfo, capabilities: Capabilities,
-                 extensions: list[str], cache_files: tuple[int, int], socket_path: str):
+                 extensions: list, cache_files: tuple[int, int], socket_path: str):
         self._channel = channel
         self.name = info.name
         self.type = info.type
@@ -451,7 +451,7 @@ class ServiceDevice(Device):
     def capabilities(self) -> Capabilities:
         return self._capabilities
 
-    def supported_extensions(self) -> list[str]:
+    def supported_extensions(self) -> list:
         return list(self._extensions)
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:

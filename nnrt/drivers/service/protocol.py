@@ -61,7 +61,7 @@ import enum
 import itertools
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ...errors import ErrorStatus, NnrtError
@@ -71,6 +71,8 @@ from ...hal.types import Priority
 from ...memory.staging import SlotCache
 from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
+from ...model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
+                                 operand_type, operation_type)
 from ...model.types import OperandLifeTime, OperandType, OperationType
 from ...wirecodec import Reader, Writer
 
@@ -618,7 +620,10 @@ def _get_subgraph(r: _Reader, what: str) -> Subgraph:
     operands = []
     for k in range(n):
         w = f"{what} operand {k}"
-        t = r.enum(OperandType, f"{w} type")
+        # Extension types are resolved once the prefix map is read (_get_model).
+        t = r.u32(f"{w} type")
+        if not is_extension_code(t):
+            t = _enum(OperandType, t, f"{w} type")
         dims = r.u32s(f"{w} dimensions")
         scale = r.f64(f"{w} scale")
         zero_point = r.i32(f"{w} zero point")
@@ -638,7 +643,9 @@ def _get_subgraph(r: _Reader, what: str) -> Subgraph:
     n = r.count(f"{what} operation count", 12)
     operations = []
     for k in range(n):
-        t = r.enum(OperationType, f"{what} operation {k} type")
+        t = r.u32(f"{what} operation {k} type")
+        if not is_extension_code(t):
+            t = _enum(OperationType, t, f"{what} operation {k} type")
         operations.append(Operation(t, r.u32s(f"{what} operation {k} inputs"),
                                     r.u32s(f"{what} operation {k} outputs")))
     return Subgraph(tuple(operands), tuple(operations), r.u32s(f"{what} inputs"),
@@ -669,7 +676,33 @@ def _get_model(r: _Reader) -> HalModel:
     n = r.count("extension prefix count", 8)
     prefixes = tuple(ExtensionPrefix(r.str_("extension name"), r.u32("extension prefix"))
                      for _ in range(n))
+    mapping = {e.prefix: e.name for e in prefixes}
+    try:
+        main = _resolve_extension_types(main, mapping)
+        referenced = tuple(_resolve_extension_types(s, mapping) for s in referenced)
+    except NnrtError as e:
+        raise ProtocolError(e.message) from None
     return HalModel(main, referenced, values, pools, relax, prefixes)
+
+
+def _enum(cls, v: int, what: str):
+    try:
+        return cls(v)
+    except ValueError:
+        raise ProtocolError(f"{what}: {v} is not a {cls.__name__}") from None
+
+
+def _resolve_extension_types(sub: Subgraph, prefixes: dict[int, str]) -> Subgraph:
+    """Turn the raw extension codes (plain ints) of ``sub`` into extension
+    types, given the model's prefix map; INVALID_ARGUMENT for an unknown
+    prefix or an extension this process does not know."""
+    if not any(type(x.type) is int for x in (*sub.operands, *sub.operations)):
+        return sub
+    operands = tuple(replace(o, type=operand_type(o.type, prefixes)) if type(o.type) is int
+                     else o for o in sub.operands)
+    operations = tuple(replace(op, type=operation_type(op.type, prefixes))
+                       if type(op.type) is int else op for op in sub.operations)
+    return replace(sub, operands=operands, operations=operations)
 
 
 def with_pools(model: HalModel, pools) -> HalModel:
@@ -788,14 +821,38 @@ def _get_capabilities(r: _Reader, status, message) -> Capabilities:
                         _get_perf(r, "WHILE performance"))
 
 
-def _put_names(w: _Writer, names) -> None:
-    w.u32(len(names))
-    for name in names:
-        w.str_(name)
+def _put_extensions(w: _Writer, extensions) -> None:
+    w.u32(len(extensions))
+    for ext in extensions:
+        w.str_(ext.name)
+        w.u32(len(ext.operand_types))
+        for info in ext.operand_types:
+            w.u32(info.type)
+            w.flag(info.is_tensor)
+            w.u32(info.byte_size)
+        w.u32(len(ext.operation_names))
+        for within, name in ext.operation_names:
+            w.u32(within)
+            w.str_(name)
 
 
-def _get_names(r: _Reader, status, message) -> list[str]:
-    return [r.str_("extension name") for _ in range(r.count("extension count", 4))]
+def _get_extension(r: _Reader, k: int) -> Extension:
+    what = f"extension {k}"
+    name = r.str_(f"{what} name")
+    types = tuple(ExtensionOperandTypeInfo(r.u32(f"{what} operand type"),
+                                           r.flag(f"{what} is-tensor flag"),
+                                           r.u32(f"{what} byte size"))
+                  for _ in range(r.count(f"{what} operand type count", 9)))
+    names = tuple((r.u32(f"{what} operation type"), r.str_(f"{what} operation name"))
+                  for _ in range(r.count(f"{what} operation count", 8)))
+    try:
+        return Extension(name, types, names)
+    except NnrtError as e:
+        raise ProtocolError(f"{what}: {e.message}") from None
+
+
+def _get_extensions(r: _Reader, status, message) -> list[Extension]:
+    return [_get_extension(r, k) for k in range(r.count("extension count", 12))]
 
 
 def _put_cache_files(w: _Writer, v) -> None:
@@ -1053,7 +1110,7 @@ CODECS: dict[Method, Codec] = {
     Method.HELLO: Codec(_put_hello, lambda r, cid, m: Hello(cid, r.u32("protocol version")),
                         _put_device_info, _get_device_info),
     Method.CAPABILITIES: Codec(_nothing, _query, _put_capabilities, _get_capabilities),
-    Method.SUPPORTED_EXTENSIONS: Codec(_nothing, _query, _put_names, _get_names),
+    Method.SUPPORTED_EXTENSIONS: Codec(_nothing, _query, _put_extensions, _get_extensions),
     Method.NUMBER_OF_CACHE_FILES: Codec(_nothing, _query, _put_cache_files, _get_cache_files),
     Method.STATISTICS: Codec(_nothing, _query, _put_statistics, _get_statistics),
     Method.SUPPORTED_OPERATIONS: Codec(

@@ -69,10 +69,12 @@ from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
 from ...memory import Memory
 from ...memory.shared import PROT_READ, PROT_RW
+from ...model.extensions import uses_extensions
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ... import trace
 from ...hal import Device, ExecutionResult, PreparedModel, Request
+from ...hal.allowlist import check_peer
 from ...qos import ScheduledDevice
 from . import protocol as p
 from .scm import received_fds, rights
@@ -386,6 +388,9 @@ class ServiceConnection:
                             f"connection; release some")
         model, memories = _map_model(call.model)
         try:
+            # Extensions only for allowlisted apps, judged by the peer's
+            # kernel-reported executable, never by what the app says.
+            check_peer(self.peer.pid, uses_extensions(model))
             prepared = await service.device.prepare_model(
                 model, call.preference, call.priority, call.deadline,
                 app=service.app_of(self.peer))

@@ -1,0 +1,204 @@
+"""The mediapipe extension driver as a driver service (`nnrt driver serve
+... --driver mediapipe`): extension definitions and types over the socket,
+the service's own allowlist check of the peer's executable, and
+selfie_segmentation end to end through the importer."""
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnrt
+import nnrt.tflite
+from nnrt import ErrorStatus, NnrtError
+from nnrt.drivers.mediapipe import MediapipeDevice
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.drivers.service.client import ServiceDevice
+from nnrt.extensions import mediapipe as mp
+from tests.unit.test_extension_mediapipe import mediapipe_model, transpose_conv_bias_f64
+from tests.unit.test_extensions import allow_this_app  # noqa: F401 (fixture)
+
+MODELS = Path("/work/shared/models/mediapipe")
+SELFIE = MODELS / "selfie_segmentation"
+
+
+def serve_mediapipe(socket_path, config_home):
+    """A mediapipe service whose allowlist is ``config_home``/nnrt/extensions-allowlist."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(config_home))
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "mp",
+                             "--socket", str(socket_path), "--driver", "mediapipe"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else b""
+    if b"listening" not in line:
+        proc.kill()
+        raise RuntimeError(f"service did not start: {line!r} {proc.stderr.read()!r}")
+    return proc
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def small_model():
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((2, 2, 2, 3)).astype(np.float32)
+    b = rng.standard_normal(2).astype(np.float32)
+    x = rng.standard_normal((1, 3, 3, 3)).astype(np.float32)
+    model = mediapipe_model(list(x.shape), w, b, mp.PARAMS_FORMAT.pack(1, 2, 2))
+    return model, x, transpose_conv_bias_f64(x, w, b, 1, 2, 2)
+
+
+def write_allowlist(folder: Path, text: str) -> Path:
+    (folder / "nnrt").mkdir(exist_ok=True)
+    (folder / "nnrt" / "extensions-allowlist").write_text(text)
+    return folder
+
+
+async def test_extension_runs_in_a_service_for_an_allowed_app(tmp_path, allow_this_app):
+    config = tmp_path / "svc-config"
+    config.mkdir()
+    write_allowlist(config, os.path.realpath(sys.executable) + "\n")
+    proc = serve_mediapipe(tmp_path / "mp.sock", config)
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        try:
+            assert dev.supported_extensions() == [mp.EXTENSION]
+            model, x, want = small_model()
+            assert await dev.supported_operations(model.hal_model) == [True]
+            async with nnrt.Runtime(devices=[ReferenceDevice(), dev]) as rt:
+                compiled = await rt.compile(model)
+                assert [d.name for d in compiled.devices] == ["mp"]
+                got = (await compiled.execute([x])).outputs[0]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
+
+
+async def test_the_service_refuses_an_app_not_on_its_allowlist(tmp_path, monkeypatch):
+    # The app calls itself "camera-app" and the service's list has that name,
+    # but a service believes only the kernel: the peer's executable is the
+    # Python interpreter, which is not listed.
+    config = tmp_path / "svc-config"
+    config.mkdir()
+    write_allowlist(config, "camera-app\n/usr/bin/some-other-app\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    monkeypatch.setenv("NNRT_APP_NAME", "camera-app")   # enough for the in-process check
+    proc = serve_mediapipe(tmp_path / "mp.sock", config)
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        try:
+            model, x, _ = small_model()
+            with pytest.raises(NnrtError, match="not allowed to use vendor extensions") as e:
+                await dev.prepare_model(model.hal_model)
+            assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+            assert f"pid {os.getpid()}" in e.value.message
+            async with nnrt.Runtime(devices=[ReferenceDevice(), dev]) as rt:
+                with pytest.raises(NnrtError, match="not allowed"):
+                    await rt.compile(model)
+            # The same connection still serves what needs no extension.
+            assert await dev.supported_operations(model.hal_model) == [True]
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
+
+
+async def _run_selfie(spawn: bool, litert: bool = False):
+    model = nnrt.tflite.load(f"{SELFIE}.tflite")
+    x = np.load(f"{SELFIE}.in0.npy")
+    runtime = nnrt.Runtime(spawn=[("mp", "mediapipe")], discover=False, litert=litert) \
+        if spawn else nnrt.Runtime(devices=[MediapipeDevice("mp"), ReferenceDevice()])
+    async with runtime as rt:
+        compiled = await rt.compile(model)
+        names = [d.name for d in compiled.devices]
+        result = await compiled.execute([x])
+    return names, result.outputs[0]
+
+
+async def test_selfie_segmentation_end_to_end_in_process_and_as_a_service(allow_this_app):
+    names, in_process = await _run_selfie(spawn=False)
+    assert names == ["nnrt-reference", "mp", "nnrt-reference"]
+    names, served = await _run_selfie(spawn=True)
+    assert names == ["nnrt-reference", "mp", "nnrt-reference"]
+    # The same kernels on both sides of the socket: the same bits.
+    np.testing.assert_array_equal(in_process, served)
+    assert in_process.shape == (1, 256, 256, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="the operations around the custom op run on the "
+                   "reference driver, whose float32 kernels differ from XNNPACK's by 1.3e-4 "
+                   "of the largest output (a 1e-4 logit difference behind a saturated "
+                   "sigmoid whose largest value is 0.015); the custom op itself matches "
+                   "float64 (tests/unit/test_extension_mediapipe.py)")
+async def test_selfie_segmentation_matches_xnnpack(allow_this_app):
+    _, got = await _run_selfie(spawn=False)
+    expected = np.load(f"{SELFIE}.out0.npy")
+    assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+
+async def test_selfie_segmentation_with_the_rest_on_litert_matches_xnnpack(allow_this_app):
+    """The issue's done-when: the custom op on the extension driver (a
+    service), everything else on the other devices — with the LiteRT driver
+    installed, XNNPACK's kernels, as the stored output was made with."""
+    pytest.importorskip("ai_edge_litert.interpreter")
+    names, got = await _run_selfie(spawn=True, litert=True)
+    assert "mp" in names and set(names) <= {"mp", "litert", "nnrt-reference"}
+    expected = np.load(f"{SELFIE}.out0.npy")
+    assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+
+def _xnnpack_input_of_the_custom_op():
+    """LiteRT's XNNPACK value of the custom op's input on the stored input
+    image: the model with that tensor made an extra output."""
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+    data = Path(f"{SELFIE}.tflite").read_bytes()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(data, 0))
+    graph = model.subgraphs[0]
+    (k,) = [k for k, op in enumerate(graph.operators)
+            if model.operatorCodes[op.opcodeIndex].customCode == b"Convolution2DTransposeBias"]
+    tensor = int(graph.operators[k].inputs[0])
+    graph.outputs = np.array([tensor, *graph.outputs], np.int32)
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    interp = litert.Interpreter(model_content=bytes(builder.Output()), num_threads=1)
+    interp.allocate_tensors()
+    interp.set_tensor(interp.get_input_details()[0]["index"], np.load(f"{SELFIE}.in0.npy"))
+    interp.invoke()
+    return k, interp.get_tensor(tensor)
+
+
+async def test_the_extension_part_of_selfie_matches_xnnpack(allow_this_app):
+    """From XNNPACK's own input to the custom op, the extension driver's
+    custom op and the final LOGISTIC give LiteRT's output within 1e-4 of its
+    largest magnitude: what remains of the end-to-end difference comes from
+    the operations before it (see the xfail above)."""
+    from nnrt.tflite import load_operators
+    from nnrt.tflite.reader import read
+    k, x = _xnnpack_input_of_the_custom_op()
+    file = read(Path(f"{SELFIE}.tflite").read_bytes(), "selfie")
+    graph = file.graphs[0]
+    custom = graph.operators[k]
+    producers = [j for j, op in enumerate(graph.operators)
+                 if set(op.outputs) & set(custom.inputs[1:])]
+    (logistic,) = [j for j, op in enumerate(graph.operators) if custom.outputs[0] in op.inputs]
+    model = load_operators(file, 0, producers + [k, logistic])
+    async with nnrt.Runtime(devices=[MediapipeDevice("mp"), ReferenceDevice()]) as rt:
+        compiled = await rt.compile(model)
+        assert "mp" in [d.name for d in compiled.devices]
+        got = (await compiled.execute([x])).outputs[-1]
+    expected = np.load(f"{SELFIE}.out0.npy")
+    assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
