@@ -706,13 +706,3 @@ class Burst:
             return sig.carry_state(await self._compiled._execute(
                 sig.order_inputs(inputs), sig.order_outputs(outputs), measure_timing, deadline,
                 loop_timeout, self._sessions))
-
-
-def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:
-    """Synchronous helper for scripts: compile ``model`` on the default
-    devices and execute it once. Built on the async core."""
-    async def main() -> Result:
-        async with Runtime() as rt:
-            compiled = await rt.compile(model)
-            return await compiled.execute(inputs, **kwargs)
-    return anyio.run(main)

@@ -1,0 +1,102 @@
+"""Per-call cost of the synchronous API against awaited ``compiled.execute``.
+
+    .venv/bin/python benchmarks/sync_api.py [--n 1000]
+
+Compiles one small model (ADD of two [1, 4] tensors on the reference CPU
+device) once per API and runs it N times each way, alternating rounds so
+machine load hits both alike; prints the per-call median of the rounds and
+the ratio (the goal: SyncCompiledModel.execute <= 1.2x awaited execute).
+Also runs the sync loop from a thread while another event loop runs in the
+main thread, as in a notebook.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+
+import numpy as np
+
+import nnrt
+from nnrt import OperandType as T, OperationType as Op
+
+
+def add_model() -> nnrt.Model:
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    return m.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=1000, help="executions per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    model, x = add_model(), np.ones((1, 4), np.float32)
+
+    # The same kind of loop as SyncRuntime's (uvloop when installed).
+    from nnrt.runtime.sync import _new_loop
+    loop = _new_loop()
+    rt_async = nnrt.Runtime()
+    loop.run_until_complete(rt_async.__aenter__())
+    compiled_async = loop.run_until_complete(rt_async.compile(model))
+
+    async def awaited(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            await compiled_async.execute([x, x])
+        return (time.perf_counter() - start) / n
+
+    rt_sync = nnrt.SyncRuntime()
+    compiled_sync = rt_sync.compile(model)
+
+    def sync(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            compiled_sync.execute([x, x])
+        return (time.perf_counter() - start) / n
+
+    loop.run_until_complete(awaited(50))
+    sync(50)
+    a_times, s_times = [], []
+    for _ in range(args.rounds):
+        a_times.append(loop.run_until_complete(awaited(args.n)))
+        s_times.append(sync(args.n))
+    a, s = statistics.median(a_times), statistics.median(s_times)
+
+    # From a thread while another event loop runs (a notebook's situation).
+    other = asyncio.new_event_loop()
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: other.run_until_complete(_spin(stop)))
+    busy.start()
+    threaded = []
+    worker = threading.Thread(target=lambda: threaded.append(sync(args.n)))
+    worker.start()
+    worker.join()
+    stop.set()
+    busy.join()
+
+    rt_sync.close()
+    loop.run_until_complete(rt_async.__aexit__(None, None, None))
+    print(f"{args.n} executions x {args.rounds} rounds (median per call)")
+    print(f"awaited compiled.execute      : {a * 1e6:8.1f} us")
+    print(f"SyncCompiledModel.execute     : {s * 1e6:8.1f} us")
+    print(f"  from a thread, other loop up: {threaded[0] * 1e6:8.1f} us")
+    print(f"ratio sync / awaited          : {s / a:.2f}x (goal <= 1.20x)")
+
+
+async def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0.001)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The synchronous API: ``nnrt.SyncRuntime`` and ``nnrt.run``.
+
+A :class:`SyncRuntime` owns a private event loop on a thread of its own and
+an ordinary async :class:`~nnrt.runtime.Runtime` opened on it; every call
+from plain code is one coroutine submitted to that loop and waited for. So it
+works wherever the calling thread is: plain scripts, a Jupyter cell (whose
+thread is running an event loop that cannot be re-entered), or a thread of
+an app whose own loop runs elsewhere. The async core is the only one; this is
+a door into it, not a copy of it.
+
+Why a thread and not ``anyio.run`` per call: the runtime, its devices and
+compiled models belong to the loop that opened them (the scheduler's
+wake-ups, the service connections), so one loop must outlive the calls; and
+a loop cannot be started in a thread that already runs one.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import threading
+import weakref
+from typing import Any, Sequence
+
+from ..errors import bad_state
+from ..model.builder import Model
+from .results import Result
+from .runtime import CompiledModel, Runtime
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class SyncRuntime:
+    """A :class:`Runtime` for code that does not ``await``::
+
+        with nnrt.SyncRuntime() as rt:
+            compiled = rt.compile(model)          # once
+            for frame in frames:
+                result = compiled.execute([frame])  # many times
+
+    Takes the arguments of :class:`Runtime`. Close it (or use ``with``) to
+    stop its loop thread; one left open is closed at interpreter exit.
+    """
+
+    def __init__(self, **runtime_kwargs):
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nnrt-sync-loop",
+                                        daemon=True)
+        self._thread.start()
+        self._runtime = Runtime(**runtime_kwargs)
+        self._closed = False
+        try:
+            self._call(self._runtime.__aenter__())
+        except BaseException:
+            self._stop_loop()
+            raise
+        _open.add(self)
+
+    def _call(self, coro):
+        """Run ``coro`` on the private loop and wait for its outcome."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise bad_state("a SyncRuntime cannot be called from its own loop thread: "
+                            "await the async API there")
+        future: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    @property
+    def runtime(self) -> Runtime:
+        """The async runtime behind this one (its methods run on the private loop)."""
+        return self._runtime
+
+    @property
+    def devices(self):
+        return self._runtime.devices
+
+    @property
+    def services(self):
+        return self._runtime.services
+
+    def compile(self, model: Model, **kwargs) -> "SyncCompiledModel":
+        """As :meth:`Runtime.compile`, without ``await``."""
+        self._check_open()
+        return SyncCompiledModel(self, self._call(self._runtime.compile(model, **kwargs)))
+
+    def statistics(self, device):
+        self._check_open()
+        return self._call(self._runtime.statistics(device))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise bad_state("the SyncRuntime is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _open.discard(self)
+        try:
+            self._call(self._runtime.__aexit__(None, None, None))
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> "SyncRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<nnrt.SyncRuntime closed>"
+        return f"<nnrt.SyncRuntime on thread {self._thread.name}: {self._runtime!r}>"
+
+
+class SyncCompiledModel:
+    """A :class:`CompiledModel` whose calls block instead of being awaited."""
+
+    def __init__(self, runtime: SyncRuntime, compiled: CompiledModel):
+        self._rt = runtime
+        self.compiled = compiled
+
+    def execute(self, inputs: Sequence[Any], **kwargs) -> Result:
+        """As :meth:`CompiledModel.execute`, without ``await``."""
+        return self._rt._call(self.compiled.execute(inputs, **kwargs))
+
+    @property
+    def inputs(self):
+        return self.compiled.inputs
+
+    @property
+    def outputs(self):
+        return self.compiled.outputs
+
+    @property
+    def placement(self):
+        return self.compiled.placement
+
+    @property
+    def devices(self):
+        return self.compiled.devices
+
+    def statistics(self):
+        return self.compiled.statistics()
+
+    def close(self) -> None:
+        self.compiled.close()
+
+    def __enter__(self) -> "SyncCompiledModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<nnrt.SyncCompiledModel {self.compiled!r}>"
+
+
+# -- nnrt.run --------------------------------------------------------------------
+
+_open: "weakref.WeakSet[SyncRuntime]" = weakref.WeakSet()
+_shared: SyncRuntime | None = None
+_shared_lock = threading.Lock()
+# Each model compiled once by nnrt.run, for as long as the model lives.
+_compiled: "weakref.WeakKeyDictionary[Model, SyncCompiledModel]" = weakref.WeakKeyDictionary()
+
+
+def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:
+    """Execute ``model`` once from plain code, on the default devices.
+
+    A thin convenience on one shared :class:`SyncRuntime`: the first call for
+    a model compiles it, later calls reuse that compilation, so calling it in
+    a loop costs an execution, not a compilation. ``kwargs`` are those of
+    ``execute``. For other compile options, use :class:`SyncRuntime`.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared._closed:
+            _shared = SyncRuntime()
+        rt = _shared
+        compiled = _compiled.get(model)
+        if compiled is None or compiled.compiled.closed:
+            compiled = _compiled[model] = rt.compile(model)
+    return compiled.execute(inputs, **kwargs)
+
+
+@atexit.register
+def _close_all() -> None:
+    for rt in list(_open):
+        try:
+            rt.close()
+        except Exception:   # the interpreter is going away; nothing to report to
+            pass
+
+
+__all__ = ["SyncCompiledModel", "SyncRuntime", "run"]
