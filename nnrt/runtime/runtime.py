@@ -679,8 +679,25 @@ class Burst:
         self._compiled = compiled
         self._lock = anyio.Lock()
         self._sessions: dict | None = None
+        self._frames = self._failures = 0
+        self._fallbacks_at_open = compiled._fallbacks
+
+    def statistics(self) -> "BurstStatistics":
+        """Frames run and failed in this session, fallbacks to the CPU since
+        it opened, and each step's HAL session counters (for a driver
+        service: ``BurstControllerStatistics`` -- executions, slots, bytes
+        staged; None in process)."""
+        sessions = tuple(s.statistics() for s in (self._sessions or {}).values())
+        return BurstStatistics(self._frames, self._failures,
+                               self._compiled._fallbacks - self._fallbacks_at_open, sessions)
+
+    def __repr__(self) -> str:
+        state = "open" if self._sessions is not None else "not open"
+        return (f"<nnrt.Burst {state}, {self._frames} frame(s), {self._failures} failed, of "
+                f"{self._compiled!r}>")
 
     async def __aenter__(self) -> "Burst":
+        self._compiled._check_open()
         sessions = {}
         try:
             for step in self._compiled._steps:
@@ -702,7 +719,21 @@ class Burst:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         sig = self._compiled._signature
+        inputs, outputs = self._compiled._order(inputs, outputs)
         async with self._lock:  # a burst runs its requests in order, one at a time
-            return sig.carry_state(await self._compiled._execute(
-                sig.order_inputs(inputs), sig.order_outputs(outputs), measure_timing, deadline,
-                loop_timeout, self._sessions))
+            try:
+                result = await self._compiled._execute(inputs, outputs, measure_timing, deadline,
+                                                       loop_timeout, self._sessions)
+            except BaseException:
+                self._failures += 1
+                raise
+            self._frames += 1
+            return sig.carry_state(result)
+
+
+@dataclass(frozen=True, slots=True)
+class BurstStatistics:
+    frames: int           # executions that completed
+    failures: int         # executions that raised
+    fallbacks: int        # executions rerun on the CPU after a driver failure
+    sessions: tuple       # per step: the HAL session's statistics, or None
