@@ -35,7 +35,8 @@ from ..model.types import OperationType
 OMISSIBLE_INPUTS = frozenset({
     OperationType.LSTM, OperationType.UNIDIRECTIONAL_SEQUENCE_LSTM,
     OperationType.BIDIRECTIONAL_SEQUENCE_LSTM, OperationType.QUANTIZED_LSTM,
-    OperationType.BIDIRECTIONAL_SEQUENCE_RNN, OperationType.LSH_PROJECTION,
+    OperationType.BIDIRECTIONAL_SEQUENCE_RNN, OperationType.UNIDIRECTIONAL_SEQUENCE_RNN,
+    OperationType.RNN, OperationType.SVDF, OperationType.LSH_PROJECTION,
     OperationType.AVERAGE_POOL_2D, OperationType.MAX_POOL_2D, OperationType.L2_POOL_2D,
     OperationType.RESIZE_BILINEAR, OperationType.RESIZE_NEAREST_NEIGHBOR,
     OperationType.SQUEEZE, OperationType.TRANSPOSE, OperationType.SPACE_TO_BATCH_ND,

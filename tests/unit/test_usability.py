@@ -299,3 +299,20 @@ async def test_reprs_say_what_an_object_is():
     fence = nnrt.SyncFence.create()
     assert "object at 0x" not in repr(fence)
     fence.close()
+
+
+# -- 6. docs -------------------------------------------------------------------------
+
+def test_api_md_shared_memory_example_keeps_its_output_off_its_input():
+    import re
+    from pathlib import Path
+
+    from nnrt.runtime import request
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    block = text.split("## Shared memory")[1].split("```python")[1].split("```")[0]
+    size = eval(re.search(r"Memory\.create\((.+?)\) as memory", block).group(1))
+    (inp,), (out,) = [[eval(f"({a})") for a in re.findall(r"memory\.region\((.+?)\)\]", part)]
+                      for part in block.split("outputs=")]
+    with nnrt.Memory.create(size) as memory:
+        request.check_no_overlap([memory.region(*inp)], [memory.region(*out)])
+        assert out[0] + out[1] <= size
