@@ -287,9 +287,10 @@ class Runtime:
                              plan.device.name, list(placed[k].operations), e, self.cpu.name)
                 device = self.cpu
                 prepared = await device.prepare_model(plan.model, preference, priority, deadline)
+                kind = "died" if e.status == ErrorStatus.DEAD_OBJECT else "refused"
                 placed[k] = PlacedStep(device.name, placed[k].operations,
                                        placed[k].operation_types,
-                                       Fallback("refused", plan.device.name,
+                                       Fallback(kind, plan.device.name,
                                                 f"{plan.device.name} failed to prepare them: "
                                                 f"{e}"))
             vlog("compilation", "step of %d operations prepared on %s in %.1f ms",
