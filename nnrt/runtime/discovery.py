@@ -195,11 +195,20 @@ def _identity(path: str):
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
+RETRY_INTERVAL = 1.0   # seconds between attempts on a socket that refused at once
+
+
 class Reconnector:
     """The configured services of one runtime: connects to them, remembers
     each one's state, and reconnects to one that is not up once a new socket
     file appears on its path (the service restarted) -- checked by a stat
-    per missing service when asked (``Runtime.compile``), not by a timer."""
+    per missing service when asked (``Runtime.compile``), not by a timer.
+
+    A socket file that is there but refused at once (a service between
+    ``bind`` and ``listen``, or a stale file whose service comes back by
+    another way) is tried again every ``RETRY_INTERVAL`` seconds; one that
+    made us wait for the connect timeout only when its file changes, so a
+    silent socket never stalls compilations twice."""
 
     def __init__(self, environ=os.environ):
         self._environ = environ
@@ -207,6 +216,7 @@ class Reconnector:
         self._states: dict[str, ServiceState] = {}
         self._devices: dict[str, ServiceDevice] = {}
         self._seen: dict[str, object] = {}     # path -> socket identity at the last attempt
+        self._retry_at: dict[str, float] = {}  # path -> when a quickly refused one is tried again
 
     def states(self) -> list[ServiceState]:
         for path, device in self._devices.items():
@@ -217,13 +227,19 @@ class Reconnector:
 
     async def _try(self, path: str) -> ServiceDevice | None:
         self._seen[path] = _identity(path)
+        start = time.monotonic()
         try:
             device = await connect(path, self._environ)
         except NnrtError as e:
             kind = "refused" if isinstance(e, Refused) else "unreachable"
             self._states[path] = ServiceState(path, kind, e.message)
+            if time.monotonic() - start < RETRY_INTERVAL / 2:
+                self._retry_at[path] = time.monotonic() + RETRY_INTERVAL
+            else:
+                self._retry_at.pop(path, None)
             _log.warning("leaving out the driver service at %s: %s", path, e.message)
             return None
+        self._retry_at.pop(path, None)
         self._states[path] = ServiceState(path, "up", device=device.name)
         self._devices[path] = device
         return device
@@ -239,7 +255,10 @@ class Reconnector:
             if device is not None and device.alive:
                 continue
             identity = _identity(path)
-            if identity is None or identity == self._seen.get(path):
+            if identity is None:
+                continue
+            if identity == self._seen.get(path) and \
+                    time.monotonic() < self._retry_at.get(path, float("inf")):
                 continue
             if device is not None:
                 device.close()
