@@ -2,8 +2,9 @@
 from .placement import Fallback, PlacedStep, Placement
 from .runtime import (Burst, CompiledModel, CompiledModelStatistics, ExecutionTiming, Result,
                       Runtime)
-from .sync import SyncCompiledModel, SyncRuntime, run
+from .sync import SyncBurst, SyncCompiledModel, SyncRuntime, run
 
 __all__ = ["Burst", "CompiledModel", "CompiledModelStatistics", "ExecutionTiming", "Fallback",
-           "PlacedStep", "Placement", "Result", "Runtime", "SyncCompiledModel", "SyncRuntime",
+           "PlacedStep", "Placement", "Result", "Runtime", "SyncBurst", "SyncCompiledModel",
+           "SyncRuntime",
            "run"]

@@ -140,6 +140,10 @@ class SyncCompiledModel:
         """As :meth:`CompiledModel.execute`, without ``await``."""
         return self._rt._call(self.compiled.execute(inputs, **kwargs))
 
+    def burst(self) -> "SyncBurst":
+        """A burst session (``with compiled.burst() as burst: burst.execute(...)``)."""
+        return SyncBurst(self._rt, self.compiled.burst())
+
     @property
     def inputs(self):
         return self.compiled.inputs
@@ -172,6 +176,30 @@ class SyncCompiledModel:
         return f"<nnrt.SyncCompiledModel {self.compiled!r}>"
 
 
+class SyncBurst:
+    """A :class:`Burst` whose calls block; use as ``with``."""
+
+    def __init__(self, runtime: SyncRuntime, burst):
+        self._rt = runtime
+        self.burst = burst
+
+    def __enter__(self) -> "SyncBurst":
+        self._rt._call(self.burst.__aenter__())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._rt._call(self.burst.__aexit__(*exc))
+
+    def execute(self, inputs: Sequence[Any], **kwargs) -> Result:
+        return self._rt._call(self.burst.execute(inputs, **kwargs))
+
+    def statistics(self):
+        return self.burst.statistics()
+
+    def __repr__(self) -> str:
+        return f"<nnrt.SyncBurst {self.burst!r}>"
+
+
 # -- nnrt.run --------------------------------------------------------------------
 
 _open: "weakref.WeakSet[SyncRuntime]" = weakref.WeakSet()
@@ -195,7 +223,7 @@ def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:
             _shared = SyncRuntime()
         rt = _shared
         compiled = _compiled.get(model)
-        if compiled is None or compiled.compiled.closed:
+        if compiled is None or compiled._rt is not rt or compiled.compiled.closed:
             compiled = _compiled[model] = rt.compile(model)
     return compiled.execute(inputs, **kwargs)
 
@@ -209,4 +237,4 @@ def _close_all() -> None:
             pass
 
 
-__all__ = ["SyncCompiledModel", "SyncRuntime", "run"]
+__all__ = ["SyncBurst", "SyncCompiledModel", "SyncRuntime", "run"]

@@ -227,6 +227,10 @@ def test_sync_runtime_compiles_once_and_executes_many():
             x = np.full((1, 4), k, np.float32)
             assert compiled.execute([x, x]).outputs[0].tolist() == [[2.0 * k] * 4]
         assert compiled.statistics().executions == 20
+        with compiled.burst() as burst:
+            for k in range(5):
+                assert burst.execute([X, X]).outputs[0].tolist() == [[2.0] * 4]
+            assert burst.statistics().frames == 5
     with pytest.raises(NnrtError, match="SyncRuntime is closed"):
         rt.compile(m)
 
@@ -266,6 +270,9 @@ def test_run_compiles_a_model_once():
     r = nnrt.run(m, [X, X], measure_timing=True)
     assert sync._compiled[m] is first and first.statistics().executions == 2
     assert r.timing is not None
+    sync._shared.close()          # a new shared runtime compiles the model again
+    assert nnrt.run(m, [X, X]).outputs[0].tolist() == [[2.0] * 4]
+    assert sync._compiled[m] is not first
 
 
 # -- 5. introspection ------------------------------------------------------------------
