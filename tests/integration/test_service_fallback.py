@@ -104,3 +104,22 @@ async def test_an_apps_mistake_over_a_service_is_invalid_argument_and_keeps_the_
         with pytest.raises(nnrt.NnrtError) as e:
             await compiled.execute([x, x])
         assert e.value.result_code == nnrt.ResultCode.BAD_STATE
+
+
+def test_sync_runtime_runs_executions_and_bursts_on_a_service(monkeypatch, tmp_path):
+    """The SyncRuntime's loop only runs during calls: a service connection
+    must still work across idle time between them, plainly and in bursts."""
+    from ..unit.test_runtime import add_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    x = np.ones((1, 4), np.float32)
+    with nnrt.SyncRuntime(spawn=[("npu", "reference")]) as rt:
+        compiled = rt.compile(add_model(), devices=["npu"])
+        assert compiled.execute([x, x]).outputs[0].tolist() == [[2.0] * 4]
+        time.sleep(0.5)
+        assert compiled.execute([x, x]).outputs[0].tolist() == [[2.0] * 4]
+        with compiled.burst() as burst:
+            for k in range(20):
+                assert burst.execute([x * k, x]).outputs[0].tolist() == [[k + 1.0] * 4]
+            assert burst.statistics().sessions[0].executions == 20
+        assert [d.name for d in compiled.devices] == ["npu"]
