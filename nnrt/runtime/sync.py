@@ -112,7 +112,8 @@ class SyncRuntime:
 
     @property
     def runtime(self) -> Runtime:
-        """The async runtime behind this one (its methods run on the private loop)."""
+        """The async runtime behind this one (its loop runs only during this
+        SyncRuntime's calls: await its coroutines through them, not elsewhere)."""
         return self._runtime
 
     @property
