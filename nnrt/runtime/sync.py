@@ -18,6 +18,11 @@ loop is idle: what the drivers post to it (results, a service's messages)
 waits for the next call, which is fine because nothing is pending then
 except what the app does not wait for.
 
+``SyncRuntime(loop_thread=True)`` runs the loop all the time on a private
+thread instead, for an app that wants the runtime's background work to go on
+between its calls (a service's death noticed at once, fenced chains started
+through ``rt.runtime``); each call then costs two more thread wake-ups.
+
 Why not ``anyio.run`` per call: the runtime, its devices and compiled
 models belong to the loop that opened them (the scheduler's wake-ups, the
 service connections), so one loop must outlive the calls.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import threading
 import weakref
 from typing import Any, Sequence
@@ -67,20 +73,36 @@ class SyncRuntime:
     closed at interpreter exit.
     """
 
-    def __init__(self, **runtime_kwargs):
+    def __init__(self, *, loop_thread: bool = False, **runtime_kwargs):
         self._loop = _new_loop()
         self._lock = threading.Lock()    # held by the thread running the loop
+        self._thread: threading.Thread | None = None
+        if loop_thread:
+            self._thread = threading.Thread(target=self._loop.run_forever,
+                                            name="nnrt-sync-loop", daemon=True)
+            self._thread.start()
         self._runtime = Runtime(**runtime_kwargs)
         self._closed = False
         try:
             self._call(self._runtime.__aenter__())
         except BaseException:
-            self._loop.close()
+            self._close_loop()
             raise
         _open.add(self)
 
     def _call(self, coro):
         """Run ``coro`` on this runtime's loop and return its outcome."""
+        if self._thread is not None:
+            if threading.current_thread() is self._thread:
+                coro.close()
+                raise bad_state("a SyncRuntime cannot be called from its own loop thread")
+            future: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro,
+                                                                               self._loop)
+            try:
+                return future.result()
+            except BaseException:
+                future.cancel()
+                raise
         if not _loop_running_here():
             return self._run(coro)
         waiter = handoff.Waiter(blocking=True)
@@ -145,8 +167,16 @@ class SyncRuntime:
         try:
             self._call(self._runtime.__aexit__(None, None, None))
         finally:
-            with self._lock:
-                self._loop.close()
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():   # stuck in a call: leave the loop to it
+                return
+        with self._lock:
+            self._loop.close()
 
     def __enter__(self) -> "SyncRuntime":
         return self
@@ -157,7 +187,8 @@ class SyncRuntime:
     def __repr__(self) -> str:
         if self._closed:
             return "<nnrt.SyncRuntime closed>"
-        return f"<nnrt.SyncRuntime {self._runtime!r}>"
+        where = " on its loop thread" if self._thread is not None else ""
+        return f"<nnrt.SyncRuntime{where} {self._runtime!r}>"
 
 
 class SyncCompiledModel:

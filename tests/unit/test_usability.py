@@ -262,6 +262,26 @@ def test_sync_runtime_inside_a_running_event_loop_and_from_a_thread():
     assert results[0].outputs[0].tolist() == [[2.0] * 4]
 
 
+@pytest.mark.parametrize("loop_thread", [False, True])
+def test_sync_runtime_with_or_without_a_loop_thread(loop_thread):
+    m = add_model()
+    with nnrt.SyncRuntime(loop_thread=loop_thread) as rt:
+        assert ("loop thread" in repr(rt)) == loop_thread
+        compiled = rt.compile(m, priority="LOW")
+        threads = [threading.Thread(target=lambda: [compiled.execute([X, X]) for _ in range(10)])
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert compiled.statistics().executions == 30
+
+        async def in_a_loop():
+            return compiled.execute([X, X]).outputs[0].tolist()
+        assert asyncio.run(in_a_loop()) == [[2.0] * 4]
+    assert "closed" in repr(rt)
+
+
 def test_run_compiles_a_model_once():
     from nnrt.runtime import sync
     m = add_model()
