@@ -5,6 +5,9 @@
     async with nnrt.Runtime() as rt:
         compiled = await rt.compile(m)
         result = await compiled.execute([x, y])
+
+or, from plain code (scripts, notebooks): ``with nnrt.SyncRuntime() as rt:
+compiled = rt.compile(m); compiled.execute([x, y])``.
 """
 from ._version import __version__
 
@@ -16,9 +19,11 @@ from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
 from .hal.types import Priority, deadline_in  # noqa: E402
-from .runtime import CompiledModel, ExecutionTiming, Result, Runtime, run  # noqa: E402
+from .runtime import (Burst, CompiledModel, ExecutionTiming, Placement, Result,  # noqa: E402
+                      Runtime, SyncCompiledModel, SyncRuntime, run)
 
-__all__ = ["CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference", "ExecutionTiming",
-           "FenceState", "FusedActivation", "Memory", "Model", "NnrtError", "OperandType", "OperationType",
-           "PaddingScheme", "Priority", "Result", "ResultCode", "Runtime", "SyncFence", "deadline_in", "run",
-           "__version__"]
+__all__ = ["Burst", "CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference",
+           "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "Model", "NnrtError",
+           "OperandType", "OperationType", "PaddingScheme", "Placement", "Priority", "Result",
+           "ResultCode", "Runtime", "SyncCompiledModel", "SyncFence", "SyncRuntime", "deadline_in",
+           "run", "__version__"]

@@ -20,15 +20,32 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _devices(args) -> int:
+    """Every device the runtime would offer (type, version, feature level,
+    extensions, state, capabilities per operand type), then every configured
+    driver service with its state: up, unreachable (and why) or refused
+    (an untrusted owner or folder)."""
     async def main():
         async with nnrt.Runtime() as rt:
             for d in rt.devices:
                 caps = d.capabilities()
-                f32 = caps.performance(nnrt.OperandType.TENSOR_FLOAT32)
                 print(f"{d.name}\n  type: {d.type.name}\n  version: {d.version_string}\n"
                       f"  feature level: {d.feature_level}\n"
-                      f"  TENSOR_FLOAT32 performance: exec_time {f32.exec_time:g}, "
-                      f"power_usage {f32.power_usage:g}")
+                      f"  state: {'up' if d.alive else 'dead'}\n"
+                      f"  extensions: {', '.join(d.supported_extensions()) or 'none'}")
+                print("  capabilities (exec_time, power_usage; lower is better):")
+                for t, perf in sorted(caps.operand_performance.items(), key=lambda kv: kv[0]):
+                    print(f"    {t.name}: {perf.exec_time:g}, {perf.power_usage:g}")
+                relaxed = caps.relaxed_float32_to_float16_tensor
+                print(f"    relaxed float32 as float16 (tensors): {relaxed.exec_time:g}, "
+                      f"{relaxed.power_usage:g}")
+            services = rt.services
+            print("\nconfigured driver services (NNRT_DRIVERS, "
+                  f"{discovery.config_file()}):" if services else
+                  "\nno driver services configured (NNRT_DRIVERS, "
+                  f"{discovery.config_file()})")
+            for state in services:
+                print(f"  {state}")
+    from .runtime import discovery
     anyio.run(main)
     return 0
 

@@ -104,6 +104,11 @@ class BurstSession(abc.ABC):
     def close(self) -> None:
         """End the session and release what it holds. Idempotent."""
 
+    def statistics(self):
+        """The session's own counters (a frozen dataclass), None when it
+        keeps none (an in-process session: nothing is handed off)."""
+        return None
+
     async def __aenter__(self) -> "BurstSession":
         return self
 

@@ -61,6 +61,16 @@ class Model:
             raise bad_state("model is not finished")
         return self._hal
 
+    def __repr__(self) -> str:
+        kinds = sorted({op.type.name for op in self._operations})
+        io = ""
+        if self._inputs is not None:
+            io = f", inputs {list(self._inputs)}, outputs {list(self._outputs)}"
+        return (f"<nnrt.Model {'finished' if self.finished else 'being built'}: "
+                f"{len(self._operands)} operands, {len(self._operations)} operations"
+                f"{' (' + ', '.join(kinds[:6]) + (', ...' if len(kinds) > 6 else '') + ')' if kinds else ''}"
+                f"{io}>")
+
     def _check_mutable(self, what: str) -> None:
         if self._hal is not None:
             raise bad_state(f"{what} after finish(): the model is immutable")

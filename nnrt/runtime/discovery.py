@@ -1,15 +1,17 @@
 """Finding driver services: ``NNRT_DRIVERS``, the config file, and services
 the runtime spawns itself.
 
-- ``NNRT_DRIVERS`` holds socket paths separated by ``:`` (``os.pathsep``).
+- ``NNRT_DRIVERS`` holds absolute socket paths separated by ``:`` or ``,``.
 - ``$XDG_CONFIG_HOME/nnrt/drivers.conf`` (``~/.config`` when unset) lists one
   socket path per line; ``#`` starts a comment.
 - ``Runtime(spawn=["sample-float-fast", ("gpu0", "reference")])`` starts
   ``nnrt driver serve`` child processes on sockets in a private temporary
   folder and stops them when the runtime closes.
 
-A configured service that does not answer is left out (and logged under the
-``manager`` tag): one broken service must not keep an app from running on the
+A configured service that does not answer is left out (logged at WARNING
+on the ``nnrt.manager`` logger; ``Runtime.services`` and ``nnrt devices``
+list each one's state), and an open runtime connects to it again once a new
+socket appears on its path (``Reconnector``): one broken service must not keep an app from running on the
 others or on the CPU. "Does not answer" includes a socket that accepts and
 then stays silent: connecting, HELLO and the device queries together get
 ``CONNECT_TIMEOUT`` seconds (``NNRT_CONNECT_TIMEOUT`` overrides it).
@@ -33,8 +35,11 @@ import signal
 import stat
 import subprocess
 import sys
+import logging
+import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -42,6 +47,8 @@ import anyio
 from ..drivers.service.client import ServiceDevice
 from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
+
+_log = logging.getLogger("nnrt.manager")
 
 SPAWN_TIMEOUT = 20.0  # seconds for a spawned service to start listening
 CONNECT_TIMEOUT = 5.0  # seconds for connecting, HELLO and the device queries
@@ -53,17 +60,32 @@ def config_file(environ=os.environ) -> Path:
 
 
 def configured_sockets(environ=os.environ) -> list[str]:
-    """Socket paths from NNRT_DRIVERS, then from the config file, without repeats."""
-    paths = [p for p in environ.get("NNRT_DRIVERS", "").split(os.pathsep) if p.strip()]
+    """Socket paths from NNRT_DRIVERS (separated by ``:`` or ``,``), then
+    from the config file, without repeats. Entries that cannot be socket
+    paths (relative, not text) are left out with a WARNING naming them."""
+    paths = [p for p in re.split(r"[:,]", environ.get("NNRT_DRIVERS", "")) if p.strip()]
     conf = config_file(environ)
     if conf.exists():
-        for line in conf.read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                paths.append(line)
+        try:
+            raw = conf.read_bytes()
+        except OSError as e:
+            _log.warning("cannot read %s: %s", conf, e.strerror)
+            raw = b""
+        for number, line in enumerate(raw.splitlines(), 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                _log.warning("%s line %d is not UTF-8 text: left out", conf, number)
+                continue
+            text = text.split("#", 1)[0].strip()
+            if text:
+                paths.append(text)
     seen, unique = set(), []
     for p in paths:
         p = p.strip()
+        if not os.path.isabs(p):
+            _log.warning("driver service %r is not an absolute socket path: left out", p)
+            continue
         if p not in seen:
             seen.add(p)
             unique.append(p)
@@ -96,7 +118,7 @@ def check_socket(path: str, environ=os.environ) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, f"{path} is not a socket")
     if st.st_uid not in trusted:
-        raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+        raise Refused(ErrorStatus.DEVICE_UNAVAILABLE,
                         f"the socket {path} belongs to uid {st.st_uid}, another user: not "
                         f"connecting (to trust that user's services, add it to "
                         f"NNRT_TRUSTED_USERS)")
@@ -105,7 +127,7 @@ def check_socket(path: str, environ=os.environ) -> None:
                                  os.path.dirname(os.path.realpath(path)))):
         fst = os.stat(folder)
         if fst.st_uid not in trusted or (fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX):
-            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+            raise Refused(ErrorStatus.DEVICE_UNAVAILABLE,
                             f"the folder {folder} of {path} (uid {fst.st_uid}, mode "
                             f"{stat.S_IMODE(fst.st_mode):04o}) can be changed by another user, "
                             f"who could replace the socket: not connecting")
@@ -143,13 +165,108 @@ async def connect(path: str, environ=os.environ,
 
 
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:
-    devices = []
-    for path in configured_sockets(environ):
+    return await Reconnector(environ).connect_all()
+
+
+class Refused(NnrtError):
+    """A socket that is there but not trusted (its owner or folder)."""
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """A configured driver service as last seen by a runtime."""
+
+    path: str
+    state: str          # "up", "unreachable" or "refused"
+    reason: str = ""    # why it is not up
+    device: str = ""    # the device name when up
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.state}" + (f" ({self.device})" if self.device else "") + \
+            (f": {self.reason}" if self.reason else "")
+
+
+def _identity(path: str):
+    """What changes when a service comes back: a new socket file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+RETRY_INTERVAL = 1.0   # seconds between attempts on a socket that refused at once
+
+
+class Reconnector:
+    """The configured services of one runtime: connects to them, remembers
+    each one's state, and reconnects to one that is not up once a new socket
+    file appears on its path (the service restarted) -- checked by a stat
+    per missing service when asked (``Runtime.compile``), not by a timer.
+
+    A socket file that is there but refused at once (a service between
+    ``bind`` and ``listen``, or a stale file whose service comes back by
+    another way) is tried again every ``RETRY_INTERVAL`` seconds; one that
+    made us wait for the connect timeout only when its file changes, so a
+    silent socket never stalls compilations twice."""
+
+    def __init__(self, environ=os.environ):
+        self._environ = environ
+        self._paths = configured_sockets(environ)
+        self._states: dict[str, ServiceState] = {}
+        self._devices: dict[str, ServiceDevice] = {}
+        self._seen: dict[str, object] = {}     # path -> socket identity at the last attempt
+        self._retry_at: dict[str, float] = {}  # path -> when a quickly refused one is tried again
+
+    def states(self) -> list[ServiceState]:
+        for path, device in self._devices.items():
+            if not device.alive and self._states[path].state == "up":
+                self._states[path] = ServiceState(path, "unreachable",
+                                                  f"the service {device.name} died")
+        return [self._states[p] for p in self._paths]
+
+    async def _try(self, path: str) -> ServiceDevice | None:
+        self._seen[path] = _identity(path)
+        start = time.monotonic()
         try:
-            devices.append(await connect(path, environ))
+            device = await connect(path, self._environ)
         except NnrtError as e:
-            vlog("manager", "leaving out the driver service at %s: %s", path, e.message)
-    return devices
+            kind = "refused" if isinstance(e, Refused) else "unreachable"
+            self._states[path] = ServiceState(path, kind, e.message)
+            if time.monotonic() - start < RETRY_INTERVAL / 2:
+                self._retry_at[path] = time.monotonic() + RETRY_INTERVAL
+            else:
+                self._retry_at.pop(path, None)
+            _log.warning("leaving out the driver service at %s: %s", path, e.message)
+            return None
+        self._retry_at.pop(path, None)
+        self._states[path] = ServiceState(path, "up", device=device.name)
+        self._devices[path] = device
+        return device
+
+    async def connect_all(self) -> list[ServiceDevice]:
+        return [d for p in self._paths if (d := await self._try(p)) is not None]
+
+    async def reconnect(self) -> list[ServiceDevice]:
+        """Devices of services that are back since the last attempt."""
+        added = []
+        for path in self._paths:
+            device = self._devices.get(path)
+            if device is not None and device.alive:
+                continue
+            identity = _identity(path)
+            if identity is None:
+                continue
+            if identity == self._seen.get(path) and \
+                    time.monotonic() < self._retry_at.get(path, float("inf")):
+                continue
+            if device is not None:
+                device.close()
+                del self._devices[path]
+            new = await self._try(path)
+            if new is not None:
+                added.append(new)
+        return added
 
 
 class SpawnedService:

@@ -413,11 +413,10 @@ async def execute_fenced(compiled, inputs: Sequence[Any], outputs: Sequence[np.n
     Bad arguments raise INVALID_ARGUMENT here; nothing is started.
     """
     launched_at = time.monotonic()
-    deadline = check_deadline(deadline)
+    arrays, user_outputs, measure_timing, deadline = compiled._check_request(
+        inputs, outputs, measure_timing, deadline)
     timeout_after_fence = check_timeout_after_fence(timeout_after_fence)
     fences = check_wait_for(wait_for)
-    arrays = compiled._stage_inputs(inputs)
-    user_outputs = compiled._check_outputs(outputs) if outputs is not None else None
     task_group = compiled._runtime.task_group   # BAD_STATE outside 'async with'
     fence = SyncFence.create()
     owned = []

@@ -11,7 +11,14 @@ from ..memory import Region
 
 @dataclass(frozen=True, slots=True)
 class ExecutionTiming:
-    """Microseconds, None when not measured (the HAL's UINT64_MAX)."""
+    """Microseconds, None when not measured (the HAL's UINT64_MAX).
+
+    ``on_device``: time the driver spent computing. ``in_driver``: from the
+    moment the driver (for a service: its process) received the request to
+    the moment it answered -- this includes waiting in the scheduler's queue
+    behind other executions, so ``in_driver - on_device`` is mostly queueing.
+    Neither includes the app's side (validation, the socket round trip). For
+    a model split across devices both are sums over the steps."""
 
     on_device: int | None
     in_driver: int | None
@@ -22,6 +29,11 @@ class Result:
     outputs: list[np.ndarray]
     output_shapes: list[tuple[int, ...]]
     timing: ExecutionTiming | None  # None when timing was not asked for
+
+    def __repr__(self) -> str:
+        outs = ", ".join(f"{np.asarray(o).dtype} {tuple(s)}"
+                         for o, s in zip(self.outputs, self.output_shapes))
+        return f"<nnrt.Result outputs [{outs}], timing {self.timing}>"
 
 
 def copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:

@@ -8,8 +8,10 @@ on trio. The runtime talks to drivers only through the HAL
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import anyio
@@ -24,27 +26,38 @@ from ..memory import Region
 from ..model.builder import Model
 from ..model.graph import Operand
 from ..hal.validate import ValidatedModel, validate_model
-from . import partition, signature
+from . import partition, request, signature
+from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import Step
-from ..hal.types import Priority, check_deadline, check_priority
+from ..hal.types import Priority, check_deadline
 from ..vlog import vlog
 from .. import trace
+
+# Fallbacks and dropped services are logged here at WARNING whatever NNRT_VLOG says:
+# they change where (and how fast) an app's work runs.
+_log = logging.getLogger("nnrt.execution")
 
 
 class Runtime:
     """Finds devices and compiles models for them. Use as ``async with``."""
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
-                 discover: bool = True, litert: bool = True):
+                 discover: bool = True, litert: bool = True, strict: bool = False):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
         (driver kinds such as ``"sample-float-fast"``, or ``(name, kind)``
         pairs), stopped on close, and the in-process CPU devices: ``litert``
-        when LiteRT is installed (and ``litert`` is true), then the reference."""
+        when LiteRT is installed (and ``litert`` is true), then the reference.
+
+        ``strict=True`` makes every fallback to the CPU an error (the default
+        of ``compile(..., fallback=)``): an operation no other device
+        supports, a driver that refuses to prepare its part, a driver that
+        fails an execution."""
         self._litert = litert
+        self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
         self._spawn = list(spawn)
         self._discover = discover
@@ -55,6 +68,7 @@ class Runtime:
         self._background_done = None
         self._services: list = []
         self._folder = None
+        self._reconnector = None   # discovery.Reconnector of the configured services
 
     async def __aenter__(self) -> "Runtime":
         await self.open()
@@ -116,7 +130,8 @@ class Runtime:
             if self._discover or self._spawn:
                 from . import discovery  # the service client needs only be loaded when used
                 if self._discover:
-                    found += await discovery.connect_configured()
+                    self._reconnector = discovery.Reconnector()
+                    found += await self._reconnector.connect_all()
                 if self._spawn:
                     self._folder = discovery.private_folder()
                     self._services, spawned = await discovery.spawn(self._spawn,
@@ -143,6 +158,41 @@ class Runtime:
             self._folder = None
         self._devices = None
         self._cpu = None
+        self._reconnector = None
+
+    @property
+    def closed(self) -> bool:
+        """True before ``open`` and after ``close``."""
+        return self._devices is None
+
+    def __repr__(self) -> str:
+        if self._devices is None:
+            return "<nnrt.Runtime closed>"
+        names = ", ".join(d.name for d in self._devices)
+        return f"<nnrt.Runtime open{' strict' if self.strict else ''}: devices {names}>"
+
+    @property
+    def services(self) -> list:
+        """Every configured driver service (``NNRT_DRIVERS``, drivers.conf)
+        with its state as last seen: ``up``, ``unreachable`` or ``refused``
+        (the socket's owner or folder is not trusted), and why."""
+        return self._reconnector.states() if self._reconnector is not None else []
+
+    async def reconnect(self) -> list[Device]:
+        """Connect to configured services that came back on their socket
+        path since they were last seen (a new socket file); they are offered
+        to later compilations. ``compile`` does this by itself. Returns the
+        devices added."""
+        if self._reconnector is None or self._devices is None:
+            return []
+        self.devices   # drops the dead ones
+        added = await self._reconnector.reconnect()
+        if added:
+            at = self._devices.index(self._cpu) if self._cpu in self._devices else len(self._devices)
+            self._devices[at:at] = added
+            for d in added:
+                _log.warning("driver service %s is back; offering it to new compilations", d.name)
+        return added
 
     @property
     def devices(self) -> list[Device]:
@@ -185,51 +235,94 @@ class Runtime:
 
     async def compile(self, model: Model, *,
                       preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
-                      priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                      devices: Sequence[str | Device] | None = None) -> "CompiledModel":
+                      priority: Priority | str = Priority.MEDIUM, deadline: float | None = None,
+                      devices: Sequence[str | Device] | None = None,
+                      fallback: bool | None = None) -> "CompiledModel":
         """Validate ``model``, assign its operations to devices and prepare
-        each step on its device.
+        each step on its device. ``priority`` is a :class:`Priority` or its
+        name (``"HIGH"``).
 
         ``devices`` restricts compilation to the named devices; then, as in
-        NNAPI, a device that fails to prepare its part fails the compilation.
-        Otherwise every device is a candidate and a part whose device fails
-        to prepare it falls back to the reference CPU device.
+        NNAPI, a device that fails to prepare its part fails the compilation
+        and nothing falls back to the CPU. Otherwise every device is a
+        candidate and, unless ``fallback=False`` (default: ``not
+        Runtime.strict``), work falls back to the reference CPU device when
+        no other device supports an operation, when its device fails to
+        prepare it, or (the whole model) when its device fails an execution.
+        ``compiled.placement`` says which happened. With ``fallback=False``
+        each of these is an error instead.
         """
         hal = _finished(model).hal_model
-        priority = check_priority(priority)
+        priority = request.priority(priority)
         deadline = check_deadline(deadline)
+        allow = not self.strict if fallback is None else request.flag(fallback, "fallback")
         try:
             preference = ExecutionPreference(preference)
         except ValueError:
             raise invalid(f"execution preference {preference!r} is not valid") from None
         validated = validate_model(hal)
         explicit = devices is not None
+        if not explicit:
+            await self.reconnect()
         candidates = [self._resolve(d) for d in devices] if explicit else self.devices
         if explicit and not candidates:
             raise invalid("devices=[] names no device")
+        allow = allow and not explicit
         supported = [await d.supported_operations(hal) for d in candidates]
-        plans = partition.split(hal, partition.assign_devices(hal, candidates, supported,
-                                                              preference))
+        assignment = partition.assign_devices(hal, candidates, supported, preference)
+        placed = self._placement(hal, candidates, supported, assignment)
+        if not explicit and not allow and any(p.fallback for p in placed):
+            raise invalid("fallback=False (or Runtime(strict=True)) but this model would fall "
+                          "back to the CPU: " + "; ".join(
+                              f"operations {list(p.operations)}: {p.fallback}"
+                              for p in placed if p.fallback))
+        plans = partition.split(hal, assignment)
         steps = []
-        for plan in plans:
+        for k, plan in enumerate(plans):
             start = time.perf_counter()
             try:
                 prepared = await plan.device.prepare_model(plan.model, preference, priority,
                                                            deadline)
                 device = plan.device
             except NnrtError as e:
-                if explicit or plan.device is self.cpu or e.status in _NOT_THE_DRIVERS_FAULT:
+                if not allow or plan.device is self.cpu or e.status in _NOT_THE_DRIVERS_FAULT:
                     raise
-                vlog("compilation", "%s failed to prepare a step (%s); falling back to %s",
-                     plan.device.name, e, self.cpu.name)
+                _log.warning("%s refused to prepare operations %s (%s); they run on %s",
+                             plan.device.name, list(placed[k].operations), e, self.cpu.name)
                 device = self.cpu
                 prepared = await device.prepare_model(plan.model, preference, priority, deadline)
+                kind = "died" if e.status == ErrorStatus.DEAD_OBJECT else "refused"
+                placed[k] = PlacedStep(device.name, placed[k].operations,
+                                       placed[k].operation_types,
+                                       Fallback(kind, plan.device.name,
+                                                f"{plan.device.name} failed to prepare them: "
+                                                f"{e}"))
             vlog("compilation", "step of %d operations prepared on %s in %.1f ms",
                  len(plan.model.main.operations), device.name,
                  (time.perf_counter() - start) * 1e3)
             steps.append(Step(device, prepared, plan, validated))
         return CompiledModel(self, model, validated, steps, priority, preference,
-                             fallback_allowed=not explicit)
+                             fallback_allowed=allow, placement=Placement(tuple(placed)))
+
+    def _placement(self, hal, candidates, supported, assignment) -> list[PlacedStep]:
+        """The steps as placed by partitioning; a step on the CPU whose
+        operations no other candidate supports is an ``unsupported`` fallback."""
+        ops = hal.main.operations
+        others = [(d, flags) for d, flags in zip(candidates, supported) if d is not self._cpu]
+        placed = []
+        for device, indexes in groups(assignment):
+            fallback = None
+            if device is self._cpu and others:
+                names = ", ".join(d.name for d, _ in others)
+                refused = [k for k in indexes if not any(flags[k] for _, flags in others)]
+                if refused:
+                    what = ", ".join(f"{k} {ops[k].type.name} on "
+                                     f"{partition._operation_type(hal, ops[k]).name}"
+                                     for k in refused)
+                    fallback = Fallback("unsupported", names, f"not supported by {names}: {what}")
+            placed.append(PlacedStep(device.name, tuple(indexes),
+                                     tuple(ops[k].type.name for k in indexes), fallback))
+        return placed
 
     @property
     def cpu(self) -> Device:
@@ -278,14 +371,24 @@ def _finished(model: Model) -> Model:
     return model
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledModelStatistics:
+    executions: int     # completed successfully
+    failures: int       # executions that raised (after any fallback)
+    fallbacks: int      # executions rerun on the CPU after a driver failure
+
+
 class CompiledModel:
     """A model prepared on one or more devices; run it with :meth:`execute`
     or a :meth:`burst`."""
 
     def __init__(self, runtime: Runtime, model: Model, validated: ValidatedModel,
                  steps: list[Step], priority: Priority, preference: ExecutionPreference,
-                 fallback_allowed: bool):
+                 fallback_allowed: bool, placement: Placement):
         self.model = model
+        self._placement = placement
+        self._closed = False
+        self._executions = self._failures = self._fallbacks = 0
         self.priority = priority
         self.preference = preference
         self._runtime = runtime
@@ -300,6 +403,38 @@ class CompiledModel:
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
+        self._input_names = [i.name for i in signature.describe(model).inputs]
+
+    @property
+    def placement(self) -> Placement:
+        """Which device runs which operations, and why any ran on the CPU
+        instead (``placement.fallbacks``)."""
+        return self._placement
+
+    def statistics(self) -> CompiledModelStatistics:
+        return CompiledModelStatistics(self._executions, self._failures, self._fallbacks)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        def tensors(infos):
+            return ", ".join(f"{i.name} {i.dtype} {tuple(i.shape)}" for i in infos)
+        state = "closed " if self._closed else ""
+        devices = ", ".join(dict.fromkeys(d.name for d in self.devices))
+        return (f"<nnrt.CompiledModel {state}{len(self.model.hal_model.main.operations)} "
+                f"operations on {devices} ({len(self._steps)} step(s)), priority "
+                f"{self.priority.name}; inputs [{tensors(self.inputs)}]; outputs "
+                f"[{tensors(self.outputs)}]>")
+
+    def _check_open(self) -> None:
+        """BAD_STATE for a closed compiled model or runtime: refused here,
+        before any driver is asked, so in process and over a service alike."""
+        if self._closed:
+            raise bad_state("the compiled model is closed")
+        if self._runtime.closed:
+            raise bad_state("the runtime that compiled this model is closed")
 
     @property
     def inputs(self) -> list[signature.TensorInfo]:
@@ -336,29 +471,68 @@ class CompiledModel:
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed."""
-        inputs, outputs = self._signature.order_inputs(inputs), self._signature.order_outputs(outputs)
+        inputs, outputs = self._order(inputs, outputs)
         return self._signature.carry_state(
             await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
+
+    def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:
+        self._check_open()
+        inputs = request.sequence(inputs, "inputs")
+        outputs = request.sequence(outputs, "outputs") if outputs is not None else None
+        return self._signature.order_inputs(inputs), self._signature.order_outputs(outputs)
+
+    def _check_request(self, inputs, outputs, measure_timing, deadline):
+        """Every check of a request before anything reaches a driver: the
+        app's mistakes raise INVALID_ARGUMENT here (see nnrt.runtime.request)."""
+        self._check_open()
+        measure = request.flag(measure_timing, "measure_timing")
+        deadline = check_deadline(deadline)
+        arrays = self._stage_inputs(inputs)
+        user_outputs = self._check_outputs(outputs, arrays) if outputs is not None else None
+        return arrays, user_outputs, measure, deadline
 
     @trace.traced("app: execute")
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
                        sessions: dict | None) -> Result:
-        deadline = check_deadline(deadline)
-        arrays = self._stage_inputs(inputs)
-        user_outputs = self._check_outputs(outputs) if outputs is not None else None
+        arrays, user_outputs, measure, deadline = self._check_request(inputs, outputs,
+                                                                      measure_timing, deadline)
         try:
-            return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
-                                   loop_timeout, sessions)
-        except _DriverFailure as failure:
-            vlog("execution", "%s failed (%s); running the whole model on %s",
-                 failure.device.name, failure.error, self._runtime.cpu.name)
-            self._steps = await self._cpu_steps()
-            return await self._run(self._steps, arrays, user_outputs, measure_timing, deadline,
-                                   loop_timeout)
+            try:
+                result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
+                                         loop_timeout, sessions)
+            except _DriverFailure as failure:
+                self._fall_back(failure)
+                self._steps = await self._cpu_steps()
+                result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
+                                         loop_timeout)
+        except BaseException:
+            self._failures += 1
+            raise
+        self._executions += 1
+        return result
+
+    def _fall_back(self, failure: "_DriverFailure") -> None:
+        """Record (and log, at WARNING, once per compiled model) that a
+        driver failure moves the whole model to the CPU."""
+        cpu = self._runtime.cpu.name
+        kind = "died" if failure.error.status == ErrorStatus.DEAD_OBJECT else "failed"
+        if self._fallbacks == 0:
+            _log.warning("%s %s during an execution (%s); this compiled model now runs on %s "
+                         "(compile with fallback=False to get the error instead)",
+                         failure.device.name, kind, failure.error, cpu)
+        self._fallbacks += 1
+        hal = self.model.hal_model
+        ops = hal.main.operations
+        self._placement = Placement((PlacedStep(
+            cpu, tuple(range(len(ops))), tuple(op.type.name for op in ops),
+            Fallback(kind, failure.device.name,
+                     f"{failure.device.name} {kind} during an execution: {failure.error}")),))
 
     def close(self) -> None:
         """Release the prepared models in their drivers now (also done when
-        the compiled model is garbage collected)."""
+        the compiled model is garbage collected). Executing it afterwards
+        raises BAD_STATE."""
+        self._closed = True
         self._finalizer()
 
     async def __aenter__(self) -> "CompiledModel":
@@ -423,6 +597,7 @@ class CompiledModel:
             return False
 
     def burst(self) -> "Burst":
+        self._check_open()
         return Burst(self)
 
     async def execute_fenced(self, inputs: Sequence[Any], *, outputs=None, wait_for=(),
@@ -434,15 +609,21 @@ class CompiledModel:
         execution ends; ``callback.get_result()`` / ``await callback.result()``
         give the outputs after that (see docs/fences.md). Steps on several
         devices are chained by fences, not by waiting in the app."""
+        inputs, outputs = self._order(inputs, outputs)
+        if self._signature.stateful:
+            raise invalid("execute_fenced does not carry a stateful model's state: use execute")
         return await execute_fenced(self, inputs, outputs, wait_for, measure_timing, deadline,
                                     loop_timeout, timeout_after_fence)
 
     def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
+        hal = self.model.hal_model
         staged = []
         for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
+            what = f"input {k} ({self._input_name(k)})"
             if value is None:
+                request.check_omitted(hal, hal.main.input_indexes[k], what)
                 staged.append(None)
             elif isinstance(value, Region):
                 if operand.type.is_tensor and not value.dimensions \
@@ -452,10 +633,20 @@ class CompiledModel:
                                   f"(memory.region(offset, length, dimensions))")
                 staged.append(value)
             else:
-                staged.append(_as_operand_array(value, operand, f"input {k}"))
+                arr = request.convert(value, operand, what)
+                if operand.type.is_tensor and operand.dimensions:
+                    declared = operand.dimensions
+                    if arr.ndim != len(declared) or any(
+                            d and d != a for d, a in zip(declared, arr.shape)):
+                        raise invalid(f"{what} has shape {list(arr.shape)}, the model declares "
+                                      f"{list(declared)} (0 = any)")
+                staged.append(arr)
         return staged
 
-    def _check_outputs(self, outputs: Sequence) -> list:
+    def _input_name(self, k: int) -> str:
+        return self._input_names[k]
+
+    def _check_outputs(self, outputs: Sequence, inputs: Sequence = ()) -> list:
         if len(outputs) != len(self._outputs):
             raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
                           f"output arrays")
@@ -468,6 +659,7 @@ class CompiledModel:
                     or not arr.flags.c_contiguous or not arr.flags.writeable:
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
                               f"{operand.type.dtype}, or a Region of an nnrt.Memory")
+        request.check_no_overlap(inputs, outputs)
         return list(outputs)
 
 
@@ -489,20 +681,6 @@ class _DriverFailure(Exception):
         self.error = error
 
 
-def _as_operand_array(value: Any, operand: Operand, what: str) -> np.ndarray:
-    dtype = operand.type.dtype
-    arr = np.asarray(value)
-    if arr.dtype != dtype:
-        if arr.dtype == object or not (np.can_cast(arr.dtype, dtype, "same_kind")
-                                       or arr.dtype.kind in "iub" and dtype.kind in "iub"):
-            raise invalid(f"{what} is {operand.type.name}: a {arr.dtype} value does not "
-                          f"convert to {dtype}")
-        arr = arr.astype(dtype)
-    if operand.type.is_scalar and arr.ndim != 0:
-        raise invalid(f"{what} is a scalar {operand.type.name}, got shape {list(arr.shape)}")
-    return np.ascontiguousarray(arr)
-
-
 class Burst:
     """A burst session: a sequence of executions of one compiled model
     (a camera-frame loop).
@@ -519,8 +697,25 @@ class Burst:
         self._compiled = compiled
         self._lock = anyio.Lock()
         self._sessions: dict | None = None
+        self._frames = self._failures = 0
+        self._fallbacks_at_open = compiled._fallbacks
+
+    def statistics(self) -> "BurstStatistics":
+        """Frames run and failed in this session, fallbacks to the CPU since
+        it opened, and each step's HAL session counters (for a driver
+        service: ``BurstControllerStatistics`` -- executions, slots, bytes
+        staged; None in process)."""
+        sessions = tuple(s.statistics() for s in (self._sessions or {}).values())
+        return BurstStatistics(self._frames, self._failures,
+                               self._compiled._fallbacks - self._fallbacks_at_open, sessions)
+
+    def __repr__(self) -> str:
+        state = "open" if self._sessions is not None else "not open"
+        return (f"<nnrt.Burst {state}, {self._frames} frame(s), {self._failures} failed, of "
+                f"{self._compiled!r}>")
 
     async def __aenter__(self) -> "Burst":
+        self._compiled._check_open()
         sessions = {}
         try:
             for step in self._compiled._steps:
@@ -542,17 +737,21 @@ class Burst:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         sig = self._compiled._signature
+        inputs, outputs = self._compiled._order(inputs, outputs)
         async with self._lock:  # a burst runs its requests in order, one at a time
-            return sig.carry_state(await self._compiled._execute(
-                sig.order_inputs(inputs), sig.order_outputs(outputs), measure_timing, deadline,
-                loop_timeout, self._sessions))
+            try:
+                result = await self._compiled._execute(inputs, outputs, measure_timing, deadline,
+                                                       loop_timeout, self._sessions)
+            except BaseException:
+                self._failures += 1
+                raise
+            self._frames += 1
+            return sig.carry_state(result)
 
 
-def run(model: Model, inputs: Sequence[Any], **kwargs) -> Result:
-    """Synchronous helper for scripts: compile ``model`` on the default
-    devices and execute it once. Built on the async core."""
-    async def main() -> Result:
-        async with Runtime() as rt:
-            compiled = await rt.compile(model)
-            return await compiled.execute(inputs, **kwargs)
-    return anyio.run(main)
+@dataclass(frozen=True, slots=True)
+class BurstStatistics:
+    frames: int           # executions that completed
+    failures: int         # executions that raised
+    fallbacks: int        # executions rerun on the CPU after a driver failure
+    sessions: tuple       # per step: the HAL session's statistics, or None

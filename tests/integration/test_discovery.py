@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import anyio
 import numpy as np
 import pytest
 
@@ -134,3 +135,161 @@ async def test_a_burst_through_the_runtime_uses_the_ring_of_the_service(monkeypa
                 r = await burst.execute([memory.region(0, 16), memory.region(0, 16)])
                 assert np.array_equal(r.outputs[0], frames[0] + frames[0])
                 assert session.statistics().executions == 301
+                stats = burst.statistics()   # issue 22: reachable from nnrt.Burst
+                assert (stats.frames, stats.failures) == (301, 0)
+                assert stats.sessions[0].executions == 301
+
+
+# -- issue 22: discovery says what it drops, and an open runtime reconnects --------------
+
+def test_config_entries_that_cannot_be_sockets_are_warned_about(monkeypatch, tmp_path, caplog):
+    conf = tmp_path / "nnrt" / "drivers.conf"
+    conf.parent.mkdir()
+    conf.write_bytes(b"/run/a.sock\nrelative.sock\n/run/\xff\xfe.sock\n# comment\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("NNRT_DRIVERS", "/run/b.sock,/run/c.sock")
+    with caplog.at_level("WARNING", logger="nnrt.manager"):
+        assert discovery.configured_sockets() == ["/run/b.sock", "/run/c.sock", "/run/a.sock"]
+    text = caplog.text
+    assert "line 3 is not UTF-8" in text and "'relative.sock' is not an absolute" in text
+
+
+def _serve(name: str, path: str):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", name, "--driver",
+                             "reference", "--socket", path], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL)
+
+
+async def _wait_for(path: str):
+    import os
+    for _ in range(1000):
+        if os.path.exists(path):
+            return
+        await anyio.sleep(0.02)
+    raise AssertionError(f"{path} never appeared")
+
+
+async def test_an_open_runtime_offers_a_restarted_service_again(monkeypatch, tmp_path):
+    from ..unit.test_runtime import add_model
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    path = str(folder / "npu.sock")
+    missing = str(folder / "missing.sock")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("NNRT_DRIVERS", f"{path}:{missing}")
+    service = _serve("npu", path)
+    try:
+        await _wait_for(path)
+        async with nnrt.Runtime(litert=False) as rt:
+            states = {s.path: s for s in rt.services}
+            assert states[path].state == "up" and states[path].device == "npu"
+            assert states[missing].state == "unreachable"
+            assert "No such file" in states[missing].reason
+            assert (await rt.compile(add_model())).devices[0].name == "npu"
+            service.terminate()
+            service.wait()
+            compiled = await rt.compile(add_model())
+            assert compiled.devices[0].name == "nnrt-reference"
+            assert {s.path: s.state for s in rt.services}[path] == "unreachable"
+            service = _serve("npu", path)
+            await _wait_for(path)
+            for _ in range(100):   # the socket file exists a moment before it listens
+                compiled = await rt.compile(add_model())
+                if compiled.devices[0].name == "npu":
+                    break
+                await anyio.sleep(0.05)
+            assert compiled.devices[0].name == "npu"
+            x = np.ones((1, 4), np.float32)
+            assert (await compiled.execute([x, x])).outputs[0].tolist() == [[2.0] * 4]
+            assert {s.path: s.state for s in rt.services}[path] == "up"
+    finally:
+        service.terminate()
+        service.wait()
+
+
+def test_a_socket_of_an_untrusted_folder_is_listed_as_refused(monkeypatch, tmp_path):
+    import os
+    import socket
+    folder = tmp_path / "open"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    path = str(folder / "x.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    try:
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+        monkeypatch.setenv("NNRT_DRIVERS", path)
+
+        async def main():
+            async with nnrt.Runtime() as rt:
+                return rt.services
+        (state,) = anyio.run(main)
+        assert state.state == "refused" and "can be changed by another user" in state.reason
+    finally:
+        s.close()
+
+
+async def test_a_socket_that_refused_at_once_is_retried_a_silent_one_is_not(monkeypatch,
+                                                                             tmp_path):
+    """A socket file with no listener yet (a service between bind and
+    listen) is tried again after RETRY_INTERVAL without a new file; one that
+    made us wait for the connect timeout only when its file changes."""
+    import socket
+
+    from ..unit.test_runtime import add_model
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    refusing, silent = str(folder / "refusing.sock"), str(folder / "silent.sock")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("NNRT_DRIVERS", f"{silent}:{refusing}")
+    monkeypatch.setenv("NNRT_CONNECT_TIMEOUT", "0.6")
+    monkeypatch.setattr(discovery, "RETRY_INTERVAL", 1.0)
+    attempts = []
+    real_connect = discovery.connect
+
+    async def counting(path, *args, **kwargs):
+        attempts.append(path)
+        return await real_connect(path, *args, **kwargs)
+    monkeypatch.setattr(discovery, "connect", counting)
+    bound = socket.socket(socket.AF_UNIX)
+    bound.bind(refusing)        # bound, not listening: connect is refused at once
+    quiet = socket.socket(socket.AF_UNIX)
+    quiet.bind(silent)
+    quiet.listen(1)             # accepts, never answers HELLO
+    try:
+        async with nnrt.Runtime() as rt:
+            assert [s.state for s in rt.services] == ["unreachable", "unreachable"]
+            assert attempts == [silent, refusing]
+            await rt.compile(add_model())
+            assert attempts == [silent, refusing]     # too soon for the refusing one
+            await anyio.sleep(1.05)
+            await rt.compile(add_model())
+            assert attempts == [silent, refusing, refusing]
+    finally:
+        bound.close()
+        quiet.close()
+
+
+def test_nnrt_devices_lists_capabilities_and_every_configured_service(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    path, missing = str(folder / "npu.sock"), str(folder / "gone.sock")
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path), NNRT_DRIVERS=f"{path},{missing}")
+    service = _serve("npu", path)
+    try:
+        for _ in range(500):
+            if os.path.exists(path):
+                break
+            time.sleep(0.02)
+        out = subprocess.run([sys.executable, "-m", "nnrt", "devices"], env=env,
+                             capture_output=True, text=True, timeout=120).stdout
+    finally:
+        service.terminate()
+        service.wait()
+    assert "npu\n  type:" in out and "nnrt-reference\n  type: CPU" in out
+    assert "feature level: 30" in out and "extensions: none" in out and "state: up" in out
+    assert "TENSOR_FLOAT32: 1, 1" in out
+    assert f"{path}: up (npu)" in out
+    assert f"{missing}: unreachable: no driver service at {missing}" in out

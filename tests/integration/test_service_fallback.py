@@ -80,3 +80,46 @@ async def test_executions_fall_back_to_the_cpu_when_the_service_dies(monkeypatch
         # New compilations no longer see the dead device.
         assert [d.name for d in (await rt.compile(small_chain())).devices] == \
             ["nnrt-reference"]
+
+
+async def test_an_apps_mistake_over_a_service_is_invalid_argument_and_keeps_the_device(
+        monkeypatch, tmp_path):
+    """Issue 22: None for a required input was a GENERAL_FAILURE in the
+    service and moved the model to the CPU for good; a closed compiled model
+    answered INVALID_ARGUMENT instead of BAD_STATE."""
+    from ..unit.test_runtime import add_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=[("npu", "reference")], litert=False) as rt:
+        compiled = await rt.compile(add_model())
+        x = np.ones((1, 4), np.float32)
+        for bad in ([None, x], [x.astype(np.int32), x], [x, x[:, :3]]):
+            with pytest.raises(nnrt.NnrtError) as e:
+                await compiled.execute(bad)
+            assert e.value.status == nnrt.ErrorStatus.INVALID_ARGUMENT
+        assert [d.name for d in compiled.devices] == ["npu"]
+        assert compiled.statistics().fallbacks == 0
+        assert (await compiled.execute([x, x])).outputs[0].tolist() == [[2.0] * 4]
+        compiled.close()
+        with pytest.raises(nnrt.NnrtError) as e:
+            await compiled.execute([x, x])
+        assert e.value.result_code == nnrt.ResultCode.BAD_STATE
+
+
+def test_sync_runtime_runs_executions_and_bursts_on_a_service(monkeypatch, tmp_path):
+    """The SyncRuntime's loop only runs during calls: a service connection
+    must still work across idle time between them, plainly and in bursts."""
+    from ..unit.test_runtime import add_model
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    x = np.ones((1, 4), np.float32)
+    with nnrt.SyncRuntime(spawn=[("npu", "reference")], litert=False) as rt:
+        compiled = rt.compile(add_model(), devices=["npu"])
+        assert compiled.execute([x, x]).outputs[0].tolist() == [[2.0] * 4]
+        time.sleep(0.5)
+        assert compiled.execute([x, x]).outputs[0].tolist() == [[2.0] * 4]
+        with compiled.burst() as burst:
+            for k in range(20):
+                assert burst.execute([x * k, x]).outputs[0].tolist() == [[k + 1.0] * 4]
+            assert burst.statistics().sessions[0].executions == 20
+        assert [d.name for d in compiled.devices] == ["npu"]

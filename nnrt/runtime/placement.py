@@ -1,0 +1,77 @@
+"""Where a compiled model runs: which device takes which operations, and why
+work landed on the CPU instead of the device that would have run it.
+
+Pure data, built by ``Runtime.compile`` and updated when an execution moves
+the model to the CPU after a driver failure (``compiled.placement``).
+
+Fallback kinds:
+
+- ``unsupported``: no other candidate device supports the operation (its
+  type or operands);
+- ``refused``: the chosen device failed to prepare its part;
+- ``died`` / ``failed``: the device died (DEAD_OBJECT) or failed an
+  execution; from then on the whole model runs on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fallback:
+    kind: str           # "unsupported", "refused", "died" or "failed"
+    device: str         # the device that did not run it ("" when none could)
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class PlacedStep:
+    device: str
+    operations: tuple[int, ...]          # indexes into the model's main subgraph
+    operation_types: tuple[str, ...]
+    fallback: Fallback | None = None     # why this step runs where it does, when it fell back
+
+    def __repr__(self) -> str:
+        ops = ", ".join(f"{i}:{t}" for i, t in zip(self.operations, self.operation_types))
+        why = f" ({self.fallback})" if self.fallback else ""
+        return f"<step on {self.device}: {ops}{why}>"
+
+
+@dataclass(frozen=True)
+class Placement:
+    steps: tuple[PlacedStep, ...]
+
+    @property
+    def fallbacks(self) -> tuple[Fallback, ...]:
+        return tuple(s.fallback for s in self.steps if s.fallback is not None)
+
+    def device_of(self, operation: int) -> str:
+        """The device that runs operation ``operation`` of the main subgraph."""
+        for s in self.steps:
+            if operation in s.operations:
+                return s.device
+        raise KeyError(operation)
+
+    def __str__(self) -> str:
+        lines = []
+        for s in self.steps:
+            ops = ", ".join(f"{i} {t}" for i, t in zip(s.operations, s.operation_types))
+            lines.append(f"{s.device}: {ops}" + (f"  [{s.fallback}]" if s.fallback else ""))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Placement {'; '.join(repr(s)[1:-1] for s in self.steps)}>"
+
+
+def groups(assignment: list) -> list[tuple[object, list[int]]]:
+    """Consecutive operations on one device, as ``partition.split`` cuts steps."""
+    out: list[tuple[object, list[int]]] = []
+    for k, device in enumerate(assignment):
+        if out and out[-1][0] is device:
+            out[-1][1].append(k)
+        else:
+            out.append((device, [k]))
+    return out
