@@ -133,3 +133,17 @@ def test_output_too_small_reports_the_needed_shape():
     assert result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
     assert result.output_shapes[0].dimensions == (1, 4)
     assert not result.output_shapes[0].is_sufficient
+
+
+def test_same_argument_objects_with_a_smaller_pool_are_checked_again():
+    """The burst server passes the same argument tuples frame after frame;
+    the pools behind them can still change size."""
+    model = _add_model()
+    validator = RequestValidator(model)
+    x, y, out = (np.ones((1, 4), np.float32) for _ in range(3))
+    good = _request(x, y, out)
+    validator.check(good)
+    validator.check(Request(good.inputs, good.outputs, good.pools))
+    short = np.ones(2, np.float32).view(np.uint8)
+    with pytest.raises(NnrtError, match="outside pool"):
+        validator.check(Request(good.inputs, good.outputs, (short, *good.pools[1:])))
