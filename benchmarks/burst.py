@@ -115,12 +115,13 @@ class EventfdEcho:
     """A second process that answers each write of eventfd ``ping`` with a
     write of ``pong``: the floor of a cross-process hand-off from Python."""
 
-    def __init__(self):
+    def __init__(self, awaited: bool = False):
+        # The awaited variant's pong is non-blocking from the start (uvloop
+        # makes any fd it watches non-blocking; the blocking floor needs its own).
         self.ping = os.eventfd(0, os.EFD_CLOEXEC)
-        self.pong = os.eventfd(0, os.EFD_CLOEXEC)
+        self.pong = os.eventfd(0, os.EFD_CLOEXEC | (os.EFD_NONBLOCK if awaited else 0))
         self.proc = subprocess.Popen([sys.executable, "-c", _ECHO, str(self.ping),
                                       str(self.pong)], pass_fds=(self.ping, self.pong))
-        self.pong_nb = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
 
     def blocking(self) -> None:
         os.eventfd_write(self.ping, 1)
@@ -134,7 +135,7 @@ class EventfdEcho:
     def close(self) -> None:
         os.eventfd_write(self.ping, 2)
         self.proc.wait(10)
-        for fd in (self.ping, self.pong, self.pong_nb):
+        for fd in (self.ping, self.pong):
             os.close(fd)
 
 
@@ -201,12 +202,12 @@ async def main(rounds: int, batches: int, loop: str, frame: bool, breakdown: boo
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "bench.sock")
         proc = start_service(path)
-        echo = EventfdEcho()
+        echo, echo_awaited = EventfdEcho(), EventfdEcho(awaited=True)
         try:
             dev = await ServiceDevice.connect(path)
             dev2 = await ServiceDevice.connect(path)
             try:
-                await bench(dev, dev2, echo, rounds, batches, loop)
+                await bench(dev, dev2, echo, echo_awaited, rounds, batches, loop)
                 if frame:
                     await bench_frame(dev, rounds, batches)
             finally:
@@ -214,13 +215,14 @@ async def main(rounds: int, batches: int, loop: str, frame: bool, breakdown: boo
                 dev2.close()
         finally:
             echo.close()
+            echo_awaited.close()
             proc.terminate()
             proc.wait(10)
         if breakdown:
             await bench_breakdown(folder, max(200, rounds // 4))
 
 
-async def bench(dev, dev2, echo: EventfdEcho, rounds: int, batches: int, loop: str) -> None:
+async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds: int, batches: int, loop: str) -> None:
     print(f"\n=== {loop}: {rounds} rounds per path in {batches} interleaved batches, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     tiny = add_model((1, 4))
@@ -243,7 +245,7 @@ async def bench(dev, dev2, echo: EventfdEcho, rounds: int, batches: int, loop: s
         return DONE
 
     async def awaited():
-        await echo.awaited()
+        await echo_awaited.awaited()
         return DONE
 
     async with nnrt.Runtime(discover=False) as rt_local, \
