@@ -449,6 +449,27 @@ async def bench_breakdown(folder: str, frames: int) -> None:
     gate_us = statistics.median(r.get("gate_checkpoints", 0) / 1e3 for r in rows)
     print(f"{'  of which in the gate checkpoint (in the driver)':52} {gate_us:8.1f}")
     print(f"{'whole frame (app: execute called -> returned)':52} {total:8.1f}")
+    await driver_warm_and_cold()
+
+
+async def driver_warm_and_cold(rounds: int = 2000) -> None:
+    """The driver alone in a tight loop (the floor of the table) against the
+    same call after its thread slept as long as a burst frame's (caches and
+    clocks gone cold, as in the service's burst thread)."""
+    local = await ReferenceDevice().prepare_model(add_model((1, 4)))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    request = numpy_request([x, x], [np.zeros((1, 4), np.float32)])
+    for gap in (0.0, 200e-6):
+        samples = []
+        for _ in range(rounds):
+            if gap:
+                time.sleep(gap)
+            t = time.perf_counter()
+            local.execute_synchronously(request)
+            samples.append(time.perf_counter() - t)
+        label = (f"driver alone, {gap * 1e6:.0f} us asleep between calls" if gap
+                 else "driver alone, back to back")
+        print(f"{label:52} {statistics.median(samples) * 1e6:8.1f}")
 
 
 async def wait_for_file(path: str) -> None:
