@@ -220,7 +220,10 @@ class Memory:
     def call_on_close(self, callback) -> None:
         """Call ``callback()`` (from the closing thread) when this memory is
         closed: it must be quick and must not raise (a cache queueing a slot
-        to free is what it is for)."""
+        to free is what it is for); at once if it is closed already."""
+        if self.closed:
+            callback()
+            return
         self._on_close.append(callback)
 
     def cancel_on_close(self, callback) -> None:
