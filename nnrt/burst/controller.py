@@ -125,7 +125,9 @@ class BurstController(BurstSession):
         self._results = results
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._wake_lock = threading.Lock()
-        self._lock = anyio.Lock()
+        # Orders concurrent callers of one session. fast_acquire: taking it
+        # when free is a flag, not a trip through the event loop (issue 16).
+        self._lock = anyio.Lock(fast_acquire=True)
         self._serials = itertools.count(1)
         self._encoder = RequestEncoder()
         self._slots = SlotCache()        # read by the connection's reader thread too

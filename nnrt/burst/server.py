@@ -148,6 +148,7 @@ class BurstServer:
         self.end_reason: str | None = None
         self._executions = self._malformed = 0
         self._get_memories_calls = self._slots_fetched = self._slots_freed = 0
+        self._args: tuple | None = None   # (burst inputs, outputs, HAL inputs, outputs)
 
     def statistics(self) -> BurstServerStatistics:
         return BurstServerStatistics(self._executions, self._malformed, self._get_memories_calls,
@@ -329,8 +330,14 @@ class BurstServer:
             self._counters.slots_fetched += len(unknown)
         with self._lock:
             pools = tuple(self._memories[s].view() for s in req.slots)
-        request = Request(tuple(_argument(a) for a in req.inputs),
-                          tuple(_argument(a) for a in req.outputs), pools)
+        args = self._args
+        if args is None or args[0] is not req.inputs or args[1] is not req.outputs:
+            # The decoder hands back the same argument tuples for every frame
+            # of one layout: convert them once per layout, not per frame.
+            args = self._args = (req.inputs, req.outputs,
+                                 tuple(_argument(a) for a in req.inputs),
+                                 tuple(_argument(a) for a in req.outputs))
+        request = Request(args[2], args[3], pools)
         result = self.prepared.execute_synchronously(request, req.measure_timing, req.deadline,
                                                      req.loop_timeout)
         return BurstResult(req.serial, result.status,

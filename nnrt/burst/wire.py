@@ -406,7 +406,8 @@ class RequestDecoder:
         view = _view(data)
         if len(view) < _REQ_HEAD.size:
             return decode_request(view)
-        raw = bytes(view)
+        # The ring hands over bytes already: no second copy of the frame.
+        raw = data if data.__class__ is bytes else bytes(view)
         key = raw[:_VARYING.start] + raw[_VARYING.stop:]
         hit = self._cache.get(key)
         if hit is None:

@@ -28,7 +28,8 @@ import numpy as np
 
 from .. import ops
 from ..errors import ErrorStatus, NnrtError
-from ..model.graph import HalModel, Operand
+from ..hal.types import OutputShape
+from ..model.graph import HalModel, Operand, decode_value
 from ..model.types import OperandLifeTime as L, OperationType
 from ..hal.validate import ValidatedModel
 from ..vlog import on as vlog_on, vlog
@@ -88,6 +89,69 @@ class Executor:
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
         return context.run_subgraph(None, inputs)
+
+
+class RequestPlan:
+    """How a request's arguments become the main subgraph's inputs and how
+    its outputs reach the request's regions, resolved once per prepared model
+    (operand types, element types, declared shapes): what
+    ``nnrt.hal.request`` does per execution, without looking anything up.
+
+    ``buffers`` are the request's pools as flat byte views, as
+    :meth:`nnrt.hal.validate.RequestValidator.check` returns them for a
+    request it has validated."""
+
+    __slots__ = ("_inputs", "_outputs")
+
+    def __init__(self, model: HalModel):
+        sub = model.main
+        self._inputs = tuple((sub.operands[i], sub.operands[i].type.is_tensor,
+                              sub.operands[i].type.dtype, sub.operands[i].dimensions)
+                             for i in sub.input_indexes)
+        self._outputs = tuple((i, sub.operands[i].type.dtype) for i in sub.output_indexes)
+
+    def read_inputs(self, request, buffers) -> list:
+        """An array view per tensor input (no copy), a Python value per
+        scalar, None for an omitted input."""
+        inputs = []
+        for arg, (operand, is_tensor, dtype, declared) in zip(request.inputs, self._inputs):
+            if arg.has_no_value:
+                inputs.append(None)
+                continue
+            loc = arg.location
+            if is_tensor:
+                inputs.append(np.frombuffer(buffers[loc.pool_index], dtype,
+                                            loc.length // dtype.itemsize,
+                                            loc.offset).reshape(arg.dimensions or declared))
+            else:
+                raw = buffers[loc.pool_index][loc.offset:loc.offset + loc.length]
+                inputs.append(decode_value(operand, raw))
+        return inputs
+
+    @staticmethod
+    def output_shapes(request, outputs: list) -> tuple[OutputShape, ...]:
+        """Each output's shape and whether its region holds it."""
+        shapes = []
+        for value, arg in zip(outputs, request.outputs):
+            if value.__class__ is not np.ndarray:
+                value = np.asarray(value)
+            shapes.append(OutputShape(value.shape, value.nbytes <= arg.location.length))
+        return tuple(shapes)
+
+    def write_outputs(self, request, buffers, outputs: list) -> None:
+        """Copy ``outputs`` into their regions (which ``output_shapes`` said
+        are big enough); INVALID_ARGUMENT for a read-only pool."""
+        for arg, (index, dtype), value in zip(request.outputs, self._outputs, outputs):
+            arr = np.ascontiguousarray(value, dtype=dtype)
+            if not arr.nbytes:
+                continue
+            loc = arg.location
+            pool = buffers[loc.pool_index]
+            if pool.readonly:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"output operand {index}: pool {loc.pool_index} is read-only")
+            np.frombuffer(pool, np.uint8, arr.nbytes, loc.offset)[:] = \
+                arr.reshape(-1).view(np.uint8)
 
 
 class ExecutionContext:

@@ -16,12 +16,11 @@ from ..errors import ErrorStatus, NnrtError
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
-from ..hal.request import output_shapes, read_inputs, write_outputs
-from ..hal.validate import validate_model, validate_request
+from ..hal.validate import RequestValidator, validate_model
 from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
-from .executor import Executor
+from .executor import Executor, RequestPlan
 from .heap import keep_freed_memory
 
 
@@ -71,6 +70,10 @@ class ReferencePreparedModel(PreparedModel):
     def __init__(self, model: HalModel, executor: Executor):
         self.model = model
         self.executor = executor
+        # Resolved once, used by every execution (issue 16): the request
+        # checks keep the last valid layout, the plan the operand facts.
+        self._validator = RequestValidator(model)
+        self._plan = RequestPlan(model)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -81,16 +84,18 @@ class ReferencePreparedModel(PreparedModel):
         started = time.perf_counter_ns()
         shapes: tuple[OutputShape, ...] = ()
         try:
-            validate_request(self.model, request)
-            inputs = read_inputs(self.model, request)
+            buffers = self._validator.check(request)
+            plan = self._plan
+            inputs = plan.read_inputs(request, buffers)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
             outputs = self.executor.run(inputs, loop_timeout=loop_timeout, deadline=deadline,
                                         checkpoint=stop)
-            shapes = output_shapes(request, outputs)
-            if not all(s.is_sufficient for s in shapes):
-                return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
-                                       message="an output buffer is too small")
-            write_outputs(self.model, request, outputs)
+            shapes = plan.output_shapes(request, outputs)
+            for s in shapes:
+                if not s.is_sufficient:
+                    return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
+                                           message="an output buffer is too small")
+            plan.write_outputs(request, buffers, outputs)
         except NnrtError as e:
             return ExecutionResult(e.status, tuple(e.output_shapes or ()) or shapes,
                                    message=e.message)

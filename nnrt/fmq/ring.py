@@ -94,7 +94,8 @@ needs a full fence on both sides, which pure Python cannot emit.
 
 Every wait in this module is the same loop:
 
-1. check the ring (return at once if the condition holds; spin if asked),
+1. check the ring (return at once if the condition holds; a blocking
+   waiter spins if asked and a core is idle; an async one never spins),
 2. announce: set our waiter flag, then (native) a full fence,
 3. check the ring again (return, withdrawing the flag, if it now holds),
 4. sleep until the eventfd is readable (poll(2) / ``anyio.wait_readable``),
@@ -338,6 +339,22 @@ def _poll_ms(deadline: float | None) -> int | None:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
+_idle_checked = 0.0
+_idle = False
+
+
+def _core_idle() -> bool:
+    """Whether the load average leaves a core free for a spinning waiter
+    (read at most every half second: a spin is only worth it when the peer
+    is not waiting for the very core it would burn)."""
+    global _idle_checked, _idle
+    now = time.monotonic()
+    if now - _idle_checked > 0.5:
+        _idle_checked = now
+        _idle = os.getloadavg()[0] + 1 <= (os.cpu_count() or 1)
+    return _idle
+
+
 class Ring:
     """An SPSC frame ring in a memfd; see the module docstring.
 
@@ -349,9 +366,11 @@ class Ring:
     ``read_async``/``write_async``. ``x_nowait`` raises ``WouldBlock``;
     blocking forms raise ``TimeoutError`` when ``timeout`` seconds pass.
 
-    ``spin`` is how long (seconds) a waiter re-checks the ring before
-    sleeping: by default 20 µs on machines with at least 4 cores and 0 on
-    smaller ones, where spinning only delays the peer sharing the core.
+    ``spin`` is how long (seconds) a *blocking* waiter re-checks the ring
+    before sleeping: by default 20 µs on machines with at least 4 cores and
+    0 on smaller ones, where spinning only delays the peer sharing the core;
+    even then it spins only while the load average leaves a core idle.
+    Async waits never spin (they would stall the event loop).
     ``native`` picks the protocol of this end: None uses the C helper when
     it was built, False forces the pure-Python always-signal protocol (both
     ends may differ: they interoperate).
@@ -423,6 +442,7 @@ class Ring:
         # One epoll per (eventfd, also fd) pair, made on first use and kept:
         # creating it for every wait cost tens of microseconds per frame.
         self._epolls: dict[tuple[int, int], select.epoll] = {}
+        self._pollers: dict[tuple[int, int | None], select.poll] = {}
         self._frames_written = 0
         self._frames_read = 0
         self._closed = False
@@ -522,6 +542,7 @@ class Ring:
         for ep in self._epolls.values():
             ep.close()
         self._epolls.clear()
+        self._pollers.clear()
         if self._native is not None:
             self._native.release()
         self._counters.release()
@@ -790,7 +811,7 @@ class Ring:
             self._native.retire(space)
 
     def _spin_until(self, ready) -> bool:
-        if self._spin <= 0:
+        if self._spin <= 0 or not _core_idle():
             return False
         end = time.perf_counter() + self._spin
         while time.perf_counter() < end:
@@ -802,10 +823,7 @@ class Ring:
         """Check, announce, re-check, sleep on the eventfd, drain (see "Wake-ups")."""
         # The eventfds are non-blocking (a read(2) cannot be the sleep): poll
         # for readiness, then drain.
-        poller = select.poll()
-        poller.register(efd, select.POLLIN)
-        if also is not None:
-            poller.register(also, select.POLLIN)
+        poller = self._poller(efd, also)
         while True:
             if ready() or self._spin_until(ready):
                 return Ready.RING
@@ -830,6 +848,19 @@ class Ring:
                 raise TimeoutError("timed out waiting on the ring")
             self._check_open()
 
+    def _poller(self, efd: int, also: int | None):
+        """The kept poll object watching ``efd`` (and ``also``): a blocking
+        waiter (a burst's serving thread) waits once per frame, and building
+        and registering a fresh one each time was a measurable share of it."""
+        poller = self._pollers.get((efd, also))
+        if poller is None:
+            poller = select.poll()
+            poller.register(efd, select.POLLIN)
+            if also is not None:
+                poller.register(also, select.POLLIN)
+            self._pollers[(efd, also)] = poller
+        return poller
+
     def _epoll(self, efd: int, also: int) -> select.epoll:
         """The kept epoll watching ``efd`` and ``also`` (which must stay open
         while this ring is waited on with it, as a burst's wake fd does)."""
@@ -842,8 +873,11 @@ class Ring:
         return ep
 
     async def _sleep_async(self, efd: int, space: bool, also: int | None, ready) -> Ready:
+        # Never spins, whatever ``spin`` says: a spin here would stall every
+        # other task of the event loop (issue 16). Only blocking waiters,
+        # which own their thread, spin.
         while True:
-            if ready() or self._spin_until(ready):
+            if ready():
                 return Ready.RING
             self._announce(space)
             try:

@@ -51,6 +51,7 @@ class Memory:
 
     def __init__(self, fd: int, fd_offset: int, size: int, prot: int, *, shm=None):
         # Private: use create / create_shm / from_fd. Takes ownership of fd.
+        self._on_close: list = []
         self._fd = fd
         self.fd_offset = fd_offset
         self.size = size
@@ -201,6 +202,9 @@ class Memory:
         if self.closed:
             return
         self.closed = True
+        for callback in self._on_close:
+            callback()
+        self._on_close.clear()
         try:
             self._view.release()
             self._mmap.close()
@@ -212,6 +216,22 @@ class Memory:
                 self._shm.unlink()
             except Exception:  # already unlinked by someone else: nothing to undo
                 pass
+
+    def call_on_close(self, callback) -> None:
+        """Call ``callback()`` (from the closing thread) when this memory is
+        closed: it must be quick and must not raise (a cache queueing a slot
+        to free is what it is for); at once if it is closed already."""
+        if self.closed:
+            callback()
+            return
+        self._on_close.append(callback)
+
+    def cancel_on_close(self, callback) -> None:
+        """Forget a ``callback`` given to :meth:`call_on_close` (if still there)."""
+        try:
+            self._on_close.remove(callback)
+        except ValueError:
+            pass
 
     def __enter__(self) -> "Memory":
         return self

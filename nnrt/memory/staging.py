@@ -15,6 +15,7 @@ arena and no driver would refuse it.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import threading
 import weakref
@@ -77,6 +78,7 @@ class SlotCache:
         self._slot_of: weakref.WeakKeyDictionary[Memory, int] = weakref.WeakKeyDictionary()
         self._memory_of: collections.OrderedDict[int, weakref.ref] = collections.OrderedDict()
         self._collected: collections.deque[int] = collections.deque()
+        self._on_close: dict[int, functools.partial] = {}
 
     def __len__(self) -> int:
         return len(self._memory_of)
@@ -88,8 +90,12 @@ class SlotCache:
             slot = next(self._ids)
             self._slot_of[mem] = slot
             self._memory_of[slot] = weakref.ref(mem)
-            # The finalizer only queues: it may run on any thread, at any time.
+            # The finalizer and the close callback only queue: they may run
+            # on any thread, at any time. Queued slots are all take_freed
+            # looks at: O(freed) per execution, not O(slots) (issue 16).
             weakref.finalize(mem, self._collected.append, slot)
+            on_close = self._on_close[slot] = functools.partial(self._collected.append, slot)
+            mem.call_on_close(on_close)
         else:
             self._memory_of.move_to_end(slot)
         return slot
@@ -105,10 +111,6 @@ class SlotCache:
         freed = set()
         while self._collected:
             freed.add(self._collected.popleft())
-        for slot, ref in list(self._memory_of.items()):
-            mem = ref()
-            if mem is None or mem.closed:
-                freed.add(slot)
         freed &= self._memory_of.keys()
         for slot in freed:
             self.forget(slot)
@@ -128,11 +130,17 @@ class SlotCache:
 
     def forget(self, slot: int) -> None:
         ref = self._memory_of.pop(slot, None)
+        on_close = self._on_close.pop(slot, None)
         mem = ref() if ref is not None else None
         if mem is not None:
             self._slot_of.pop(mem, None)
+            if on_close is not None:
+                mem.cancel_on_close(on_close)
 
     def clear(self) -> None:
+        for slot in list(self._memory_of):
+            self.forget(slot)
+        self._collected.clear()
         self._memory_of.clear()
         self._slot_of = weakref.WeakKeyDictionary()
 

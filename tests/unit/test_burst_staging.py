@@ -75,3 +75,27 @@ def test_slot_cache_frees_closed_and_collected_memories_and_evicts_the_oldest():
     assert cache.evict(2, keep={sa}) == [sd] and cache.slot(d) != sd  # a new slot afterwards
     a.close()
     d.close()
+
+
+def test_slot_cache_learns_of_closes_without_scanning_and_forgets_evicted_memories():
+    cache = SlotCache()
+    mems = [Memory.create(64) for _ in range(4)]
+    slots = [cache.slot(m) for m in mems]
+    assert cache.take_freed() == []
+    mems[2].close()
+    assert cache.take_freed() == [slots[2]]
+    assert cache.take_freed() == []          # freed once
+    # An evicted memory is no longer the cache's: closing it frees nothing,
+    # and it holds no close callback of the cache any more.
+    assert cache.evict(3, keep={slots[0], slots[3]}) == [slots[1]]
+    assert mems[1]._on_close == []
+    mems[1].close()
+    assert cache.take_freed() == []
+    # Given a slot again (a new one), its close is noticed.
+    again = Memory.create(64)
+    s = cache.slot(again)
+    again.close()
+    assert cache.take_freed() == [s]
+    for m in mems:
+        m.close()
+    assert cache.take_freed() == sorted([slots[0], slots[3]])

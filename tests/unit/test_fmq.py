@@ -525,3 +525,39 @@ def test_the_ring_works_without_the_native_helper():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+async def test_async_waits_never_spin_even_when_a_spin_is_configured():
+    """Issue 16: a spin on the event loop stalls every other task; only
+    blocking waiters (threads of their own) may spin."""
+    import anyio
+    from nnrt.fmq import Ring
+
+    ring = Ring.create(4096, spin=0.01)
+    peer = Ring.attach(*[os.dup(fd) for fd in ring.fds()])
+    try:
+        def no_spin(ready):
+            raise AssertionError("an async wait spun")
+        ring._spin_until = no_spin
+        async with anyio.create_task_group() as tg:
+            async def later():
+                await anyio.sleep(0.01)
+                peer.write_nowait(b"frame")
+            tg.start_soon(later)
+            assert await ring.read_async() == b"frame"
+    finally:
+        peer.close()
+        ring.close()
+
+
+def test_a_blocking_waiter_keeps_one_poll_object_per_fd_pair():
+    from nnrt.fmq import Ring
+
+    ring = Ring.create(4096, spin=0)
+    try:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                ring.wait_read_blocking(timeout=0.001)
+        assert len(ring._pollers) == 1
+    finally:
+        ring.close()

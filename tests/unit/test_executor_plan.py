@@ -1,0 +1,149 @@
+"""The reference driver's prepared request path (issue 16): the request
+validator remembers the last valid layout, and every check still applies to
+a request whose layout changed; the request plan reads and writes exactly
+what nnrt.hal.request does."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import OperandType as T, OperationType as Op
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.errors import ErrorStatus, NnrtError
+from nnrt.hal import Request, RequestArgument
+from nnrt.hal.validate import RequestValidator, validate_request
+from nnrt.memory import Memory
+from nnrt.model.graph import DataLocation
+
+
+def _add_model(dims=(1, 4)):
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    b = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    return m.finish().hal_model
+
+
+def _request(x, y, out, in_length=None, dims=()):
+    pools = tuple(a.reshape(-1).view(np.uint8) for a in (x, y, out))
+    ins = tuple(RequestArgument(False, DataLocation(k, 0, in_length or a.nbytes), dims)
+                for k, a in enumerate((x, y)))
+    return Request(ins, (RequestArgument(False, DataLocation(2, 0, out.nbytes)),), pools)
+
+
+def _prepared(model):
+    import anyio
+    return anyio.run(ReferenceDevice().prepare_model, model)
+
+
+def test_same_layout_is_not_revalidated_but_a_new_one_is():
+    model = _add_model()
+    validator = RequestValidator(model)
+    x, y, out = (np.ones((1, 4), np.float32) for _ in range(3))
+    validator.check(_request(x, y, out))
+    # Same layout, other arrays: passes (nothing about it changed).
+    validator.check(_request(x * 2, y * 3, out.copy()))
+    # Each change of layout is checked again, after a valid one was cached.
+    with pytest.raises(NnrtError) as e:
+        validator.check(_request(x, y, out, in_length=8))
+    assert e.value.status == ErrorStatus.INVALID_ARGUMENT and "needs 16 bytes" in e.value.message
+    small = np.ones((1, 2), np.float32)       # a pool smaller than the region
+    with pytest.raises(NnrtError, match="outside pool"):
+        validator.check(Request(_request(x, y, out).inputs, _request(x, y, out).outputs,
+                                (small.view(np.uint8).reshape(-1),
+                                 y.view(np.uint8).reshape(-1), out.view(np.uint8).reshape(-1))))
+    with pytest.raises(NnrtError, match="conflict"):
+        validator.check(_request(x, y, out, dims=(2, 2)))
+    # And the cached valid layout still passes afterwards.
+    validator.check(_request(x, y, out))
+
+
+def test_validator_agrees_with_validate_request_on_every_failure():
+    model = _add_model()
+    x, y, out = (np.ones((1, 4), np.float32) for _ in range(3))
+    good = _request(x, y, out)
+    bad = [
+        _request(x, y, out, in_length=12),
+        _request(x, y, out, dims=(1, 5)),
+        Request(good.inputs[:1], good.outputs, good.pools),
+        Request(good.inputs, (RequestArgument(True),), good.pools),
+        Request(good.inputs, (RequestArgument(False, DataLocation(7, 0, 16)),), good.pools),
+    ]
+    validator = RequestValidator(model)
+    for request in bad:
+        validator.check(good)                 # a valid layout is cached each time
+        with pytest.raises(NnrtError) as direct:
+            validate_request(model, request)
+        with pytest.raises(NnrtError) as cached:
+            validator.check(request)
+        assert cached.value.message == direct.value.message
+
+
+def test_reference_driver_repeated_executions_follow_each_request():
+    prepared = _prepared(_add_model())
+    out = np.zeros((1, 4), np.float32)
+    for k in range(5):
+        x = np.full((1, 4), k, np.float32)
+        y = np.arange(4, dtype=np.float32).reshape(1, 4)
+        result = prepared.execute_synchronously(_request(x, y, out))
+        assert result.status == ErrorStatus.NONE
+        np.testing.assert_array_equal(out, x + y)
+        assert result.output_shapes[0].dimensions == (1, 4)
+    # A request whose layout changed is refused even after many good ones.
+    bad = prepared.execute_synchronously(_request(x, y, out, in_length=4))
+    assert bad.status == ErrorStatus.INVALID_ARGUMENT
+    # A read-only output pool with a known layout is still refused.
+    frozen = out.copy()
+    req = _request(x, y, frozen)
+    ro = Request(req.inputs, req.outputs, (*req.pools[:2], bytes(16)))
+    assert prepared.execute_synchronously(ro).status == ErrorStatus.INVALID_ARGUMENT
+
+
+def test_reference_driver_reads_and_writes_at_offsets_in_a_memory():
+    prepared = _prepared(_add_model())
+    mem = Memory.create(4096)
+    try:
+        mem.array(np.float32, (1, 4), 64)[:] = [[1, 2, 3, 4]]
+        mem.array(np.float32, (1, 4), 128)[:] = [[10, 20, 30, 40]]
+        req = Request((RequestArgument(False, DataLocation(0, 64, 16)),
+                       RequestArgument(False, DataLocation(0, 128, 16))),
+                      (RequestArgument(False, DataLocation(0, 256, 32)),), (mem,))
+        result = prepared.execute_synchronously(req)
+        assert result.status == ErrorStatus.NONE
+        np.testing.assert_array_equal(mem.array(np.float32, (1, 4), 256), [[11, 22, 33, 44]])
+        # Bytes past the output's 16 are left alone.
+        assert not mem.array(np.uint8, (16,), 272).any()
+    finally:
+        mem.close()
+
+
+def test_output_too_small_reports_the_needed_shape():
+    prepared = _prepared(_add_model())
+    x = y = np.ones((1, 4), np.float32)
+    out = np.zeros(2, np.float32)
+    pools = tuple(a.reshape(-1).view(np.uint8) for a in (x, y, out))
+    req = Request(tuple(RequestArgument(False, DataLocation(k, 0, 16)) for k in range(2)),
+                  (RequestArgument(False, DataLocation(2, 0, 8)),), pools)
+    result = prepared.execute_synchronously(req)
+    assert result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
+    assert result.output_shapes[0].dimensions == (1, 4)
+    assert not result.output_shapes[0].is_sufficient
+
+
+def test_same_argument_objects_with_a_smaller_pool_are_checked_again():
+    """The burst server passes the same argument tuples frame after frame;
+    the pools behind them can still change size."""
+    model = _add_model()
+    validator = RequestValidator(model)
+    x, y, out = (np.ones((1, 4), np.float32) for _ in range(3))
+    good = _request(x, y, out)
+    validator.check(good)
+    validator.check(Request(good.inputs, good.outputs, good.pools))
+    short = np.ones(2, np.float32).view(np.uint8)
+    with pytest.raises(NnrtError, match="outside pool"):
+        validator.check(Request(good.inputs, good.outputs, (short, *good.pools[1:])))
