@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable
 
 import anyio
+import anyio.lowlevel
 
 from .vlog import vlog
 
@@ -150,3 +151,26 @@ _EXECUTION_THREADS = WorkerThreads("nnrt-execution")
 def run_soon(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` on a worker thread; returns at once."""
     _EXECUTION_THREADS.run_soon(fn, *args)
+
+
+async def run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await ``fn(*args)`` run on a worker thread of the same cache; its
+    exception is raised here. Like ``anyio.to_thread.run_sync`` (which it
+    replaces, so that nnrt has one kind of thread), a cancelled caller still
+    waits for ``fn`` to return — it may be using the caller's buffers — and
+    is cancelled after that."""
+    waiter = Waiter()
+
+    def work() -> None:
+        try:
+            waiter.deliver((True, fn(*args)))
+        except BaseException as e:   # delivered, not lost on a worker thread
+            waiter.deliver((False, e))
+
+    run_soon(work)
+    with anyio.CancelScope(shield=True):
+        ok, value = await waiter.wait()
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    if not ok:
+        raise value
+    return value

@@ -14,11 +14,11 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import anyio
 import numpy as np
 
 from ..._version import __version__
 from ...errors import ErrorStatus, NnrtError, invalid
+from ...handoff import run_in_worker
 from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device,
                     DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
                     PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
@@ -105,7 +105,7 @@ class LiteRTDevice(Device):
                             ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
                             cache=None, *, app: AppKey = None) -> "LiteRTPreparedModel":
-        return await anyio.to_thread.run_sync(
+        return await run_in_worker(
             partial(self.prepare_model_synchronously, model, preference, priority, deadline,
                     app=app))
 

@@ -123,8 +123,7 @@ class _Channel:
         self._draining = False
         self._reader_done = False
         self.dead: NnrtError | None = None
-        threading.Thread(target=self._read_loop, name=f"nnrt-client-{label}",
-                         daemon=True).start()
+        run_soon(self._read_loop)   # a worker of the one thread cache, for the connection's life
 
     # sending (always under self._lock, so frames go out in the core's order)
 
