@@ -3,8 +3,8 @@ scheduler that fronts every driver (see ``docs/qos.md``)."""
 from .clock import ManualClock
 from .front import ScheduledDevice, ScheduledPreparedModel, model_bytes
 from .gate import ExecutionGate
-from .scheduler import (ClassStatistics, Job, JobRecord, JobState, Scheduler,
+from .scheduler import (AppSettings, ClassStatistics, Job, JobRecord, JobState, Scheduler,
                         SchedulerStatistics, Verdict, check_key, check_memory_limit)
 
-__all__ = ["ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock", "ScheduledDevice", "ScheduledPreparedModel",
+__all__ = ["AppSettings", "ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock", "ScheduledDevice", "ScheduledPreparedModel",
            "Scheduler", "SchedulerStatistics", "Verdict", "check_key", "check_memory_limit", "model_bytes"]
