@@ -205,6 +205,20 @@ class ExecutionGate:
         (donation), with its own preempted job parked below."""
         return getattr(self._donors, "depth", 0) > 0
 
+    def set_settings(self, settings) -> None:
+        with self._lock:
+            self.scheduler.set_settings(settings)
+            starts = self._deliver(self.scheduler.take_wakeups())
+        self._start(starts)
+
+    def settings_of(self, app: Hashable):
+        with self._lock:
+            return self.scheduler.settings_of(app)
+
+    def estimate(self, model: Hashable) -> float | None:
+        with self._lock:
+            return self.scheduler.estimate(model)
+
     def statistics(self) -> SchedulerStatistics:
         with self._lock:
             return self.scheduler.statistics()

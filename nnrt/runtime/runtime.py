@@ -40,15 +40,17 @@ class Runtime:
     """Finds devices and compiles models for them. Use as ``async with``."""
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
-                 discover: bool = True):
+                 discover: bool = True, policy=None):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the in-process reference CPU device, the services listed in
         ``NNRT_DRIVERS`` and the config file (``discover=True``), and the
         services it starts itself from ``spawn`` (driver kinds such as
-        ``"sample-float-fast"``, or ``(name, kind)`` pairs), stopped on close."""
+        ``"sample-float-fast"``, or ``(name, kind)`` pairs), stopped on close.
+        ``policy`` (``nnrt.qos.Policy``) applies to the in-process devices."""
         self._given_devices = list(devices) if devices is not None else None
         self._spawn = list(spawn)
         self._discover = discover
+        self._policy = policy
         self._devices: list[Device] | None = None
         self._cpu: Device | None = None
         self._services: list = []
@@ -67,7 +69,8 @@ class Runtime:
         if self._given_devices is not None:
             # QoS in front of every driver: a device without a scheduler of
             # its own gets one (a service's proxy has one in the service).
-            self._devices = [d if d.scheduling().fronted else ScheduledDevice(d)
+            self._devices = [d if d.scheduling().fronted
+                             else ScheduledDevice(d, policy=self._policy)
                              for d in self._given_devices]
             self._cpu = next((d for d in self._devices if d.type == DeviceType.CPU), None)
         else:
@@ -81,7 +84,7 @@ class Runtime:
                     self._services, spawned = await discovery.spawn(self._spawn,
                                                                     self._folder.name)
                     found += spawned
-            self._cpu = ScheduledDevice(ReferenceDevice())
+            self._cpu = ScheduledDevice(ReferenceDevice(), policy=self._policy)
             self._devices = found + [self._cpu]
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
