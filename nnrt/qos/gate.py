@@ -138,6 +138,7 @@ class ExecutionGate:
                 ticket.event.clear()
                 if job.state is JobState.RUNNING:
                     ticket.owner = me
+                    self.scheduler.resumed(job)
                     return True
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
@@ -305,6 +306,7 @@ class ExecutionGate:
                     raise self._error(job)
                 ticket.event.clear()
                 if job.state is JobState.RUNNING:
+                    self.scheduler.resumed(job)
                     return
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK

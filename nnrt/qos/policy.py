@@ -48,7 +48,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from ..errors import invalid
+from ..errors import NnrtError, invalid
 from ..hal.types import Priority
 from .scheduler import AppSettings
 
@@ -228,7 +228,10 @@ def _settings(table: dict, what: str) -> dict:
         if table["when_full"] not in ("wait", "fail"):
             raise invalid(f"{what}: when_full must be \"wait\" or \"fail\"")
         out["fail_when_full"] = table["when_full"] == "fail"
-    AppSettings(**out)   # checks the values now, not when an app first shows up
+    try:
+        AppSettings(**out)   # checks the values now, not when an app first shows up
+    except NnrtError as e:
+        raise invalid(f"{what}: {e.message}") from None
     return out
 
 

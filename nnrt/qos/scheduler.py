@@ -47,16 +47,21 @@ Over time backlogged apps get device time in proportion to their weights.
    *eligible* — its settled virtual time is not ahead of the running app's
    current one (settled plus the time this job has run so far), so it has
    had no more than its share — whose next job has an earlier *virtual
-   deadline*? A waiting app's virtual deadline is (service + its head job's
-   remaining estimate) / weight; the running job's is (its app's settled
-   service when it was dispatched + the larger of its estimate and the time
-   it has run) / weight. Then the running job is preempted and the slot goes
-   to that app's head job. So a light app below its share (a 1 ms frame
-   against another app's 10 ms jobs) waits for one operation of the other
-   app, not for its whole job; two apps flooding with jobs of equal
-   estimate do not preempt each other (the job dispatched had the earlier
-   virtual deadline) unless a job overruns its estimate by more than the
-   other app's lag.
+   deadline*, and a head job at most half as long (``_SHORTER``) as the
+   running job?
+   A waiting app's virtual deadline is (service + its head job's remaining
+   estimate) / weight; the running job's is (its app's settled service when
+   it was dispatched + the larger of its estimate and the time it has run)
+   / weight. Lengths are estimates; a running job that has run ``_OVERRUN``
+   times its estimate counts as longer than anything (its estimate was
+   wrong, not noisy). Then the running job is preempted and the slot goes to that app's head
+   job. So a light app below its share (a 1 ms frame against another app's
+   10 ms jobs) waits for one operation of the other app, not for its whole
+   job. The "shorter" test keeps apps flooding with jobs of similar length
+   from chopping each other's jobs (weighted fair queueing at operation
+   granularity would preempt a weight-1 app's job several times per job of
+   a weight-3 app, each preemption a thread switch, for no gain in
+   fairness): their shares come from the choice at dispatch.
 
 The executor keeps a preempted job's context (next operation, live operand
 values) and resumes it when the scheduler dispatches it again; a preempted
@@ -74,8 +79,10 @@ a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
 - F3 an eligible app whose head job has an earlier virtual deadline than
   another app's running job gets the slot at that job's next boundary
   (``test_a_light_app_below_its_share_preempts_another_apps_job``);
-- F4 jobs of two apps with equal estimates do not preempt each other
-  (``test_equal_floods_do_not_preempt_each_other``);
+- F4 jobs of two apps with equal estimates do not preempt each other,
+  whatever their weights, unless one overruns its estimate ``_OVERRUN``
+  times (``test_equal_floods_do_not_preempt_each_other``,
+  ``test_a_job_far_over_its_estimate_is_preempted_for_a_waiting_app``);
 - F5 an app that was idle cannot bank credit: it comes back level with the
   least-served active app (``test_an_idle_app_does_not_bank_credit``,
   ``test_weights_level_an_idle_app_in_virtual_time``);
@@ -142,6 +149,12 @@ _ESTIMATE_WEIGHT = 0.25      # weight of the newest run in the moving average
 # not make the deadline: estimates are noisy (a busy host stretches runs),
 # and PERSISTENT tells the app to give up on the deadline altogether.
 _PERSISTENT_MARGIN = 0.25
+# A running job that overran its estimate by less than this factor is noise
+# and is not preempted for it; beyond, its estimate was wrong.
+_OVERRUN = 2.0
+# Across apps, a waiting job preempts only a running job at least 1/_SHORTER
+# times as long (by estimate): estimates of similar jobs differ by noise.
+_SHORTER = 0.5
 _PROBE_AFTER = 2             # refusals of a model in a row on its estimate before a probe run
 _HOLD_FACTOR = 32            # held jobs per app, in queue limits, before failing anyway
 _MAX_ESTIMATES = 4096        # models remembered (least recently used are forgotten)
@@ -237,6 +250,7 @@ class Job:
     soft: bool = False                  # soft deadline: never refused or aborted, only reported
     held: bool = False                  # beyond its app's queue limit, waiting for a place
     _slot_since: float = 0.0
+    _run_since: float = 0.0             # when its thread took the slot (``resumed``)
     _vstart: float = 0.0                # its app's settled service when dispatched
     _last_boundary: float = 0.0
     _charged: float = 0.0
@@ -548,6 +562,16 @@ class Scheduler:
         self._fill_slots(now)
         return status
 
+    def resumed(self, job: Job) -> None:
+        """The thread that runs a RUNNING job has taken its slot (after a
+        dispatch: a thread started, or a parked one woken). The time from
+        the dispatch to here is charged to the app (the slot was held) but
+        is not the job's run time: on a busy host waking a thread takes
+        milliseconds, and counting them made a model look longer the more it
+        was preempted — and so preempted more."""
+        if job.state is JobState.RUNNING:
+            job._run_since = max(job._run_since, self.clock())
+
     def cancel(self, job: Job) -> None:
         """Withdraw a waiting job at once; a RUNNING one stops at its next
         boundary (``checkpoint``) and gives its slot back then."""
@@ -708,12 +732,20 @@ class Scheduler:
                 e.probing = False
 
     def _remaining(self, job: Job, ran: float) -> float:
+        """For deadlines: the optimistic estimate less what it ran."""
         estimate = self._estimates.get(job.model)
         return max(estimate.value - ran, 0.0) if estimate is not None else 0.0
 
+    def _expected(self, job: Job) -> float:
+        """For fairness (charges, virtual deadlines, lengths): the moving
+        average less what it ran. Not the optimistic deadline estimate: a
+        charge biased low makes every run look like an overrun."""
+        estimate = self._estimates.get(job.model)
+        return max(estimate.average - job.ran, 0.0) if estimate is not None else 0.0
+
     def _ran(self, job: Job, now: float) -> float:
         if job.state is JobState.RUNNING:
-            return job.ran + (now - job._slot_since)
+            return job.ran + (now - job._run_since)
         return job.ran
 
     def _miss_code(self, job: Job, remaining: float) -> ErrorStatus:
@@ -786,6 +818,14 @@ class Scheduler:
         ran = now - job._slot_since
         current = (app.settled + ran) / app.weight
         running_deadline = (job._vstart + max(job._charged, ran)) / app.weight
+        # Only a shorter job preempts (F4): shorter than the running job's
+        # estimate, or any job once the running one has overrun its
+        # estimate _OVERRUN times (the estimate was wrong, not noisy).
+        # Whole-run terms, so a job resumed after a preemption is judged by
+        # its whole length, not by what its estimate says is left.
+        e = self._estimates.get(job.model)
+        length = 0.0 if e is None else e.average
+        longest = math.inf if job.ran + ran >= _OVERRUN * length else _SHORTER * length
         best, best_deadline = None, running_deadline
         for other in self._apps.values():
             if other is app or not other.queue:
@@ -795,7 +835,11 @@ class Scheduler:
             head = self._viable_head(other, now)
             if head is None:
                 continue
-            deadline = (other.service + self._remaining(head, head.ran)) / other.weight
+            e = self._estimates.get(head.model)
+            need = 0.0 if e is None else e.average
+            if need >= longest:
+                continue                 # F4: jobs of similar length do not churn
+            deadline = (other.service + need) / other.weight
             if deadline < best_deadline:
                 best, best_deadline = other, deadline
         return best
@@ -820,9 +864,9 @@ class Scheduler:
         if job.started_at is None:
             job.started_at = now
             c.waits.append(now - job.submitted_at)
-        job._slot_since = job._last_boundary = now
+        job._slot_since = job._run_since = job._last_boundary = now
         job._vstart = app.settled
-        job._charged = self._remaining(job, job.ran)
+        job._charged = self._expected(job)
         app.service += job._charged
         app.inflight += job._charged
         app.running += 1
@@ -834,7 +878,7 @@ class Scheduler:
 
     def _release(self, job: Job, now: float) -> None:
         interval = now - job._slot_since
-        job.ran += interval
+        job.ran += now - job._run_since
         job.longest_step = max(job.longest_step, now - job._last_boundary)
         app = self._apps[job.app]
         app.service += interval - job._charged

@@ -125,15 +125,30 @@ def test_the_frame_loop_of_a_light_app_waits_one_operation_per_frame():
     assert max(waits) <= 0.001 + 1e-9
 
 
-def test_equal_floods_do_not_preempt_each_other():
-    # F4
-    s, clock = make()
+@pytest.mark.parametrize("weights,expected", [({"A": 1, "B": 1}, 0.5), ({"A": 3, "B": 1}, 0.75)])
+def test_equal_floods_do_not_preempt_each_other(weights, expected):
+    # F4, and F2 without preemptions
+    s, clock = make(weights)
     for app in "AB":
         s.for_test_set_estimate(app, 0.010)
     run_op_by_op(s, clock, {"A": 2, "B": 2}, until=clock() + 2.0)
     stats = s.statistics()
     assert stats.of("A", MEDIUM).preempted == 0 and stats.of("B", MEDIUM).preempted == 0
-    assert shares(s, "AB")["A"] == pytest.approx(0.5, abs=0.01)
+    assert shares(s, "AB")["A"] == pytest.approx(expected, abs=0.01)
+
+
+def test_a_job_far_over_its_estimate_is_preempted_for_a_waiting_app():
+    # F4's exception: an estimate that was wrong does not lock the others out.
+    s, clock = make()
+    s.for_test_set_estimate("A", 0.010)
+    s.for_test_set_estimate("B", 0.010)
+    a = s.submit("A", MEDIUM, model="A")
+    b = s.submit("B", MEDIUM, model="B")
+    clock.advance(0.015)                       # 1.5x: noise, keeps the slot
+    assert s.checkpoint(a) is Verdict.CONTINUE
+    clock.advance(0.010)                       # 2.5x: the estimate was wrong
+    assert s.checkpoint(a) is Verdict.PREEMPTED
+    assert b.state is JobState.RUNNING
 
 
 def test_an_app_ahead_of_its_share_does_not_preempt():
