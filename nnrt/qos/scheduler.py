@@ -565,10 +565,10 @@ class Scheduler:
     def resumed(self, job: Job) -> None:
         """The thread that runs a RUNNING job has taken its slot (after a
         dispatch: a thread started, or a parked one woken). The time from
-        the dispatch to here is charged to the app (the slot was held) but
-        is not the job's run time: on a busy host waking a thread takes
-        milliseconds, and counting them made a model look longer the more it
-        was preempted — and so preempted more."""
+        the dispatch to here is not the job's run time nor its app's device
+        time: on a busy host waking a thread takes milliseconds, and
+        counting them made a model look longer the more it was preempted —
+        and so preempted more."""
         if job.state is JobState.RUNNING:
             job._run_since = max(job._run_since, self.clock())
 
@@ -877,8 +877,13 @@ class Scheduler:
                    else "started", job.seq, job.app, job.priority.name, now - job.submitted_at)
 
     def _release(self, job: Job, now: float) -> None:
-        interval = now - job._slot_since
-        job.ran += now - job._run_since
+        # Device time is run time: from when the job's thread took the slot.
+        # The wake-up before that (the slot held idle) is charged to nobody:
+        # charging it skewed the shares towards the app whose threads woke
+        # faster, and made the shares the scheduler keeps differ from the
+        # run times its records show.
+        interval = now - job._run_since
+        job.ran += interval
         job.longest_step = max(job.longest_step, now - job._last_boundary)
         app = self._apps[job.app]
         app.service += interval - job._charged

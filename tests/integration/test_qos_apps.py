@@ -107,6 +107,9 @@ async def test_two_apps_flooding_share_by_their_weights(monkeypatch, tmp_path, w
         seen = {}
         await _collect(rt, "npu", procs, seen)
         reports = [_report(p) for p in procs]
+    # Device time as the scheduler's records show it, over the time both
+    # apps had work in it (per job, not per sampling interval: an app
+    # between two round trips is idle for a moment many times a second).
     apps = [("pid", r["pid"]) for r in reports]
     times = _contended_run_time(sorted(seen.values(), key=lambda r: r.finished_at), apps)
     assert min(times) > 0.2, (times, reports)
