@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import nnrt
+from nnrt.drivers.service.client import ServiceDevice
 from nnrt import ErrorStatus, Priority
 
 from .test_qos_inprocess import DIMS, chain_model
@@ -129,3 +130,35 @@ async def test_a_hundred_concurrent_executions_of_one_app_complete_on_a_service(
         me = ("pid", os.getpid())
         stats = await rt.statistics("npu")
         assert stats.of(me, Priority.MEDIUM).completed == 100
+
+
+async def test_serve_policy_reloads_on_sighup_and_status_shows_the_apps(tmp_path):
+    import signal
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[default]\nweight = 2\n')
+    sock = str(tmp_path / "npu.sock")
+    cli = [sys.executable, "-m", "nnrt", "driver"]
+    serve = subprocess.Popen(cli + ["serve", "npu", "--socket", sock, "--app-key", "pid",
+                                    "--policy", str(policy)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in serve.stdout.readline()
+        device = await ServiceDevice.connect(sock)
+        async with nnrt.Runtime(devices=[device]) as rt:
+            compiled = await rt.compile(chain_model(2, (16,)))
+            await compiled.execute([np.zeros(16, np.float32)])
+            out = subprocess.run(cli + ["status", "--socket", sock, "--once"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert f"pid {os.getpid()}" in out.stdout and "100.0%" in out.stdout
+            policy.write_text("[default\n")                   # broken: kept the old one
+            serve.send_signal(signal.SIGHUP)
+            assert "keeping the previous one" in serve.stdout.readline()
+            policy.write_text('[default]\nweight = 3\n')
+            serve.send_signal(signal.SIGHUP)
+            assert "reloaded" in serve.stdout.readline()
+            await compiled.execute([np.zeros(16, np.float32)])   # still serving
+        device.close()
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
