@@ -242,7 +242,8 @@ class Job:
     finished_at: float | None = None
     ran: float = 0.0                    # seconds spent holding a slot (excludes waits)
     preemptions: int = 0
-    longest_step: float = 0.0           # longest time between two boundaries while running
+    longest_step: float = 0.0           # longest time between two boundaries holding a slot
+                                        # (waking its thread included; ``ran`` excludes it)
     status: ErrorStatus | None = None   # set when DONE
     message: str = ""
     cancel_requested: bool = False
