@@ -22,6 +22,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 
 import anyio
@@ -49,6 +50,30 @@ def chain(n: int, dims: tuple[int, ...]) -> nnrt.Model:
     return m.finish()
 
 
+def conv_chain(n: int) -> nnrt.Model:
+    """n CONV_2D 3x3 (SAME padding) on 1x32x32x16 -> 1x32x32x16 (issue 15)."""
+    m = nnrt.Model()
+    dims = [1, 32, 32, 16]
+    x = m.add_operand(T.TENSOR_FLOAT32, dims)
+    rng = np.random.default_rng(0)
+    cur = x
+    for _ in range(n):
+        w = m.add_operand(T.TENSOR_FLOAT32, [16, 3, 3, 16])
+        m.set_operand_value(w, (rng.standard_normal((16, 3, 3, 16)) * 0.05).astype(np.float32))
+        b = m.add_operand(T.TENSOR_FLOAT32, [16])
+        m.set_operand_value(b, np.zeros(16, np.float32))
+        scalars = []
+        for value in (1, 1, 1, 0):       # padding SAME, stride 1, 1, no activation
+            s_ = m.add_operand(T.INT32)
+            m.set_operand_value(s_, value)
+            scalars.append(s_)
+        out = m.add_operand(T.TENSOR_FLOAT32, dims)
+        m.add_operation(Op.CONV_2D, [cur, w, b, *scalars], [out])
+        cur = out
+    m.identify_inputs_and_outputs([x], [cur])
+    return m.finish()
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)]
@@ -57,9 +82,14 @@ def pct(values: list[float], q: float) -> float:
 async def main(args) -> dict:
     device = ScheduledDevice(ReferenceDevice(), slots=1)
     async with nnrt.Runtime(devices=[device]) as rt:
-        low = await rt.compile(chain(args.ops, (args.size, args.size)), priority=Priority.LOW)
+        if args.low == "conv":
+            low = await rt.compile(conv_chain(args.ops), priority=Priority.LOW)
+            x_low = np.ones((1, 32, 32, 16), np.float32)
+        else:
+            low = await rt.compile(chain(args.ops, (args.size, args.size)),
+                                   priority=Priority.LOW)
+            x_low = np.ones((args.size, args.size), np.float32)
         high = await rt.compile(chain(4, (64, 64)), priority=Priority.HIGH)
-        x_low = np.ones((args.size, args.size), np.float32)
         x_high = np.ones((64, 64), np.float32)
 
         async def high_once() -> float:
@@ -126,7 +156,10 @@ def report(args, r: dict) -> bool:
     op = r["low_op"] * ms
     goal = a99 + op + 2.0
     waits = r["high_waits"]
-    print(f"LOW model: {args.ops} ops on {args.size}x{args.size} float32, run "
+    what = ("CONV_2D 3x3 on 1x32x32x16" if args.low == "conv"
+            else f"ADD/MUL on {args.size}x{args.size} float32")
+    print(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms")
+    print(f"LOW model: {args.ops} {what}, run "
           f"{r['low_run'] * ms:.2f} ms end to end; LOW operation {op:.3f} ms")
     print(f"HIGH alone        p50 {a50:7.3f} ms   p99 {a99:7.3f} ms   ({args.runs} runs)")
     print(f"HIGH under flood  p50 {f50:7.3f} ms   p99 {f99:7.3f} ms   ({args.flood} LOW tasks, "
@@ -151,7 +184,13 @@ if __name__ == "__main__":
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--flood", type=int, default=3, help="concurrent LOW tasks")
     parser.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    parser.add_argument("--low", default="add", choices=("add", "conv"),
+                        help="LOW operations: ADD/MUL on --size^2, or CONV_2D 3x3 on 1x32x32x16")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="MS",
+                        help="sys.setswitchinterval for this run (default: as the runtime sets it)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
     if args.ops < 30:
         parser.error("the LOW chain needs at least 30 operations")
     options = {}

@@ -57,16 +57,19 @@ def _driver_serve(args) -> int:
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
     kind = args.driver or (args.name if args.name in DRIVERS else "reference")
+    from .qos.policy import Policy
+    from .qos.status import reload_policy
     settings = {key: value for key, value in (("num_threads", args.threads),
                                               ("segment_time", args.segment_ms and
                                                args.segment_ms / 1e3)) if value is not None}
     try:
+        policy = Policy.load(args.policy) if args.policy else None
         driver = make_driver(kind, args.name, **settings)
     except nnrt.NnrtError as e:
         print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         return 1
-    device = ScheduledDevice(driver, slots=args.slots,
-                             queue_limit=args.queue_limit, memory_limit=args.memory_limit)
+    device = ScheduledDevice(driver, slots=args.slots, queue_limit=args.queue_limit,
+                             memory_limit=args.memory_limit, policy=policy)
     path = args.socket or default_socket_path(args.name)
 
     async def main():
@@ -74,14 +77,19 @@ def _driver_serve(args) -> int:
         # arrives right after it appears still removes it on the way out.
         # (Before this point a SIGTERM kills the process by default, and
         # there is nothing to clean up yet.)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT,
+                                        signal.SIGHUP) as signals:
             async with anyio.create_task_group() as tg:
                 if parent is not None:
                     tg.start_soon(_stop_when_readable, parent, tg.cancel_scope)
                 await tg.start(partial(serve, device, path, app_key=args.app_key,
                                        group=args.group))
                 print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
-                async for _ in signals:
+                async for signum in signals:
+                    if signum == signal.SIGHUP:    # re-read --policy, keep serving
+                        if args.policy:
+                            print(reload_policy(device, args.policy), flush=True)
+                        continue
                     tg.cancel_scope.cancel()
                     return
 
@@ -98,6 +106,48 @@ def _driver_serve(args) -> int:
             print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         failed = True
     return 1 if failed else 0
+
+
+def _driver_status(args) -> int:
+    import glob
+    from .drivers.service.client import ServiceDevice
+    from .drivers.service.server import default_socket_path
+    from .qos.status import render
+
+    if args.socket or args.name:
+        paths = [args.socket or default_socket_path(args.name)]
+    else:
+        paths = sorted(glob.glob(os.path.join(os.path.dirname(default_socket_path("x")),
+                                              "*.sock")))
+        if not paths:
+            print("nnrt driver status: no driver services in the default socket folder",
+                  file=sys.stderr)
+            return 1
+
+    async def main():
+        devices = [await ServiceDevice.connect(path) for path in paths]
+        try:
+            while True:
+                tables = [render(d.name, await d.statistics(), await d.finished_jobs())
+                          for d in devices]
+                if not args.once:
+                    print("\x1b[H\x1b[2J", end="")     # home, clear: a refreshing table
+                print("\n\n".join(tables), flush=True)
+                if args.once:
+                    return
+                await anyio.sleep(args.interval)
+        finally:
+            for d in devices:
+                d.close()
+
+    try:
+        anyio.run(main)
+    except nnrt.NnrtError as e:
+        print(f"nnrt driver status: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _die_with_parent(pid: int) -> int:
@@ -348,7 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--parent-pid", type=int, default=None, metavar="PID",
                        help="exit when process PID, the parent, exits (set by a runtime that "
                             "spawns the service)")
+    serve.add_argument("--policy", metavar="FILE",
+                       help="per-app QoS policy (TOML: weights, priority caps, limits, "
+                            "deadlines; see docs/qos.md), re-read on SIGHUP")
     serve.set_defaults(func=_driver_serve)
+    status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
+                               "and misses of driver services, refreshed live")
+    status.add_argument("name", nargs="?",
+                        help="the service's device name (default: every service in the "
+                             "default socket folder)")
+    status.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+    status.set_defaults(func=_driver_status)
     inspect = sub.add_parser("inspect", help="show a .tflite model's inputs, outputs, "
                              "operations and the device that would run each")
     inspect.add_argument("model", help="path of a .tflite file")

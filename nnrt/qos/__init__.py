@@ -3,8 +3,9 @@ scheduler that fronts every driver (see ``docs/qos.md``)."""
 from .clock import ManualClock
 from .front import ScheduledDevice, ScheduledPreparedModel, model_bytes
 from .gate import ExecutionGate
-from .scheduler import (ClassStatistics, Job, JobRecord, JobState, Scheduler,
+from .policy import AppIdentity, Policy, identify
+from .scheduler import (AppSettings, ClassStatistics, Job, JobRecord, JobState, Scheduler,
                         SchedulerStatistics, Verdict, check_key, check_memory_limit)
 
-__all__ = ["ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock", "ScheduledDevice", "ScheduledPreparedModel",
+__all__ = ["AppIdentity", "AppSettings", "Policy", "identify", "ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock", "ScheduledDevice", "ScheduledPreparedModel",
            "Scheduler", "SchedulerStatistics", "Verdict", "check_key", "check_memory_limit", "model_bytes"]

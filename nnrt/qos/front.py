@@ -44,8 +44,9 @@ from ..model.graph import HalModel
 from ..vlog import vlog
 from .. import trace
 from .gate import ExecutionGate
-from .scheduler import (DEFAULT_QUEUE_LIMIT, Job, JobRecord, JobState, Scheduler,
-                        SchedulerStatistics, check_key)
+from .policy import Policy
+from .scheduler import (DEFAULT_QUEUE_LIMIT, AppSettings, Job, JobRecord, JobState, Scheduler,
+                        SchedulerStatistics, check_key, check_memory_limit)
 
 _PREPARED_IDS = itertools.count(1)
 
@@ -59,12 +60,14 @@ class ScheduledDevice(Device):
 
     def __init__(self, device: Device, *, app: AppKey = None, slots: int | None = None,
                  queue_limit: int = DEFAULT_QUEUE_LIMIT, memory_limit: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, policy: Policy | None = None):
         """``app`` keys the queue of models prepared without an explicit
         ``app=`` (default: this process's pid); ``slots`` is how many
         executions run at once (default: as many as the device says it
         runs); ``memory_limit`` (bytes) refuses bigger models with
-        RESOURCE_EXHAUSTED_PERSISTENT."""
+        RESOURCE_EXHAUSTED_PERSISTENT; ``policy`` gives each app its
+        weight, priority cap, limits and deadline kind (default:
+        ``Policy()``, the same for every app)."""
         declared = device.scheduling()
         if declared.fronted:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
@@ -76,9 +79,11 @@ class ScheduledDevice(Device):
         self.feature_level = device.feature_level
         self.app = os.getpid() if app is None else check_key(app, "app key")
         self._boundaries = declared.boundaries
+        self.policy = Policy() if policy is None else policy
         self.scheduler = Scheduler(slots=declared.slots if slots is None else slots,
                                    queue_limit=queue_limit, memory_limit=memory_limit,
-                                   clock=clock, name=device.name)
+                                   clock=clock, name=device.name,
+                                   settings=self.policy.resolver())
         self.gate = ExecutionGate(self.scheduler, spawn=run_soon)
 
     # -- queries: the driver's own answers ---------------------------------------
@@ -108,6 +113,16 @@ class ScheduledDevice(Device):
     def allocate(self, desc, roles):
         return self.device.allocate(desc, roles)
 
+    def set_policy(self, policy: Policy) -> None:
+        """Apply a new policy (a service's SIGHUP) to known and future apps;
+        work in flight and the apps' attained service are kept."""
+        self.policy = policy
+        self.gate.set_settings(policy.resolver())
+
+    def settings_of(self, app: AppKey = None) -> AppSettings:
+        """The settings the policy gives ``app`` (default: the front's app)."""
+        return self.scheduler.settings_of(self.app if app is None else app)
+
     async def statistics(self) -> SchedulerStatistics:
         """The scheduler's counters per app and priority."""
         return self.gate.statistics()
@@ -135,7 +150,14 @@ class ScheduledDevice(Device):
         if deadline is not None and clock() > deadline:
             raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
                             "the preparation deadline had passed before preparation began")
-        self.scheduler.check_memory(model_bytes(model), "the model")
+        settings = self.gate.settings_of(app)
+        if priority > settings.max_priority:
+            vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
+                 priority.name, settings.max_priority.name)
+            priority = settings.max_priority
+        check_memory_limit(model_bytes(model),
+                           self.scheduler.memory_limit if settings.memory_limit is None
+                           else settings.memory_limit, "the model")
         prepared = await self.device.prepare_model(model, preference, priority, deadline, cache,
                                                    app=app)
         if deadline is not None and clock() > deadline:
@@ -177,6 +199,11 @@ class ScheduledPreparedModel(PreparedModel):
 
     def release(self) -> None:
         self.prepared.release()
+
+    def estimate(self) -> float | None:
+        """What the scheduler believes one execution of this model takes
+        (seconds; None before its first run): what deadlines are judged by."""
+        return self._gate.estimate(self.key)
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,

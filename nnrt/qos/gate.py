@@ -139,6 +139,7 @@ class ExecutionGate:
                 ticket.event.clear()
                 if job.state is JobState.RUNNING:
                     ticket.owner = me
+                    self.scheduler.resumed(job)
                     return True
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
@@ -206,6 +207,20 @@ class ExecutionGate:
         """True on a thread that is running another job's work for it
         (donation), with its own preempted job parked below."""
         return getattr(self._donors, "depth", 0) > 0
+
+    def set_settings(self, settings) -> None:
+        with self._lock:
+            self.scheduler.set_settings(settings)
+            starts = self._deliver(self.scheduler.take_wakeups())
+        self._start(starts)
+
+    def settings_of(self, app: Hashable):
+        with self._lock:
+            return self.scheduler.settings_of(app)
+
+    def estimate(self, model: Hashable) -> float | None:
+        with self._lock:
+            return self.scheduler.estimate(model)
 
     def statistics(self) -> SchedulerStatistics:
         with self._lock:
@@ -293,6 +308,7 @@ class ExecutionGate:
                     raise self._error(job)
                 ticket.event.clear()
                 if job.state is JobState.RUNNING:
+                    self.scheduler.resumed(job)
                     return
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK

@@ -23,36 +23,104 @@ HIGH before MEDIUM before LOW, then the earliest deadline (none last), then
 first come first served. A preempted job sorts before every not-yet-started
 job of its priority level, so it resumes before newer work of its level.
 
-*Fairness between apps.* When a slot is free, the app served next is the one
-with work waiting and the least *attained service*: device seconds charged to
-it so far. A job is charged its run-time estimate when it gets a slot and the
-difference to the measured time when it gives the slot back, so concurrent
-slots are accounted while in flight. An app that was idle starts level with
-the least-served active app (it cannot bank credit while idle). Ties, which
-are all there is when jobs take no time, go to the app served longest ago:
-plain round robin. This is deficit round robin with an infinitely small
-quantum, charged with measured time instead of a per-job guess; one app
-flooding the device gets one share, not the device.
+*Fairness between apps* (EEVDF-like). Each app has a *weight* (its
+:class:`AppSettings`, from the operator's policy; 1 by default) and an
+*attained service*: device seconds charged to it so far. Its *virtual time*
+is service / weight. When a slot is free, the app served next is the one
+with work waiting and the least virtual time. A job is charged its run-time
+estimate when it gets a slot and the difference to the measured time when
+it gives the slot back, so concurrent slots are accounted while in flight.
+An app that was idle starts level with the least-served active app's
+*settled* virtual time (without charges for work still in flight): it
+cannot bank credit while idle, and levelling up to a charge made a moment
+ago would erase the small lag an app with one request outstanding always
+has when it resubmits. Ties go to the app served longest ago (round robin).
+Over time backlogged apps get device time in proportion to their weights.
 
-*Preemption* is only ever within one app, because priority is relative among
-one app's models (NNAPI). At each boundary ``checkpoint`` looks at the head
-of the job's app queue; when it has a higher priority, the running job gives
-its slot back (PREEMPTED, re-queued at the head of its level) and the slot is
-handed straight to that head job, not to the fairness pick: the app spends
-its own turn on its more important work. The executor keeps the preempted
-job's context (next operation, live operand values) and resumes it when the
-scheduler dispatches it again; nothing is restarted.
+*Preemption.* At each boundary ``checkpoint`` asks two questions, in order:
 
-*Deadlines.* Each model has a run-time estimate: an exponential moving
-average of the time its completed runs held a slot. A job with a deadline is
-*hopeless* at time ``now`` when ``now + remaining estimate > deadline``; it is
-refused at submission, skipped with a refusal at dequeue, or aborted at an
-operation boundary. The code says whose fault it is: PERSISTENT when the job
-could not have made it even alone on an idle device (its own run time plus
-the remaining estimate exceeds the time it had at submission), TRANSIENT when
-it was late because the device was busy, or when the deadline had already
-passed when the job was submitted. A job that finishes after its deadline is
-never reported as a success (``finish`` turns NONE into a miss).
+1. Within the app (NNAPI: priority is relative among one app's models): is
+   the head of the job's own queue of a higher priority? Then the running
+   job gives its slot to that job, not to the fairness pick: the app spends
+   its own turn on its more important work.
+2. Across apps (the latency guarantee): is there another app that is
+   *eligible* — its settled virtual time is not ahead of the running app's
+   current one (settled plus the time this job has run so far), so it has
+   had no more than its share — whose next job has an earlier *virtual
+   deadline*, and a head job at most half as long (``_SHORTER``) as the
+   running job?
+   A waiting app's virtual deadline is (service + its head job's remaining
+   estimate) / weight; the running job's is (its app's settled service when
+   it was dispatched + the larger of its estimate and the time it has run)
+   / weight. Lengths are estimates; a running job that has run ``_OVERRUN``
+   times its estimate counts as longer than anything (its estimate was
+   wrong, not noisy). Then the running job is preempted and the slot goes to that app's head
+   job. So a light app below its share (a 1 ms frame against another app's
+   10 ms jobs) waits for one operation of the other app, not for its whole
+   job. The "shorter" test keeps apps flooding with jobs of similar length
+   from chopping each other's jobs (weighted fair queueing at operation
+   granularity would preempt a weight-1 app's job several times per job of
+   a weight-3 app, each preemption a thread switch, for no gain in
+   fairness): their shares come from the choice at dispatch.
+
+The executor keeps a preempted job's context (next operation, live operand
+values) and resumes it when the scheduler dispatches it again; a preempted
+job sorts before every not-yet-started job of its priority level.
+
+Invariants (asserted where the state changes where that is cheap; each has
+a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
+``tests/unit/test_scheduler.py``):
+
+- F1 an app's queue is served in ``(priority, preempted first, deadline,
+  arrival)`` order
+  (``test_one_app_is_served_by_priority_then_deadline_then_arrival``);
+- F2 backlogged apps get device time in proportion to their weights, within
+  one job (``test_weighted_shares_follow_the_weights``);
+- F3 an eligible app whose head job has an earlier virtual deadline than
+  another app's running job gets the slot at that job's next boundary
+  (``test_a_light_app_below_its_share_preempts_another_apps_job``);
+- F4 jobs of two apps with equal estimates do not preempt each other,
+  whatever their weights, unless one overruns its estimate ``_OVERRUN``
+  times (``test_equal_floods_do_not_preempt_each_other``,
+  ``test_a_job_far_over_its_estimate_is_preempted_for_a_waiting_app``);
+- F5 an app that was idle cannot bank credit: it comes back level with the
+  least-served active app (``test_an_idle_app_does_not_bank_credit``,
+  ``test_weights_level_an_idle_app_in_virtual_time``);
+- F6 an app is preempted across apps only by an app that is not ahead of it
+  in virtual time (asserted in ``checkpoint``;
+  ``test_an_app_ahead_of_its_share_does_not_preempt``).
+
+*Backpressure.* Each app may have ``queue_limit`` jobs in its queue. By
+default a job submitted beyond that is *held* (QUEUED, but not in the queue,
+so never dispatched) and moves into the queue, oldest first, as places free
+up: the caller simply waits longer (B1,
+``test_a_full_queue_holds_new_jobs_until_a_place_frees``). An app whose
+settings say ``fail_when_full`` gets RESOURCE_EXHAUSTED_TRANSIENT instead.
+Held jobs are bounded too (``_HOLD_FACTOR`` times the queue limit) so a
+runaway caller cannot grow a service without bound.
+
+*Deadlines.* Each model has a run-time estimate: the smaller of an
+exponential moving average of the time its completed runs held a slot and
+its latest run (one slow run on a busy host must not make a 5 ms model look
+like a 50 ms one for the next dozen frames). A job with a *hard* deadline
+(the default) is *hopeless* at time ``now`` when ``now + remaining estimate >
+deadline``; it is refused at submission, skipped with a refusal at dequeue,
+or aborted at an operation boundary. The code says whose fault it is:
+PERSISTENT only when the estimate itself says an idle device cannot make it
+with a margin (its run time so far plus the remaining estimate shrunk by
+``_PERSISTENT_MARGIN`` still exceeds the time it had at submission);
+TRANSIENT otherwise — late because the device was busy, a deadline that had
+passed at submission, or too close to call (D1,
+``test_persistent_only_beyond_the_margin``). Estimates are re-measured (D2,
+``test_a_refused_model_gets_a_probe_run_and_recovers``): once
+``_PROBE_AFTER`` jobs of a model in a row were refused on its estimate, the
+next one is a *probe*: admitted, never refused or aborted on the estimate
+(only when its deadline has actually passed), and measured; if it finishes
+late it is reported as a miss, which is the truth. So a loop whose model was
+slow once recovers within a few frames. A job with a *soft* deadline
+(``AppSettings.soft_deadlines``) is never refused or aborted: it runs to the
+end and reports the miss if it finished late. A job that finishes after its
+deadline is never reported as a success (``finish`` turns NONE into a miss).
 
 *Waking.* Every state change that the owner of a job must notice (a dispatch,
 a refusal, a cancellation of a waiting job) appends the job to an outbox the
@@ -77,8 +145,48 @@ from ..hal.types import Priority, check_deadline, check_priority
 
 DEFAULT_QUEUE_LIMIT = 32     # waiting jobs per app before RESOURCE_EXHAUSTED_TRANSIENT
 _ESTIMATE_WEIGHT = 0.25      # weight of the newest run in the moving average
+# PERSISTENT only when even a run this much faster than the estimate could
+# not make the deadline: estimates are noisy (a busy host stretches runs),
+# and PERSISTENT tells the app to give up on the deadline altogether.
+_PERSISTENT_MARGIN = 0.25
+# A running job that overran its estimate by less than this factor is noise
+# and is not preempted for it; beyond, its estimate was wrong.
+_OVERRUN = 2.0
+# Across apps, a waiting job preempts only a running job at least 1/_SHORTER
+# times as long (by estimate): estimates of similar jobs differ by noise.
+_SHORTER = 0.5
+_PROBE_AFTER = 2             # refusals of a model in a row on its estimate before a probe run
+_HOLD_FACTOR = 32            # held jobs per app, in queue limits, before failing anyway
 _MAX_ESTIMATES = 4096        # models remembered (least recently used are forgotten)
 _WAIT_SAMPLES = 1024         # queue waits kept per (app, priority) for percentiles
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """What the operator's policy says about one app (``nnrt/qos/policy.py``
+    reads them from TOML). None means the device's own setting."""
+
+    weight: float = 1.0                       # share of the device, relative to other apps
+    max_priority: Priority = Priority.HIGH    # higher requested priorities are lowered to this
+    queue_limit: int | None = None            # jobs in its queue (None: the scheduler's)
+    memory_limit: int | None = None           # bytes per model (None: the device's)
+    soft_deadlines: bool = False              # run late and report the miss, never refuse
+    fail_when_full: bool = False              # RESOURCE_EXHAUSTED at the queue limit, not wait
+    name: str | None = None                   # the policy rule that matched (for status)
+
+    def __post_init__(self):
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not 0 < self.weight < math.inf:
+            raise invalid(f"an app's weight must be a positive number, got {self.weight!r}")
+        object.__setattr__(self, "max_priority", check_priority(self.max_priority))
+        for what in ("queue_limit", "memory_limit"):
+            value = getattr(self, what)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < (1 if what == "queue_limit" else 0)):
+                raise invalid(f"{what} must be None or a positive integer, got {value!r}")
+
+
+DEFAULT_SETTINGS = AppSettings()
 
 
 class JobState(enum.Enum):
@@ -134,11 +242,17 @@ class Job:
     finished_at: float | None = None
     ran: float = 0.0                    # seconds spent holding a slot (excludes waits)
     preemptions: int = 0
-    longest_step: float = 0.0           # longest time between two boundaries while running
+    longest_step: float = 0.0           # longest time between two boundaries holding a slot
+                                        # (waking its thread included; ``ran`` excludes it)
     status: ErrorStatus | None = None   # set when DONE
     message: str = ""
     cancel_requested: bool = False
+    probe: bool = False                 # admitted to re-measure a model its estimate refused
+    soft: bool = False                  # soft deadline: never refused or aborted, only reported
+    held: bool = False                  # beyond its app's queue limit, waiting for a place
     _slot_since: float = 0.0
+    _run_since: float = 0.0             # when its thread took the slot (``resumed``)
+    _vstart: float = 0.0                # its app's settled service when dispatched
     _last_boundary: float = 0.0
     _charged: float = 0.0
 
@@ -234,6 +348,29 @@ class _App:
     service: float = 0.0                         # attained device seconds (fairness)
     inflight: float = 0.0                        # part of ``service`` charged to running jobs
     last_served: int = -1
+    settings: AppSettings = DEFAULT_SETTINGS
+    held: deque = field(default_factory=deque)   # Jobs beyond the queue limit, oldest first
+
+    @property
+    def weight(self) -> float:
+        return self.settings.weight
+
+    @property
+    def settled(self) -> float:
+        """Attained service without the charges of jobs still running."""
+        return self.service - self.inflight
+
+
+@dataclass(eq=False)
+class _Estimate:
+    average: float             # moving average of completed runs
+    last: float                # the latest completed run
+    refused: int = 0           # jobs refused on this estimate since the last completed run
+    probing: bool = False      # a probe run is queued or running
+
+    @property
+    def value(self) -> float:
+        return min(self.average, self.last)
 
 
 _MISSES = (ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT)
@@ -270,7 +407,8 @@ class Scheduler:
 
     def __init__(self, *, slots: int = 1, queue_limit: int = DEFAULT_QUEUE_LIMIT,
                  memory_limit: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 history: int = 256, name: str = "scheduler"):
+                 history: int = 256, name: str = "scheduler",
+                 settings: Callable[[Hashable], AppSettings] | None = None):
         for what, value in (("slots", slots), ("queue_limit", queue_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise invalid(f"{what} must be a positive integer, got {value!r}")
@@ -282,10 +420,11 @@ class Scheduler:
         self.memory_limit = memory_limit
         self.clock = clock
         self.name = name
+        self._settings = settings
         self._busy = 0
         self._apps: dict[Hashable, _App] = {}
         self._classes: dict[tuple[Hashable, Priority], _Class] = {}
-        self._estimates: OrderedDict[Hashable, float] = OrderedDict()
+        self._estimates: OrderedDict[Hashable, _Estimate] = OrderedDict()
         self._seq = itertools.count()
         self._served = itertools.count()
         self._wakeups: list[Job] = []
@@ -307,36 +446,52 @@ class Scheduler:
         check_key(model, "model key")
         now = self.clock()
         state = self._apps.get(app)
-        if state is not None and len(state.queue) >= self.queue_limit:
+        if state is None:
+            state = self._apps[app] = _App(app, settings=self._settings_of(app))
+        limit = self._queue_limit(state)
+        full = len(state.queue) >= limit
+        if full and (state.settings.fail_when_full or len(state.held) >= limit * _HOLD_FACTOR):
             self._vlog("refused: app %r has %d jobs waiting (limit %d)", app, len(state.queue),
-                       self.queue_limit)
+                       limit)
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
-                            f"app {app!r} already has {len(state.queue)} executions waiting "
-                            f"on {self.name} (the limit is {self.queue_limit})")
-        job = Job(app, priority, deadline, model, next(self._seq), now)
+                            f"app {app!r} already has {len(state.queue) + len(state.held)} "
+                            f"executions waiting on {self.name} (the limit is {limit}"
+                            f"{'' if state.settings.fail_when_full else ' in its queue and %d held' % (limit * _HOLD_FACTOR)})")
+        job = Job(app, priority, deadline, model, next(self._seq), now,
+                  soft=state.settings.soft_deadlines and deadline is not None)
         late = self._lateness(job, now)
+        if late is not None and self._may_probe(job, late):
+            job.probe = True
+            self._estimates[model].probing = True
+            late = None
         if late is not None:
             status, message = late
             self._class(job).deadline_misses += 1
+            self._refused_on_estimate(job, now)
             self._vlog("refused job %d (app %r, %s): %s", job.seq, app, priority.name, message)
             raise NnrtError(status, message)
-        if state is None:
-            state = self._apps[app] = _App(app)
-        if not state.queue and not state.running:
-            # Idle -> active: no credit for the idle time. The floor is the
-            # least-served active app's *settled* service (without charges
-            # for work still in flight): levelling up to a charge made a
-            # moment ago would erase the small lag an app with one request
-            # outstanding always has when it resubmits, and it would lose
-            # turns to a flooding app.
-            active = [a.service - a.inflight for a in self._apps.values()
+        if not state.queue and not state.running and not state.held:
+            # Idle -> active: no credit for the idle time (F5). The floor is
+            # the least-served active app's *settled* virtual time (without
+            # charges for work still in flight): levelling up to a charge
+            # made a moment ago would erase the small lag an app with one
+            # request outstanding always has when it resubmits, and it would
+            # lose turns to a flooding app.
+            active = [a.settled / a.weight for a in self._apps.values()
                       if a is not state and (a.queue or a.running)]
             if active:
-                state.service = max(state.service, min(active))
+                state.service = max(state.service, min(active) * state.weight)
+        if full:
+            job.held = True
+            state.held.append(job)
+            self._class(job).queued += 1
+            self._vlog("held job %d (app %r, %s): its queue is full (%d)", job.seq, app,
+                       priority.name, limit)
+            return job
         self._enqueue(state, job)
-        self._vlog("queued job %d (app %r, %s, deadline %s, model %r)", job.seq, app,
+        self._vlog("queued job %d (app %r, %s, deadline %s, model %r%s)", job.seq, app,
                    priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
-                   model)
+                   model, ", probe" if job.probe else "")
         self._fill_slots(now)
         return job
 
@@ -360,16 +515,25 @@ class Scheduler:
             return Verdict.STOPPED
         app = self._apps[job.app]
         head = self._viable_head(app, now)
-        if head is None or head.priority <= job.priority:
-            return Verdict.CONTINUE
+        if head is not None and head.priority > job.priority:
+            target = app                 # the app's own slot goes to its more important job
+        else:
+            target = self._cross_app_preemptor(job, app, now)
+            if target is None:
+                return Verdict.CONTINUE
+            head = target.queue[0]
+            # F6: only an app not ahead of the running one in virtual time.
+            assert target.settled / target.weight <= \
+                (app.settled + now - job._slot_since) / app.weight + 1e-9, \
+                "cross-app preemption by an app ahead of its share"
         self._release(job, now)
         job._move(_Event.PREEMPT)
         job.preemptions += 1
         self._class(job).preempted += 1
         self._enqueue(app, job)
-        self._vlog("preempted job %d (app %r, %s) for job %d (%s)", job.seq, job.app,
-                   job.priority.name, head.seq, head.priority.name)
-        self._dispatch(app, head, now)   # the app's own slot goes to its more important job
+        self._vlog("preempted job %d (app %r, %s) for job %d (app %r, %s)", job.seq, job.app,
+                   job.priority.name, head.seq, head.app, head.priority.name)
+        self._dispatch(target, head, now)
         self._fill_slots(now)
         return Verdict.PREEMPTED
 
@@ -390,6 +554,7 @@ class Scheduler:
         if status in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
                 and not job.cancel_requested:
             self._learn(job.model, job.ran)
+        self._end_probe(job)
         if status == ErrorStatus.NONE and job.deadline is not None and now > job.deadline:
             status = self._miss_code(job, 0.0)
             message = (f"the execution finished {now - job.deadline:.4f} s after its deadline")
@@ -397,6 +562,16 @@ class Scheduler:
         self._done(job, now, status, message)
         self._fill_slots(now)
         return status
+
+    def resumed(self, job: Job) -> None:
+        """The thread that runs a RUNNING job has taken its slot (after a
+        dispatch: a thread started, or a parked one woken). The time from
+        the dispatch to here is not the job's run time nor its app's device
+        time: on a busy host waking a thread takes milliseconds, and
+        counting them made a model look longer the more it was preempted —
+        and so preempted more."""
+        if job.state is JobState.RUNNING:
+            job._run_since = max(job._run_since, self.clock())
 
     def cancel(self, job: Job) -> None:
         """Withdraw a waiting job at once; a RUNNING one stops at its next
@@ -410,6 +585,7 @@ class Scheduler:
         now = self.clock()
         self._dequeue(self._apps[job.app], job)
         job._move(_Event.CANCEL)
+        self._end_probe(job)
         self._done(job, now, ErrorStatus.GENERAL_FAILURE, "the execution was cancelled")
         self._wakeups.append(job)
 
@@ -417,9 +593,9 @@ class Scheduler:
         """Refuse every waiting job that can no longer make its deadline."""
         now = self.clock()
         for app in list(self._apps.values()):
-            for job in list(app.queue):
+            for job in list(app.queue) + list(app.held):
                 late = self._lateness(job, now)
-                if late is not None:
+                if late is not None and job.state is not JobState.DONE:
                     self._refuse(app, job, now, *late)
         self._fill_slots(now)
 
@@ -439,8 +615,27 @@ class Scheduler:
     # --- queries ----------------------------------------------------------
 
     def estimate(self, model: Hashable) -> float | None:
-        """Moving average of ``model``'s run time in seconds; None before its first run."""
-        return self._estimates.get(model)
+        """What the scheduler believes ``model``'s run takes, in seconds (the
+        smaller of the moving average of completed runs and the latest run);
+        None before its first run."""
+        e = self._estimates.get(model)
+        return None if e is None else e.value
+
+    def settings_of(self, app: Hashable) -> AppSettings:
+        """The settings the scheduler applies to ``app``."""
+        state = self._apps.get(app)
+        return state.settings if state is not None else self._settings_of(app)
+
+    def set_settings(self, settings: Callable[[Hashable], AppSettings] | None) -> None:
+        """A new policy (a service's SIGHUP): every known app is looked up
+        again; attained service, queues and jobs in flight are kept. Jobs
+        already submitted keep their deadline kind; held jobs move into a
+        queue whose limit grew."""
+        self._settings = settings
+        for state in self._apps.values():
+            state.settings = self._settings_of(state.key)
+            self._promote(state)
+        self._fill_slots(self.clock())
 
     def check_memory(self, nbytes: int, what: str = "the model") -> None:
         check_memory_limit(nbytes, self.memory_limit, what)
@@ -463,14 +658,14 @@ class Scheduler:
         """Drop an app's counters once it has nothing queued or running (a
         driver service calls this when a client disconnects)."""
         state = self._apps.get(app)
-        if state is not None and (state.queue or state.running):
+        if state is not None and (state.queue or state.running or state.held):
             raise invalid(f"app {app!r} still has executions queued or running")
         self._apps.pop(app, None)
         for key in [k for k in self._classes if k[0] == app]:
             del self._classes[key]
 
     def for_test_set_estimate(self, model: Hashable, seconds: float) -> None:
-        self._estimates[model] = float(seconds)
+        self._estimates[model] = _Estimate(float(seconds), float(seconds))
 
     # --- internals --------------------------------------------------------
 
@@ -487,37 +682,98 @@ class Scheduler:
         self._class(job).queued += 1
 
     def _dequeue(self, app: _App, job: Job) -> None:
+        if job.held:
+            app.held.remove(job)
+            job.held = False
+            self._class(job).queued -= 1
+            return
         app.queue.remove(job)
         self._class(job).queued -= 1
+        self._promote(app)
+
+    def _promote(self, app: _App) -> None:
+        """Held jobs move into the queue, oldest first, while it has room (B1)."""
+        limit = self._queue_limit(app)
+        while app.held and len(app.queue) < limit:
+            job = app.held.popleft()
+            job.held = False
+            self._class(job).queued -= 1     # _enqueue counts it again
+            self._enqueue(app, job)
+            self._vlog("job %d (app %r) moves from held into the queue", job.seq, app.key)
+
+    def _queue_limit(self, app: _App) -> int:
+        limit = app.settings.queue_limit
+        return self.queue_limit if limit is None else limit
+
+    def _settings_of(self, app: Hashable) -> AppSettings:
+        if self._settings is None:
+            return DEFAULT_SETTINGS
+        try:
+            settings = self._settings(app)
+        except Exception as e:   # a policy must never take the device down
+            self._vlog("no settings for app %r (%r): defaults apply", app, e)
+            return DEFAULT_SETTINGS
+        return settings if isinstance(settings, AppSettings) else DEFAULT_SETTINGS
+
+    def _may_probe(self, job: Job, late: tuple[ErrorStatus, str]) -> bool:
+        """D2: whether a job the estimate refuses is let through to re-measure it."""
+        e = self._estimates.get(job.model)
+        return (e is not None and not e.probing and e.refused >= _PROBE_AFTER
+                and job.deadline is not None and job.deadline > job.submitted_at)
+
+    def _refused_on_estimate(self, job: Job, now: float) -> None:
+        e = self._estimates.get(job.model)
+        if e is not None and job.deadline is not None and job.deadline > now:
+            e.refused += 1
+
+    def _end_probe(self, job: Job) -> None:
+        if job.probe:
+            e = self._estimates.get(job.model)
+            if e is not None:
+                e.probing = False
 
     def _remaining(self, job: Job, ran: float) -> float:
+        """For deadlines: the optimistic estimate less what it ran."""
         estimate = self._estimates.get(job.model)
-        return max(estimate - ran, 0.0) if estimate is not None else 0.0
+        return max(estimate.value - ran, 0.0) if estimate is not None else 0.0
+
+    def _expected(self, job: Job) -> float:
+        """For fairness (charges, virtual deadlines, lengths): the moving
+        average less what it ran. Not the optimistic deadline estimate: a
+        charge biased low makes every run look like an overrun."""
+        estimate = self._estimates.get(job.model)
+        return max(estimate.average - job.ran, 0.0) if estimate is not None else 0.0
 
     def _ran(self, job: Job, now: float) -> float:
         if job.state is JobState.RUNNING:
-            return job.ran + (now - job._slot_since)
+            return job.ran + (now - job._run_since)
         return job.ran
 
     def _miss_code(self, job: Job, remaining: float) -> ErrorStatus:
         budget = job.deadline - job.submitted_at
-        if budget > 0 and job.ran + remaining > budget:
+        if budget > 0 and job.ran + remaining * (1 - _PERSISTENT_MARGIN) > budget:
             return ErrorStatus.MISSED_DEADLINE_PERSISTENT   # too slow even on an idle device
         return ErrorStatus.MISSED_DEADLINE_TRANSIENT        # late because the device was busy
 
     def _lateness(self, job: Job, now: float) -> tuple[ErrorStatus, str] | None:
         """(status, message) when ``job`` cannot finish by its deadline."""
-        if job.deadline is None:
+        if job.deadline is None or job.soft:
             return None
         ran = self._ran(job, now)
-        remaining = self._remaining(job, ran)
+        # A probe is judged by the clock alone: it is there to measure.
+        remaining = 0.0 if job.probe else self._remaining(job, ran)
         if now + remaining <= job.deadline:
             return None
         budget = job.deadline - job.submitted_at
         if budget <= 0:
             return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                     "the deadline had passed before the execution was submitted")
-        if ran + remaining > budget:
+        if job.probe:
+            return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                    "the deadline passed while the execution was waiting or running")
+        # D1: PERSISTENT only beyond the margin.
+        # The time already run is a fact; the margin is for the estimate.
+        if ran + remaining * (1 - _PERSISTENT_MARGIN) > budget:
             return (ErrorStatus.MISSED_DEADLINE_PERSISTENT,
                     f"the model needs about {ran + remaining:.4f} s but the deadline left "
                     f"{budget:.4f} s: it cannot make it even on an idle device")
@@ -528,9 +784,14 @@ class Scheduler:
     def _learn(self, model: Hashable, seconds: float) -> None:
         if model is None:
             return
-        old = self._estimates.pop(model, None)
-        self._estimates[model] = seconds if old is None else \
-            old + _ESTIMATE_WEIGHT * (seconds - old)
+        e = self._estimates.pop(model, None)
+        if e is None:
+            e = _Estimate(seconds, seconds)
+        else:
+            e.average += _ESTIMATE_WEIGHT * (seconds - e.average)
+            e.last = seconds
+            e.refused = 0
+        self._estimates[model] = e
         while len(self._estimates) > _MAX_ESTIMATES:
             self._estimates.popitem(last=False)
 
@@ -547,9 +808,41 @@ class Scheduler:
     def _pick_app(self) -> _App | None:
         best = None
         for app in self._apps.values():
-            if app.queue and (best is None or (app.service, app.last_served)
-                              < (best.service, best.last_served)):
+            if app.queue and (best is None or (app.service / app.weight, app.last_served)
+                              < (best.service / best.weight, best.last_served)):
                 best = app
+        return best
+
+    def _cross_app_preemptor(self, job: Job, app: _App, now: float) -> _App | None:
+        """F3: the eligible app, other than ``job``'s, whose head job has the
+        earliest virtual deadline, if that is earlier than ``job``'s."""
+        ran = now - job._slot_since
+        current = (app.settled + ran) / app.weight
+        running_deadline = (job._vstart + max(job._charged, ran)) / app.weight
+        # Only a shorter job preempts (F4): shorter than the running job's
+        # estimate, or any job once the running one has overrun its
+        # estimate _OVERRUN times (the estimate was wrong, not noisy).
+        # Whole-run terms, so a job resumed after a preemption is judged by
+        # its whole length, not by what its estimate says is left.
+        e = self._estimates.get(job.model)
+        length = 0.0 if e is None else e.average
+        longest = math.inf if job.ran + ran >= _OVERRUN * length else _SHORTER * length
+        best, best_deadline = None, running_deadline
+        for other in self._apps.values():
+            if other is app or not other.queue:
+                continue
+            if other.settled / other.weight > current:
+                continue                 # not eligible: ahead of the running app (F6)
+            head = self._viable_head(other, now)
+            if head is None:
+                continue
+            e = self._estimates.get(head.model)
+            need = 0.0 if e is None else e.average
+            if need >= longest:
+                continue                 # F4: jobs of similar length do not churn
+            deadline = (other.service + need) / other.weight
+            if deadline < best_deadline:
+                best, best_deadline = other, deadline
         return best
 
     def _fill_slots(self, now: float) -> None:
@@ -572,8 +865,9 @@ class Scheduler:
         if job.started_at is None:
             job.started_at = now
             c.waits.append(now - job.submitted_at)
-        job._slot_since = job._last_boundary = now
-        job._charged = self._remaining(job, job.ran)
+        job._slot_since = job._run_since = job._last_boundary = now
+        job._vstart = app.settled
+        job._charged = self._expected(job)
         app.service += job._charged
         app.inflight += job._charged
         app.running += 1
@@ -584,7 +878,12 @@ class Scheduler:
                    else "started", job.seq, job.app, job.priority.name, now - job.submitted_at)
 
     def _release(self, job: Job, now: float) -> None:
-        interval = now - job._slot_since
+        # Device time is run time: from when the job's thread took the slot.
+        # The wake-up before that (the slot held idle) is charged to nobody:
+        # charging it skewed the shares towards the app whose threads woke
+        # faster, and made the shares the scheduler keeps differ from the
+        # run times its records show.
+        interval = now - job._run_since
         job.ran += interval
         job.longest_step = max(job.longest_step, now - job._last_boundary)
         app = self._apps[job.app]
@@ -602,6 +901,7 @@ class Scheduler:
     def _stop(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
         self._release(job, now)
         job._move(_Event.STOP)
+        self._end_probe(job)
         self._done(job, now, status, message)
         self._fill_slots(now)
 
@@ -609,6 +909,7 @@ class Scheduler:
                 message: str) -> None:
         self._dequeue(app, job)
         job._move(_Event.REFUSE)
+        self._end_probe(job)
         self._done(job, now, status, message)
         self._wakeups.append(job)
 

@@ -44,7 +44,8 @@ class Runtime:
     """Finds devices and compiles models for them. Use as ``async with``."""
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
-                 discover: bool = True, litert: bool = True, strict: bool = False):
+                 discover: bool = True, litert: bool = True, strict: bool = False,
+                 policy=None):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
@@ -55,12 +56,14 @@ class Runtime:
         ``strict=True`` makes every fallback to the CPU an error (the default
         of ``compile(..., fallback=)``): an operation no other device
         supports, a driver that refuses to prepare its part, a driver that
-        fails an execution."""
+        fails an execution. ``policy`` (``nnrt.qos.Policy``) applies to the
+        in-process devices."""
         self._litert = litert
         self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
         self._spawn = list(spawn)
         self._discover = discover
+        self._policy = policy
         self._devices: list[Device] | None = None
         self._cpu: Device | None = None
         self._task_group = None
@@ -122,7 +125,8 @@ class Runtime:
         if self._given_devices is not None:
             # QoS in front of every driver: a device without a scheduler of
             # its own gets one (a service's proxy has one in the service).
-            self._devices = [d if d.scheduling().fronted else ScheduledDevice(d)
+            self._devices = [d if d.scheduling().fronted
+                             else ScheduledDevice(d, policy=self._policy)
                              for d in self._given_devices]
             self._cpu = next((d for d in self._devices if d.type == DeviceType.CPU), None)
         else:
@@ -137,7 +141,8 @@ class Runtime:
                     self._services, spawned = await discovery.spawn(self._spawn,
                                                                     self._folder.name)
                     found += spawned
-            local = [ScheduledDevice(d) for d in in_process_devices(litert=self._litert)]
+            local = [ScheduledDevice(d, policy=self._policy)
+                     for d in in_process_devices(litert=self._litert)]
             self._cpu = local[-1]    # the reference device: the fallback
             self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))

@@ -214,19 +214,39 @@ def test_memory_limit_refuses_big_models_persistently():
 
 
 def test_queue_limit_through_the_driver():
-    device = ScheduledDevice(ReferenceDevice(), slots=1, queue_limit=1)
-    prepared = anyio.run(device.prepare_model, chain_model(1, (4,)).hal_model)
-    job = device.gate.submit(device.app, LOW)           # holds the only slot
+    import threading
+    from nnrt.qos import Policy
     x = np.zeros(4, np.float32)
     request = Request((RequestArgument(False, DataLocation(0, 0, 16)),),
                       (RequestArgument(False, DataLocation(1, 0, 16)),),
                       (x.tobytes(), bytearray(16)))
+    # An app that fails fast gets RESOURCE_EXHAUSTED_TRANSIENT at the limit.
+    fail_fast = Policy.from_toml('[default]\nwhen_full = "fail"\n')
+    device = ScheduledDevice(ReferenceDevice(), slots=1, queue_limit=1, policy=fail_fast)
+    prepared = anyio.run(device.prepare_model, chain_model(1, (4,)).hal_model)
+    job = device.gate.submit(device.app, LOW)           # holds the only slot
     waiting = device.gate.submit(device.app, LOW)       # fills the queue
     result = prepared.execute_synchronously(request)
     assert result.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
     device.gate.cancel(waiting)
     device.gate.cancel(job)
     assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+    # By default it waits for a place instead, and runs once there is one.
+    device = ScheduledDevice(ReferenceDevice(), slots=1, queue_limit=1)
+    prepared = anyio.run(device.prepare_model, chain_model(1, (4,)).hal_model)
+    job = device.gate.submit(device.app, LOW)
+    waiting = device.gate.submit(device.app, LOW)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        prepared.execute_synchronously(request)))
+    thread.start()
+    while device.gate.statistics().of(device.app, MEDIUM).queued != 1:   # held
+        thread.join(0.001)
+    assert not results
+    device.gate.cancel(waiting)          # a place frees: it moves into the queue
+    device.gate.cancel(job)              # the slot frees: it runs
+    thread.join(30)
+    assert [r.status for r in results] == [ErrorStatus.NONE]
 
 
 def test_cancellation_on_trio():

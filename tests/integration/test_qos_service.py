@@ -105,7 +105,10 @@ def _contended_run_time(records, apps) -> list[float]:
     for app in apps[1:]:
         both = _merge((max(a, c), min(b, d)) for a, b in both for c, d in busy[app]
                       if min(b, d) > max(a, c))
+    # A job preempted by another app spans more time than it ran: its run
+    # time is spread evenly over its span (exact for jobs never preempted).
     return [sum(_overlap(max(r.started_at, since), r.finished_at, both)
+                * (r.ran / (r.finished_at - r.started_at) if r.finished_at > r.started_at else 0.0)
                 for r in mine if r.app == app) for app in apps]
 
 

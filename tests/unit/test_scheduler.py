@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from nnrt import ErrorStatus, NnrtError, Priority
-from nnrt.qos import JobState, ManualClock, Scheduler, Verdict
+from nnrt.qos import AppSettings, JobState, ManualClock, Scheduler, Verdict
 from nnrt.hal.types import deadline_in
 
 HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
@@ -159,7 +159,7 @@ def test_deadline_already_passed_is_transient():
 
 def test_work_slower_than_its_deadline_on_an_idle_device_is_persistent():
     s, clock = make()
-    s.for_test_set_estimate("model", 2.0)
+    s.for_test_set_estimate("model", 2.5)    # 25 % faster would still take 1.875 s
     with pytest.raises(NnrtError) as e:
         s.submit("app", MEDIUM, deadline=clock() + 1.5, model="model")
     assert e.value.status == ErrorStatus.MISSED_DEADLINE_PERSISTENT
@@ -277,8 +277,8 @@ def test_run_time_estimate_is_a_moving_average_of_completed_runs():
     assert s.estimate("m") == pytest.approx(1.25)
 
 
-def test_queue_limit_is_per_app_and_transient():
-    s, _ = make(queue_limit=2)
+def test_queue_limit_is_per_app_and_transient_when_the_app_fails_fast():
+    s, _ = make(queue_limit=2, settings=lambda app: AppSettings(fail_when_full=(app == "A")))
     s.submit("A", MEDIUM)
     s.submit("A", MEDIUM)
     s.submit("A", MEDIUM)
@@ -287,6 +287,9 @@ def test_queue_limit_is_per_app_and_transient():
     assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
     assert "limit is 2" in str(e.value)
     s.submit("B", MEDIUM)      # another app is not affected
+    s.submit("B", MEDIUM)
+    held = s.submit("B", MEDIUM)     # B waits for a place instead (the default)
+    assert held.held and held.state is JobState.QUEUED
 
 
 def test_memory_limit_is_persistent():

@@ -1,0 +1,247 @@
+"""The operator's QoS policy: per-app weights, priority caps, limits and
+deadline kinds, read from TOML.
+
+A policy is a list of rules tried in order and a default. A rule matches an
+app by any of ``uid``, ``user`` (name) and ``exe`` (the executable the
+kernel reports for the peer pid, ``/proc/PID/exe``); every key a rule gives
+must match. The first matching rule gives the app's
+:class:`~nnrt.qos.scheduler.AppSettings`; keys it leaves out come from
+``[default]``, and what that leaves out from the device (its queue and
+memory limits).
+
+Example (``docs/qos.md``)::
+
+    [default]
+    weight = 1
+    queue_limit = 32           # executions in an app's queue
+    when_full = "wait"         # or "fail": RESOURCE_EXHAUSTED_TRANSIENT
+    deadlines = "hard"         # or "soft": run late and report the miss
+
+    [[app]]
+    name = "camera"
+    exe = "/usr/bin/camera-app"
+    weight = 3
+    max_priority = "high"
+
+    [[app]]
+    name = "batch"
+    user = "builder"
+    weight = 1
+    max_priority = "low"
+    memory_limit = "256MiB"
+    when_full = "fail"
+
+Identity. A driver service keys an app by peer uid or pid (``--app-key``);
+for a pid key the scheduler looks up that process's uid, user name and
+executable when it first sees the app; for a uid key only the uid and user
+name are known (several processes share the queue), so ``exe`` rules never
+match them. Reading another user's ``/proc/PID/exe`` needs the right to
+trace it; when that fails the exe is unknown and ``exe`` rules do not match.
+In process (``Runtime(policy=...)``) the app is this process.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from ..errors import NnrtError, invalid
+from ..hal.types import Priority
+from .scheduler import AppSettings
+
+_PRIORITIES = {"low": Priority.LOW, "medium": Priority.MEDIUM, "high": Priority.HIGH}
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
+_SETTING_KEYS = {"weight", "max_priority", "queue_limit", "memory_limit", "deadlines",
+                 "when_full"}
+_MATCH_KEYS = {"uid", "user", "exe"}
+
+
+@dataclass(frozen=True)
+class AppIdentity:
+    """What is known about the process(es) behind an app key."""
+
+    uid: int | None = None
+    user: str | None = None
+    exe: str | None = None
+    pid: int | None = None
+
+
+def identify_pid(pid: int) -> AppIdentity:
+    """The uid, user name and executable of process ``pid`` (None where the
+    kernel will not tell: the process is gone, or belongs to another user)."""
+    uid = exe = None
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        pass
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        pass
+    return AppIdentity(uid, _user(uid), exe, pid)
+
+
+def identify_uid(uid: int) -> AppIdentity:
+    return AppIdentity(uid, _user(uid), None, None)
+
+
+def identify(key: Hashable) -> AppIdentity:
+    """The identity behind an app key: a service's ``("pid", n)`` or
+    ``("uid", n)``, or an int pid (the in-process default key)."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int):
+        if key[0] == "pid":
+            return identify_pid(key[1])
+        if key[0] == "uid":
+            return identify_uid(key[1])
+    if isinstance(key, int) and not isinstance(key, bool):
+        return identify_pid(key)
+    return AppIdentity()
+
+
+def _user(uid: int | None) -> str | None:
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    uid: int | None = None
+    user: str | None = None
+    exe: str | None = None
+    settings: dict = field(default_factory=dict)   # the keys this rule sets
+
+    def matches(self, who: AppIdentity) -> bool:
+        if self.uid is None and self.user is None and self.exe is None:
+            return True
+        return ((self.uid is None or self.uid == who.uid)
+                and (self.user is None or self.user == who.user)
+                and (self.exe is None or (who.exe is not None
+                                          and os.path.realpath(self.exe) == who.exe)))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Rules tried in order, then the default. ``Policy()`` is the default
+    policy: every app weight 1, any priority, the device's limits, hard
+    deadlines, waiting at a full queue."""
+
+    rules: tuple[Rule, ...] = ()
+    default: dict = field(default_factory=dict)
+    source: str | None = None      # the file it was read from
+
+    @classmethod
+    def from_toml(cls, text: str, source: str | None = None) -> "Policy":
+        where = source or "the policy"
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise invalid(f"{where} is not valid TOML: {e}") from None
+        unknown = set(doc) - {"default", "app"}
+        if unknown:
+            raise invalid(f"{where}: unknown table(s) {sorted(unknown)} (expected [default] "
+                          f"and [[app]])")
+        default = _settings(doc.get("default", {}), f"{where} [default]")
+        rules = []
+        apps = doc.get("app", [])
+        if not isinstance(apps, list):
+            raise invalid(f"{where}: 'app' must be an array of tables ([[app]])")
+        for i, entry in enumerate(apps):
+            what = f"{where} [[app]] #{i + 1}"
+            if not isinstance(entry, dict):
+                raise invalid(f"{what} is not a table")
+            unknown = set(entry) - _SETTING_KEYS - _MATCH_KEYS - {"name"}
+            if unknown:
+                raise invalid(f"{what}: unknown key(s) {sorted(unknown)}")
+            match = {k: entry[k] for k in _MATCH_KEYS if k in entry}
+            if not match:
+                raise invalid(f"{what} matches nothing: give uid, user or exe")
+            if "uid" in match and (isinstance(match["uid"], bool)
+                                   or not isinstance(match["uid"], int)):
+                raise invalid(f"{what}: uid must be an integer")
+            for k in ("user", "exe"):
+                if k in match and not isinstance(match[k], str):
+                    raise invalid(f"{what}: {k} must be a string")
+            name = entry.get("name", f"app#{i + 1}")
+            if not isinstance(name, str):
+                raise invalid(f"{what}: name must be a string")
+            settings = _settings({k: v for k, v in entry.items() if k in _SETTING_KEYS}, what)
+            rules.append(Rule(name, settings=settings, **match))
+        return cls(tuple(rules), default, source)
+
+    @classmethod
+    def load(cls, path: str) -> "Policy":
+        try:
+            with open(path, "rb") as f:
+                text = f.read().decode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise invalid(f"cannot read the policy file {path}: {e}") from None
+        return cls.from_toml(text, path)
+
+    def rule_for(self, who: AppIdentity) -> Rule | None:
+        return next((r for r in self.rules if r.matches(who)), None)
+
+    def settings_for(self, who: AppIdentity) -> AppSettings:
+        rule = self.rule_for(who)
+        merged = dict(self.default)
+        if rule is not None:
+            merged.update(rule.settings)
+        return AppSettings(name=None if rule is None else rule.name, **merged)
+
+    def resolver(self):
+        """A ``Scheduler(settings=...)`` callable: app key -> AppSettings."""
+        return lambda key: self.settings_for(identify(key))
+
+
+def _settings(table: dict, what: str) -> dict:
+    """AppSettings keyword arguments from one TOML table (checked)."""
+    if not isinstance(table, dict):
+        raise invalid(f"{what} is not a table")
+    unknown = set(table) - _SETTING_KEYS
+    if unknown:
+        raise invalid(f"{what}: unknown key(s) {sorted(unknown)}")
+    out = {}
+    if "weight" in table:
+        out["weight"] = table["weight"]
+    if "max_priority" in table:
+        value = table["max_priority"]
+        if not isinstance(value, str) or value.lower() not in _PRIORITIES:
+            raise invalid(f"{what}: max_priority must be low, medium or high, got {value!r}")
+        out["max_priority"] = _PRIORITIES[value.lower()]
+    if "queue_limit" in table:
+        out["queue_limit"] = table["queue_limit"]
+    if "memory_limit" in table:
+        out["memory_limit"] = _bytes(table["memory_limit"], what)
+    if "deadlines" in table:
+        if table["deadlines"] not in ("hard", "soft"):
+            raise invalid(f"{what}: deadlines must be \"hard\" or \"soft\"")
+        out["soft_deadlines"] = table["deadlines"] == "soft"
+    if "when_full" in table:
+        if table["when_full"] not in ("wait", "fail"):
+            raise invalid(f"{what}: when_full must be \"wait\" or \"fail\"")
+        out["fail_when_full"] = table["when_full"] == "fail"
+    try:
+        AppSettings(**out)   # checks the values now, not when an app first shows up
+    except NnrtError as e:
+        raise invalid(f"{what}: {e.message}") from None
+    return out
+
+
+def _bytes(value, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    raise invalid(f"{what}: memory_limit must be a byte count like 268435456 or \"256MiB\", "
+                  f"got {value!r}")
+

@@ -1,0 +1,72 @@
+"""What ``nnrt driver status`` shows: one row per app of a device's
+scheduler, from its statistics and its recent finished jobs, and the
+reload of a service's policy file (``nnrt driver serve --policy``).
+Formatting only; the CLI does the I/O."""
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+from .policy import Policy
+from .scheduler import JobRecord, SchedulerStatistics
+
+_MISSES = ("MISSED_DEADLINE_TRANSIENT", "MISSED_DEADLINE_PERSISTENT")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _app_name(app: Hashable) -> str:
+    if isinstance(app, tuple) and len(app) == 2:
+        return f"{app[0]} {app[1]}"
+    return str(app)
+
+
+def render(device: str, stats: SchedulerStatistics | None,
+           jobs: Iterable[JobRecord] = ()) -> str:
+    """A table: per app its queue depth (waiting, held included), running
+    jobs, share of the device time (since it was first seen, and over the
+    recent finished jobs), queue waits p50/p99 (worst of its priorities),
+    preemptions and deadline misses."""
+    if stats is None:
+        return f"{device}: no scheduler"
+    apps: dict = {}
+    for c in stats.classes:
+        a = apps.setdefault(c.app, dict(queued=0, running=0, run=0.0, p50=None, p99=None,
+                                        preempted=0, misses=0, done=0))
+        a["queued"] += c.queued
+        a["running"] += c.running
+        a["run"] += c.run_time
+        a["preempted"] += c.preempted
+        a["misses"] += c.deadline_misses
+        a["done"] += c.completed
+        for k, v in (("p50", c.wait_p50), ("p99", c.wait_p99)):
+            if v is not None:
+                a[k] = v if a[k] is None else max(a[k], v)
+    recent: dict = {}
+    for r in jobs:
+        recent[r.app] = recent.get(r.app, 0.0) + r.ran
+    total = sum(a["run"] for a in apps.values()) or 1.0
+    recent_total = sum(recent.values()) or 1.0
+    lines = [f"{device}: {stats.busy}/{stats.slots} slot(s) busy, {len(apps)} app(s)",
+             f"{'app':<16} {'queued':>6} {'run':>3} {'share':>6} {'recent':>6} "
+             f"{'wait p50':>8} {'wait p99':>8} {'done':>7} {'preempt':>7} {'misses':>6}"]
+    for app, a in sorted(apps.items(), key=lambda kv: -kv[1]["run"]):
+        lines.append(f"{_app_name(app):<16.16} {a['queued']:>6} {a['running']:>3} "
+                     f"{100 * a['run'] / total:>5.1f}% "
+                     f"{100 * recent.get(app, 0.0) / recent_total:>5.1f}% "
+                     f"{_ms(a['p50']):>8} {_ms(a['p99']):>8} {a['done']:>7} "
+                     f"{a['preempted']:>7} {a['misses']:>6}")
+    return "\n".join(lines)
+
+
+def reload_policy(device, path: str) -> str:
+    """Read ``path`` again and apply it to ``device`` (a ScheduledDevice);
+    returns a line to log. A file that does not parse leaves the old policy
+    in place (an operator's typo must not take the service down)."""
+    try:
+        policy = Policy.load(path)
+    except Exception as e:   # NnrtError from the parser, OSError: keep the old one
+        return f"policy {path} not reloaded, keeping the previous one: {e}"
+    device.set_policy(policy)
+    return f"policy {path} reloaded: {len(policy.rules)} rule(s)"

@@ -1,0 +1,174 @@
+"""The operator's QoS policy: TOML parsing, matching apps by uid, user name
+or executable, defaults, and what the scheduled device does with it."""
+import asyncio
+import os
+import pwd
+import sys
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, Priority
+from nnrt.drivers.reference import ReferenceDevice
+from nnrt.qos import AppIdentity, AppSettings, Policy, ScheduledDevice, identify
+from nnrt.qos.status import reload_policy, render
+
+ME = pwd.getpwuid(os.getuid()).pw_name
+EXAMPLE = f"""
+[default]
+weight = 1
+queue_limit = 16
+when_full = "wait"
+deadlines = "hard"
+
+[[app]]
+name = "camera"
+exe = "{os.path.realpath(sys.executable)}"
+user = "{ME}"
+weight = 3
+max_priority = "high"
+
+[[app]]
+name = "batch"
+user = "nobody-here"
+weight = 0.5
+max_priority = "low"
+memory_limit = "256MiB"
+when_full = "fail"
+deadlines = "soft"
+
+[[app]]
+name = "ci"
+uid = 54321
+queue_limit = 4
+"""
+
+
+def test_no_policy_gives_every_app_the_defaults():
+    assert Policy().settings_for(AppIdentity(1000, "x", "/bin/x")) == AppSettings()
+
+
+def test_rules_match_in_order_and_fill_in_from_the_default():
+    policy = Policy.from_toml(EXAMPLE)
+    me = identify(os.getpid())
+    assert me.uid == os.getuid() and me.user == ME
+    assert me.exe == os.path.realpath(sys.executable)
+    camera = policy.settings_for(me)
+    assert camera == AppSettings(weight=3, max_priority=Priority.HIGH, queue_limit=16,
+                                 name="camera")
+    batch = policy.settings_for(AppIdentity(1234, "nobody-here", "/usr/bin/make"))
+    assert batch == AppSettings(weight=0.5, max_priority=Priority.LOW, queue_limit=16,
+                                memory_limit=256 << 20, soft_deadlines=True,
+                                fail_when_full=True, name="batch")
+    assert policy.settings_for(AppIdentity(54321, "ci", None)).queue_limit == 4
+    # Every key a rule gives must match: the camera rule needs the exe too.
+    assert policy.settings_for(AppIdentity(os.getuid(), ME, "/bin/sh")) == \
+        AppSettings(queue_limit=16)
+
+
+def test_app_keys_of_a_service_are_identified():
+    assert identify(("pid", os.getpid())).exe == os.path.realpath(sys.executable)
+    by_uid = identify(("uid", os.getuid()))
+    assert by_uid.user == ME and by_uid.exe is None       # many processes: no exe
+    assert identify("some-key") == AppIdentity()
+    gone = identify(("pid", 2 ** 22 + 12345))
+    assert gone.exe is None and gone.uid is None
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[default]\nweight = 0", "weight"),
+    ("[default]\nmax_priority = 'urgent'", "max_priority"),
+    ("[default]\nqueue_limit = 0", "queue_limit"),
+    ("[default]\nmemory_limit = '12 parsecs'", "memory_limit"),
+    ("[default]\ndeadlines = 'firm'", "deadlines"),
+    ("[default]\nwhen_full = 'panic'", "when_full"),
+    ("[default]\nwieght = 2", "wieght"),
+    ("[[app]]\nweight = 2", "matches nothing"),
+    ("[[app]]\nuid = 'root'", "uid"),
+    ("[apps]\nx = 1", "unknown table"),
+    ("[default\n", "not valid TOML"),
+])
+def test_bad_policies_are_refused_with_the_reason(text, words):
+    with pytest.raises(NnrtError) as e:
+        Policy.from_toml(text, "p.toml")
+    assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert words in e.value.message and "p.toml" in e.value.message
+
+
+def test_reload_keeps_the_old_policy_when_the_file_is_broken(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text(f'[[app]]\nuser = "{ME}"\nweight = 2\n')
+    device = ScheduledDevice(ReferenceDevice(), policy=Policy.load(str(path)))
+    assert device.settings_of().weight == 2
+    path.write_text(f'[[app]]\nuser = "{ME}"\nweight = 5\n')
+    assert "reloaded" in reload_policy(device, str(path))
+    assert device.settings_of().weight == 5
+    path.write_text("[[app]\n")
+    assert "keeping the previous one" in reload_policy(device, str(path))
+    assert device.settings_of().weight == 5
+
+
+def add_model():
+    m = nnrt.Model()
+    a = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+    b = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+    act = m.add_operand(nnrt.OperandType.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+    m.add_operation(nnrt.OperationType.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    m.finish()
+    return m
+
+
+async def test_runtime_policy_caps_priority_and_limits_memory():
+    policy = Policy.from_toml(f'[[app]]\nuser = "{ME}"\nmax_priority = "low"\n'
+                              f'memory_limit = 16\n')
+    async with nnrt.Runtime(discover=False, policy=policy) as rt:
+        with pytest.raises(NnrtError) as e:
+            await rt.compile(add_model(), priority=Priority.HIGH)
+        assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT
+    policy = Policy.from_toml(f'[[app]]\nuser = "{ME}"\nmax_priority = "low"\n')
+    async with nnrt.Runtime(discover=False, policy=policy, litert=False) as rt:
+        compiled = await rt.compile(add_model(), priority=Priority.HIGH)
+        x = np.ones((1, 4), np.float32)
+        await compiled.execute([x, x])
+        stats = await rt.statistics(rt.devices[-1])
+        assert stats.of(os.getpid(), Priority.LOW).completed == 1
+        assert stats.of(os.getpid(), Priority.HIGH).completed == 0
+
+
+async def test_a_hundred_concurrent_executions_of_one_app_all_complete_in_process():
+    async with nnrt.Runtime(discover=False) as rt:
+        compiled = await rt.compile(add_model())
+        x = np.ones((1, 4), np.float32)
+        results = await asyncio.gather(*[compiled.execute([x, x]) for _ in range(100)])
+        assert len(results) == 100
+        assert all(np.array_equal(r.outputs[0], 2 * x) for r in results)
+
+
+async def test_fail_fast_apps_get_resource_exhausted_in_process():
+    policy = Policy.from_toml(f'[[app]]\nuser = "{ME}"\nwhen_full = "fail"\n'
+                              f'queue_limit = 2\n')
+    async with nnrt.Runtime(discover=False, policy=policy) as rt:
+        compiled = await rt.compile(add_model())
+        x = np.ones((1, 4), np.float32)
+        outcomes = await asyncio.gather(*[compiled.execute([x, x]) for _ in range(40)],
+                                        return_exceptions=True)
+        refused = [o for o in outcomes if isinstance(o, NnrtError)]
+        assert refused and all(o.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
+                               for o in refused)
+
+
+def test_status_table_shows_each_app():
+    from nnrt.qos import ManualClock, Scheduler
+    clock = ManualClock()
+    s = Scheduler(clock=clock)
+    jobs = [s.submit(("pid", 7), Priority.LOW), s.submit(("pid", 8), Priority.HIGH)]
+    clock.advance(0.003)
+    s.finish(jobs[0])
+    clock.advance(0.001)
+    s.finish(jobs[1])
+    table = render("npu", s.statistics(), s.finished_jobs())
+    assert "pid 7" in table and "pid 8" in table and "75.0%" in table and "25.0%" in table
