@@ -49,6 +49,7 @@ class Outcome:
     suite: str
     status: str          # "passed" | "failed" | "skipped"
     detail: str = ""     # failing operand and worst error, or skip reason
+    mode: str = "execute"  # the harness mode (MODES)
 
 
 def load_cases(paths: list[str], pattern: str | None = None):
@@ -86,13 +87,33 @@ def _array(operand: dict) -> np.ndarray:
     return arr.reshape(operand["dimensions"]) if operand["dimensions"] and arr.size else arr
 
 
-def build_model(case: dict, dynamic_outputs: bool = False) -> nnrt.Model:
-    if case["referenced"]:
-        raise NotImplementedError("referenced subgraphs")  # reported as a failure below
-    return _build_subgraph(case["main"], case["isRelaxed"], dynamic_outputs)
+def build_model(case: dict, dynamic_outputs: bool = False,
+                relaxed: bool | None = None) -> nnrt.Model:
+    """The case as an nnrt Model, referenced subgraphs (nested ones too)
+    built and finished before the operands that refer to them (SCHEMA §5.1).
+    ``relaxed`` overrides the case's ``isRelaxed`` (the relaxed harness mode)."""
+    relaxed = case["isRelaxed"] if relaxed is None else relaxed
+    referenced = case["referenced"]
+    built: dict[int, nnrt.Model] = {}
+
+    def subgraph(k: int, path: tuple[int, ...]) -> nnrt.Model:
+        if k in path:
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"referenced subgraph {k} refers to itself")
+        if not 0 <= k < len(referenced):
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"SUBGRAPH operand names subgraph {k}; the case has "
+                                 f"{len(referenced)}")
+        if k not in built:
+            built[k] = _build_subgraph(referenced[k], relaxed, dynamic_outputs,
+                                       lambda j: subgraph(j, path + (k,)))
+        return built[k]
+
+    return _build_subgraph(case["main"], relaxed, dynamic_outputs, lambda j: subgraph(j, ()))
 
 
-def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool) -> nnrt.Model:
+def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool,
+                    subgraph=None) -> nnrt.Model:
     m = nnrt.Model()
     outputs = set(sub["outputIndexes"])
     for k, o in enumerate(sub["operands"]):
@@ -108,6 +129,10 @@ def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool) -> nnrt.Mod
             m.set_operand_value(k, _array(o))
         elif o["lifetime"] == "NO_VALUE":
             m.set_operand_value(k, None)
+        elif o["lifetime"] == "SUBGRAPH":
+            if subgraph is None:
+                raise NotImplementedError("referenced subgraphs")
+            m.set_operand_value_from_model(k, subgraph(int(o["data"][0])))
     for op in sub["operations"]:
         m.add_operation(nnrt.OperationType[op["type"]], op["inputs"], op["outputs"])
     m.identify_inputs_and_outputs(sub["inputIndexes"], sub["outputIndexes"])
@@ -140,10 +165,12 @@ def _uses_float16(case: dict) -> bool:
     return any(o["type"] in ("TENSOR_FLOAT16", "FLOAT16") for s in subs for o in s["operands"])
 
 
-def check_outputs(case: dict, outputs: list[np.ndarray], shapes: list) -> str | None:
-    """None when every output passes the CTS criteria, else what failed."""
+def check_outputs(case: dict, outputs: list[np.ndarray], shapes: list,
+                  relaxed: bool = False) -> str | None:
+    """None when every output passes the CTS criteria, else what failed.
+    ``relaxed``: the model was run relaxed whatever the case says."""
     main = case["main"]
-    relaxed_tol = case["isRelaxed"] or _uses_float16(case)
+    relaxed_tol = relaxed or case["isRelaxed"] or _uses_float16(case)
     quant_tol = 3 if "mobilenet" in case["name"] else 1
     for pos, index in enumerate(main["outputIndexes"]):
         o = main["operands"][index]
@@ -206,41 +233,226 @@ def check_multinomial(case: dict, outputs: list[np.ndarray]) -> str | None:
 
 # --- running ------------------------------------------------------------------
 
-async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None) -> Outcome:
+# Harness modes, as AOSP's TestGenerated variants: how a run computes.
+#   execute  CompiledModel.execute (the suites of SCHEMA §5.4; DeviceMemoryTest
+#            and FencedComputeTest runs use the memory and fenced paths)
+#   sync     the HAL directly: Device.prepare_model + execute_synchronously on a
+#            worker thread, every operand in one shared-memory pool
+#   burst    a burst session, two executions of the case in a row
+#   fenced   a chain of fenced executions: the second waits for the first's fence
+#   memory   inputs and outputs are regions of nnrt.Memory (shared memory)
+#   dynamic  outputs declared with unknown dimensions, first run with 1-element
+#            output buffers: must give OUTPUT_INSUFFICIENT_SIZE with the shapes,
+#            then the retry with buffers of those shapes must pass
+#   relaxed  float32 cases with relaxComputationFloat32toFloat16 on, checked
+#            with the relaxed tolerance
+MODES = ("execute", "sync", "burst", "fenced", "memory", "dynamic", "relaxed")
+_SUITE_PATH = {"DeviceMemoryTest": "memory", "FencedComputeTest": "fenced"}
+
+
+async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
+                   mode: str = "execute") -> Outcome:
     name = case["name"]
-    if case["expectFailure"]:
+    path = _SUITE_PATH.get(suite, mode)
+    if suite == "GeneratedValidationTests":
         try:
             model = build_model(case)
-            compiled = await rt.compile(model, devices=None if device is None else [device])
-            await compiled.execute(_inputs(case))
+            compiled = None
+            if path == "sync":
+                await _compute_sync(rt, model, case, device)
+            else:
+                compiled = await rt.compile(model, devices=None if device is None else [device])
+                await _COMPUTE[path](compiled, case)
         except NnrtError:
-            return Outcome(name, suite, "passed")
+            return Outcome(name, suite, "passed", mode=mode)
         except NotImplementedError as e:
-            return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
-        return Outcome(name, suite, "failed", "expected a failure, but everything succeeded")
+            return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
+        return Outcome(name, suite, "failed", "expected a failure, but everything succeeded",
+                       mode)
     if suite == "SignedIdentity":
         return await run_signed_identity(rt, case, device)
     if suite == "QuantizationCouplingTest":
         case = to_signed(case)
+    relaxed = True if mode == "relaxed" else None
     try:
-        model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest")
+        model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest",
+                            relaxed=relaxed)
     except NotImplementedError as e:
-        return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
+        return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
     except NnrtError as e:
-        return Outcome(name, suite, "failed", f"model building refused: {e}")
+        return Outcome(name, suite, "failed", f"model building refused: {e}", mode)
     unsupported = await _unsupported(rt, model, device)
     if unsupported:
-        return Outcome(name, suite, "skipped", unsupported)
+        return Outcome(name, suite, "skipped", unsupported, mode)
     try:
-        compiled = await rt.compile(model, devices=None if device is None else [device])
-        result = await compiled.execute(_inputs(case))
+        if path == "sync":
+            outputs, shapes = await _compute_sync(rt, model, case, device)
+        else:
+            compiled = await rt.compile(model, devices=None if device is None else [device])
+            outputs, shapes = await _COMPUTE[path](compiled, case)
     except NnrtError as e:
-        return Outcome(name, suite, "failed", str(e))
+        return Outcome(name, suite, "failed", str(e), mode)
+    except _HarnessFailure as e:
+        return Outcome(name, suite, "failed", str(e), mode)
     if case["expectedMultinomialDistributionTolerance"] > 0:
-        problem = check_multinomial(case, result.outputs)
+        problem = check_multinomial(case, outputs)
     else:
-        problem = check_outputs(case, result.outputs, result.output_shapes)
-    return Outcome(name, suite, "failed" if problem else "passed", problem or "")
+        problem = check_outputs(case, outputs, shapes, relaxed=mode == "relaxed")
+    return Outcome(name, suite, "failed" if problem else "passed", problem or "", mode)
+
+
+class _HarnessFailure(Exception):
+    """The device broke a rule of the harness mode (not a numeric mismatch)."""
+
+
+async def _compute_execute(compiled, case):
+    r = await compiled.execute(_inputs(case))
+    return r.outputs, r.output_shapes
+
+
+async def _compute_burst(compiled, case):
+    inputs = _inputs(case)
+    async with compiled.burst() as burst:
+        first = await burst.execute(inputs)
+        first_out = [np.array(o, copy=True) for o in first.outputs]
+        second = await burst.execute(inputs)
+    if case["expectedMultinomialDistributionTolerance"] == 0:
+        for k, (a, b) in enumerate(zip(first_out, second.outputs)):
+            if first.output_shapes[k] != second.output_shapes[k] or \
+                    not np.array_equal(a, np.asarray(b), equal_nan=a.dtype.kind == "f"):
+                raise _HarnessFailure(f"burst: output {k} of the second execution differs "
+                                      f"from the first")
+    return second.outputs, second.output_shapes
+
+
+async def _compute_fenced(compiled, case):
+    """A chain: the second execution waits for the first one's fence."""
+    inputs = _inputs(case)
+    fence1, cb1 = await compiled.execute_fenced(inputs)
+    fence2, cb2 = await compiled.execute_fenced(inputs, wait_for=[fence1])
+    second = await cb2.result()
+    if not cb1.done:
+        raise _HarnessFailure("fenced: the second execution finished before the fence "
+                              "it waited for was signaled")
+    first = cb1.get_result()
+    if case["expectedMultinomialDistributionTolerance"] == 0:
+        for k, (a, b) in enumerate(zip(first.outputs, second.outputs)):
+            if not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True):
+                raise _HarnessFailure(f"fenced: output {k} of the chained execution differs "
+                                      f"from the first")
+    return second.outputs, second.output_shapes
+
+
+def _nbytes(operand: dict) -> int:
+    return len(operand["data"]) * OperandType[operand["type"]].dtype.itemsize
+
+
+async def _compute_memory(compiled, case):
+    """Inputs and outputs in one shared Memory, 4-byte-aligned regions
+    (zero copy: the results are read back from the memory)."""
+    main = case["main"]
+    inputs = _inputs(case)
+    layout, offset = [], 0
+    sizes = [0 if v is None else v.nbytes for v in inputs] + \
+        [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+    for size in sizes:
+        layout.append(offset)
+        offset += (size + 3) // 4 * 4
+    with nnrt.Memory.create(max(offset, 4)) as memory:
+        in_regions = []
+        for k, v in enumerate(inputs):
+            if v is None:
+                in_regions.append(None)
+                continue
+            memory.view()[layout[k]:layout[k] + v.nbytes] = np.ascontiguousarray(v).reshape(-1) \
+                .view(np.uint8)
+            in_regions.append(memory.region(layout[k], v.nbytes))
+        out_regions = [memory.region(layout[len(inputs) + k], sizes[len(inputs) + k])
+                       for k in range(len(main["outputIndexes"]))]
+        r = await compiled.execute(in_regions, outputs=out_regions)
+        outputs = [np.array(o, copy=True) for o in r.outputs]
+        del r
+        return outputs, [tuple(s) for s in _shapes_of(outputs)]
+
+
+def _shapes_of(outputs):
+    return [np.shape(o) for o in outputs]
+
+
+async def _compute_dynamic(compiled, case):
+    """Outputs of unknown size: too-small buffers first, then the retry."""
+    main = case["main"]
+    inputs = _inputs(case)
+    dtypes = [OperandType[main["operands"][i]["type"]].dtype for i in main["outputIndexes"]]
+    small = [np.zeros(1, d) for d in dtypes]
+    needs = [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+    try:
+        r = await compiled.execute(inputs, outputs=small)
+    except NnrtError as e:
+        if e.status != nnrt.ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
+            raise
+        shapes = list(e.output_shapes or [])
+        if len(shapes) != len(dtypes):
+            raise _HarnessFailure(f"dynamic: OUTPUT_INSUFFICIENT_SIZE came with "
+                                  f"{len(shapes)} output shapes for {len(dtypes)} outputs")
+        bigger = [np.zeros(max(1, int(np.prod(s, dtype=np.int64))), d)
+                  for s, d in zip(shapes, dtypes)]
+        r = await compiled.execute(inputs, outputs=bigger)
+        return r.outputs, r.output_shapes
+    if any(n > 1 * d.itemsize for n, d in zip(needs, dtypes)):
+        raise _HarnessFailure("dynamic: an output larger than its 1-element buffer was "
+                              "accepted without OUTPUT_INSUFFICIENT_SIZE")
+    return r.outputs, r.output_shapes
+
+
+_COMPUTE = {"execute": _compute_execute, "burst": _compute_burst, "fenced": _compute_fenced,
+            "memory": _compute_memory, "dynamic": _compute_dynamic,
+            "relaxed": _compute_execute}
+
+
+async def _compute_sync(rt: nnrt.Runtime, model: nnrt.Model, case: dict, device: str | None):
+    """The HAL path: the device prepares the model itself (it must validate
+    it) and runs ``execute_synchronously`` on a worker thread."""
+    from nnrt.hal import ExecutionPreference, Priority, RequestArgument, Request
+    from nnrt.model.graph import DataLocation
+
+    dev = rt.device(device) if device is not None else rt.cpu
+    hal = model.hal_model
+    prepared = await dev.prepare_model(hal, ExecutionPreference.FAST_SINGLE_ANSWER,
+                                       Priority.MEDIUM)
+    try:
+        main = case["main"]
+        inputs = _inputs(case)
+        out_sizes = [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+        offsets, offset = [], 0
+        for size in [0 if v is None else v.nbytes for v in inputs] + out_sizes:
+            offsets.append(offset)
+            offset += (size + 63) // 64 * 64
+        with nnrt.Memory.create(max(offset, 64)) as memory:
+            in_args = []
+            for k, v in enumerate(inputs):
+                if v is None:
+                    in_args.append(RequestArgument(has_no_value=True))
+                    continue
+                memory.view()[offsets[k]:offsets[k] + v.nbytes] = \
+                    np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+                in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
+                                               tuple(np.shape(v))))
+            out_args = [RequestArgument(False, DataLocation(0, offsets[len(inputs) + k], n))
+                        for k, n in enumerate(out_sizes)]
+            request = Request(tuple(in_args), tuple(out_args), (memory,))
+            result = await anyio.to_thread.run_sync(prepared.execute_synchronously, request)
+            if result.status != nnrt.ErrorStatus.NONE:
+                raise NnrtError(result.status, result.message or "execute_synchronously failed")
+            outputs, shapes = [], []
+            for k, (index, s) in enumerate(zip(main["outputIndexes"], result.output_shapes)):
+                dtype = OperandType[main["operands"][index]["type"]].dtype
+                outputs.append(np.array(memory.array(dtype, s.dimensions,
+                                                     offsets[len(inputs) + k]), copy=True))
+                shapes.append(tuple(s.dimensions))
+            return outputs, shapes
+    finally:
+        prepared.release()
 
 
 async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) -> Outcome:
@@ -297,30 +509,47 @@ def _inputs(case: dict) -> list:
     return values
 
 
-def suites_of(case: dict) -> list[str]:
+def suites_of(case: dict, mode: str = "execute") -> list[str]:
+    """The runs of ``case`` in harness ``mode`` (suite names, SCHEMA §5.4).
+    Every mode runs the validation cases; ``execute`` runs every suite."""
     if case["expectFailure"]:
-        return ["GeneratedValidationTests"]
-    suites = [s for s in SUITES if s in case["harness"]["ctsSuites"]]
-    if "QuantizationCouplingTest" in suites:
-        suites.append("SignedIdentity")
-    return suites
+        if case["main"]["operations"] and case["main"]["operations"][0]["type"] == "WHILE":
+            return []  # the infinite-loop cases: in no suite (the VTS checks loop timeouts)
+        return [] if mode in ("dynamic", "relaxed") else ["GeneratedValidationTests"]
+    listed = case["harness"]["ctsSuites"]
+    if mode == "execute":
+        suites = [s for s in SUITES if s in listed]
+        if "QuantizationCouplingTest" in suites:
+            suites.append("SignedIdentity")
+        suites += [s for s in ("DeviceMemoryTest", "FencedComputeTest") if s in listed]
+        return suites
+    if mode == "dynamic":
+        return ["DynamicOutputShapeTest"] if "DynamicOutputShapeTest" in listed else []
+    if mode == "relaxed":
+        types = {o["type"] for sub in (case["main"], *case["referenced"])
+                 for o in sub["operands"]}
+        eligible = "TENSOR_FLOAT32" in types and not case["isRelaxed"] \
+            and not _uses_float16(case)
+        return ["GeneratedTests"] if eligible else []
+    return ["GeneratedTests"]
 
 
 def _run_file_group(args) -> list[dict]:
     """Worker: run every case of some spec files; returns outcomes as dicts."""
-    paths, pattern, device, spawn = args
+    paths, pattern, device, spawn, modes = args
 
     async def main():
         out = []
         async with nnrt.Runtime(spawn=spawn) as rt:
             for _stem, case in load_cases(paths, pattern):
-                for suite in suites_of(case):
-                    try:
-                        outcome = await run_case(rt, case, suite, device)
-                    except Exception as e:  # a crash in one case must not hide the others
-                        outcome = Outcome(case["name"], suite, "failed",
-                                          f"crashed: {type(e).__name__}: {e}")
-                    out.append(asdict(outcome))
+                for mode in modes:
+                    for suite in suites_of(case, mode):
+                        try:
+                            outcome = await run_case(rt, case, suite, device, mode)
+                        except Exception as e:  # a crash in one case must not hide the others
+                            outcome = Outcome(case["name"], suite, "failed",
+                                              f"crashed: {type(e).__name__}: {e}", mode)
+                        out.append(asdict(outcome))
         return out
     return anyio.run(main)
 
@@ -339,7 +568,13 @@ def _spec_files(paths: list[str]) -> list[str]:
 
 
 def run(paths: list[str], *, pattern: str | None = None, device: str | None = None,
-        jobs: int | None = None, progress=None, spawn: list[str] = ()) -> list[Outcome]:
+        jobs: int | None = None, progress=None, spawn: list[str] = (),
+        modes: tuple[str, ...] = ("execute",)) -> list[Outcome]:
+    """Run every case under ``paths`` in each harness mode of ``modes``."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown harness mode(s) {unknown}; modes: {', '.join(MODES)}")
+    modes = tuple(modes)
     files = _spec_files(paths)
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
@@ -347,9 +582,9 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
     if jobs > 1 and spawn:
         # Each worker starts its own services; group the files so that
         # happens once per worker, not once per spec file.
-        tasks = [(files[k::jobs], pattern, device, list(spawn)) for k in range(jobs)]
+        tasks = [(files[k::jobs], pattern, device, list(spawn), modes) for k in range(jobs)]
     else:
-        tasks = [([f], pattern, device, list(spawn)) for f in files]
+        tasks = [([f], pattern, device, list(spawn), modes) for f in files]
     outcomes: list[Outcome] = []
     if jobs == 1:
         for t in tasks:
@@ -382,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                              "named after it) for the run; repeatable")
     parser.add_argument("--filter", dest="pattern",
                         help="fnmatch glob on case names or spec file names, e.g. 'conv*'")
+    parser.add_argument("--mode", dest="modes", action="append", default=[],
+                        choices=MODES + ("all",),
+                        help="harness mode (repeatable; 'all' = every mode; default: execute)")
     parser.add_argument("--json", dest="json_out", help="write every outcome to this JSON file")
     parser.add_argument("--jobs", "-j", type=int, default=None,
                         help="worker processes (default: number of CPUs)")
@@ -395,19 +633,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r{n} runs done", end="", file=sys.stderr, flush=True)
 
     try:
+        modes = MODES if "all" in args.modes else tuple(dict.fromkeys(args.modes or ["execute"]))
         outcomes = run(args.paths, pattern=args.pattern, device=args.device, jobs=args.jobs,
-                       progress=progress, spawn=args.spawn)
+                       progress=progress, spawn=args.spawn, modes=modes)
     except FileNotFoundError as e:
         parser.error(str(e))
     if interactive:
         print(file=sys.stderr)
-    outcomes.sort(key=lambda o: (o.name, o.suite))
+    outcomes.sort(key=lambda o: (o.name, o.suite, o.mode))
     for o in outcomes:
         if o.status == "failed":
-            print(f"FAILED {o.name} [{o.suite}]: {o.detail}")
+            print(f"FAILED {o.name} [{o.suite}/{o.mode}]: {o.detail}")
     for o in outcomes:
         if o.status == "skipped":
-            print(f"SKIPPED {o.name} [{o.suite}]: {o.detail}")
+            print(f"SKIPPED {o.name} [{o.suite}/{o.mode}]: {o.detail}")
     passed = sum(o.status == "passed" for o in outcomes)
     failed = sum(o.status == "failed" for o in outcomes)
     skipped = sum(o.status == "skipped" for o in outcomes)
@@ -415,6 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
     if not args.quiet:
         print(f"({len(outcomes)} runs in {time.monotonic() - start:.1f} s)", file=sys.stderr)
+    if len(modes) > 1:
+        for mode in modes:
+            runs = [o for o in outcomes if o.mode == mode]
+            print(f"  {mode}: {sum(o.status == 'passed' for o in runs)} passed, "
+                  f"{sum(o.status == 'failed' for o in runs)} failed, "
+                  f"{sum(o.status == 'skipped' for o in runs)} skipped")
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
 
