@@ -50,6 +50,7 @@ class Outcome:
     status: str          # "passed" | "failed" | "skipped"
     detail: str = ""     # failing operand and worst error, or skip reason
     mode: str = "execute"  # the harness mode (MODES)
+    spec: str = ""         # the spec file the case came from (for replay commands)
 
 
 def load_cases(paths: list[str], pattern: str | None = None):
@@ -535,21 +536,27 @@ def suites_of(case: dict, mode: str = "execute") -> list[str]:
 
 
 def _run_file_group(args) -> list[dict]:
-    """Worker: run every case of some spec files; returns outcomes as dicts."""
-    paths, pattern, device, spawn, modes = args
+    """Worker: run every case of some spec files; returns outcomes as dicts.
+    ``devices`` (in-process only) replaces discovery and ``spawn``."""
+    paths, pattern, device, spawn, modes, *rest = args
+    devices = rest[0] if rest else None
 
     async def main():
         out = []
-        async with nnrt.Runtime(spawn=spawn) as rt:
-            for _stem, case in load_cases(paths, pattern):
-                for mode in modes:
-                    for suite in suites_of(case, mode):
-                        try:
-                            outcome = await run_case(rt, case, suite, device, mode)
-                        except Exception as e:  # a crash in one case must not hide the others
-                            outcome = Outcome(case["name"], suite, "failed",
-                                              f"crashed: {type(e).__name__}: {e}", mode)
-                        out.append(asdict(outcome))
+        runtime = nnrt.Runtime(devices=devices) if devices is not None else \
+            nnrt.Runtime(spawn=spawn)
+        async with runtime as rt:
+            for path in paths:
+                for _stem, case in load_cases([path], pattern):
+                    for mode in modes:
+                        for suite in suites_of(case, mode):
+                            try:
+                                outcome = await run_case(rt, case, suite, device, mode)
+                            except Exception as e:  # a crash in one case must not hide others
+                                outcome = Outcome(case["name"], suite, "failed",
+                                                  f"crashed: {type(e).__name__}: {e}", mode)
+                            outcome.spec = str(path)
+                            out.append(asdict(outcome))
         return out
     return anyio.run(main)
 
@@ -567,10 +574,20 @@ def _spec_files(paths: list[str]) -> list[str]:
     return files
 
 
+def planned_tasks(paths: list[str], *, jobs: int | None = None, spawn=(), devices=None) -> int:
+    """How many times :func:`run` will call its ``progress`` callback."""
+    files = len(_spec_files(paths))
+    jobs = 1 if devices is not None else max(1, jobs or os.cpu_count() or 1)
+    return jobs if jobs > 1 and spawn else files
+
+
 def run(paths: list[str], *, pattern: str | None = None, device: str | None = None,
         jobs: int | None = None, progress=None, spawn: list[str] = (),
-        modes: tuple[str, ...] = ("execute",)) -> list[Outcome]:
-    """Run every case under ``paths`` in each harness mode of ``modes``."""
+        modes: tuple[str, ...] = ("execute",), devices=None) -> list[Outcome]:
+    """Run every case under ``paths`` in each harness mode of ``modes``.
+    ``devices``: run on these in-process devices instead of discovering any
+    (one worker; a test double, say). ``progress(n)`` is called as each spec
+    file (or group of files) finishes, with the number of runs so far."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown harness mode(s) {unknown}; modes: {', '.join(MODES)}")
@@ -578,13 +595,13 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
     files = _spec_files(paths)
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
-    jobs = max(1, jobs or os.cpu_count() or 1)
+    jobs = 1 if devices is not None else max(1, jobs or os.cpu_count() or 1)
     if jobs > 1 and spawn:
         # Each worker starts its own services; group the files so that
         # happens once per worker, not once per spec file.
         tasks = [(files[k::jobs], pattern, device, list(spawn), modes) for k in range(jobs)]
     else:
-        tasks = [([f], pattern, device, list(spawn), modes) for f in files]
+        tasks = [([f], pattern, device, list(spawn), modes, devices) for f in files]
     outcomes: list[Outcome] = []
     if jobs == 1:
         for t in tasks:
