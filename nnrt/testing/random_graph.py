@@ -8,6 +8,11 @@ Every graph comes from one integer seed, so a failure replays exactly:
 
     nnrt conformance --device NAME --suite random --seed SEED --count 1
 
+About a third of the graphs first run with 1-byte output regions: the
+device must answer OUTPUT_INSUFFICIENT_SIZE with the shapes it needs, and
+the retry with regions of those shapes must pass. About a fifth are relaxed
+(float32 may compute in float16), checked with the relaxed tolerance.
+
 The operation set is probed first: one single-operation model per kind,
 kept when the device reports it supported (queries answer the same for a
 driver's whole life, so a seed gives the same graph on the same device).
@@ -220,6 +225,7 @@ class RandomGraph:
     inputs: list[np.ndarray]
     ops: list[str]
     relaxed: bool
+    undersized: bool = False  # first run with 1-byte outputs: OUTPUT_INSUFFICIENT_SIZE, retry
 
 
 def generate(seed: int, kinds: list[str] | None = None, max_ops: int = 8) -> RandomGraph:
@@ -244,11 +250,12 @@ def generate(seed: int, kinds: list[str] | None = None, max_ops: int = 8) -> Ran
         outputs = [_unary(Op.RELU)(b).index] if "RELU" in kinds else \
             [GENERATORS[kinds[0]](b).index]
     relaxed = bool(rng.random() < 0.2)
+    undersized = bool(rng.random() < 0.3)
     b.model.identify_inputs_and_outputs(b.inputs, outputs)
     if relaxed:
         b.model.relax_computation_float32_to_float16(True)
     b.model.finish()
-    return RandomGraph(seed, b.model, b.input_values, b.ops, relaxed)
+    return RandomGraph(seed, b.model, b.input_values, b.ops, relaxed, undersized)
 
 
 def single_op_models():
@@ -276,9 +283,12 @@ async def supported_kinds(device: Device) -> list[str]:
     return kinds
 
 
-async def run_hal(device: Device, model: nnrt.Model, inputs) -> list[np.ndarray]:
+async def run_hal(device: Device, model: nnrt.Model, inputs,
+                  undersized: bool = False) -> list[np.ndarray]:
     """Prepare ``model`` on ``device`` and run it once through the HAL,
-    every operand in one shared memory (outputs sized from the result)."""
+    every operand in one shared memory. With ``undersized`` the first
+    execution gets 1-byte output regions and must answer
+    OUTPUT_INSUFFICIENT_SIZE with the shapes it needs; the retry uses them."""
     hal = model.hal_model
     prepared = await device.prepare_model(hal, ExecutionPreference.FAST_SINGLE_ANSWER,
                                           Priority.MEDIUM)
@@ -286,29 +296,51 @@ async def run_hal(device: Device, model: nnrt.Model, inputs) -> list[np.ndarray]
         outputs = [hal.main.operands[i] for i in hal.main.output_indexes]
         out_sizes = [max(4, o.type.element_size * int(np.prod(o.dimensions)))
                      for o in outputs]
-        sizes = [np.asarray(v).nbytes for v in inputs] + out_sizes
-        offsets, offset = [], 0
-        for s in sizes:
-            offsets.append(offset)
-            offset += (s + 63) // 64 * 64
-        with nnrt.Memory.create(offset) as memory:
-            in_args = []
-            for k, v in enumerate(inputs):
-                v = np.ascontiguousarray(v)
-                memory.view()[offsets[k]:offsets[k] + v.nbytes] = v.reshape(-1).view(np.uint8)
-                in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
-                                               tuple(v.shape)))
-            n = len(inputs)
-            out_args = [RequestArgument(False, DataLocation(0, offsets[n + k], out_sizes[k]))
-                        for k in range(len(outputs))]
-            result = await prepared.execute(Request(tuple(in_args), tuple(out_args),
-                                                    (memory,)))
-            if result.status != ErrorStatus.NONE:
-                raise NnrtError(result.status, result.message or "execution failed")
-            return [np.array(memory.array(o.type.dtype, s.dimensions, offsets[n + k]))
-                    for k, (o, s) in enumerate(zip(outputs, result.output_shapes))]
+        if undersized:
+            result, _ = await _execute(prepared, hal, inputs, [1] * len(outputs))
+            if result.status != ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
+                raise _Broken(f"1-byte output regions: got {result.status.name}, expected "
+                              f"OUTPUT_INSUFFICIENT_SIZE")
+            if len(result.output_shapes) != len(outputs) or all(
+                    s.is_sufficient for s in result.output_shapes):
+                raise _Broken(f"OUTPUT_INSUFFICIENT_SIZE with output shapes "
+                              f"{result.output_shapes}: none marked insufficient")
+            out_sizes = [max(4, o.type.element_size * int(np.prod(s.dimensions)))
+                         for o, s in zip(outputs, result.output_shapes)]
+        result, arrays = await _execute(prepared, hal, inputs, out_sizes)
+        if result.status != ErrorStatus.NONE:
+            raise NnrtError(result.status, result.message or "execution failed")
+        return arrays
     finally:
         prepared.release()
+
+
+class _Broken(Exception):
+    """The device broke the HAL contract on a valid graph."""
+
+
+async def _execute(prepared, hal, inputs, out_sizes):
+    outputs = [hal.main.operands[i] for i in hal.main.output_indexes]
+    sizes = [np.asarray(v).nbytes for v in inputs] + list(out_sizes)
+    offsets, offset = [], 0
+    for s in sizes:
+        offsets.append(offset)
+        offset += (s + 63) // 64 * 64
+    with nnrt.Memory.create(offset) as memory:
+        in_args = []
+        for k, v in enumerate(inputs):
+            v = np.ascontiguousarray(v)
+            memory.view()[offsets[k]:offsets[k] + v.nbytes] = v.reshape(-1).view(np.uint8)
+            in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
+                                           tuple(v.shape)))
+        n = len(inputs)
+        out_args = [RequestArgument(False, DataLocation(0, offsets[n + k], out_sizes[k]))
+                    for k in range(len(outputs))]
+        result = await prepared.execute(Request(tuple(in_args), tuple(out_args), (memory,)))
+        if result.status != ErrorStatus.NONE:
+            return result, []
+        return result, [np.array(memory.array(o.type.dtype, s.dimensions, offsets[n + k]))
+                        for k, (o, s) in enumerate(zip(outputs, result.output_shapes))]
 
 
 @dataclass
@@ -372,9 +404,11 @@ async def run_one(device: Device, reference: Device, seed: int,
         return RandomOutcome(seed, "skipped", f"the reference driver refused the graph: {e}",
                              graph.ops)
     try:
-        got = await run_hal(device, graph.model, graph.inputs)
+        got = await run_hal(device, graph.model, graph.inputs, graph.undersized)
     except NnrtError as e:
         return RandomOutcome(seed, "failed", f"the device failed a graph it supports: {e}",
                              graph.ops)
+    except _Broken as e:
+        return RandomOutcome(seed, "failed", str(e), graph.ops)
     problem = compare(got, want, graph.relaxed)
     return RandomOutcome(seed, "failed" if problem else "passed", problem or "", graph.ops)
