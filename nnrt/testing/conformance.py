@@ -43,7 +43,7 @@ class Result:
     status: str      # passed | failed | skipped
     detail: str = ""
     replay: str = ""
-    group: str = ""  # cts: "<CTS suite>/<mode>"; random: the operations of the graph
+    group: str = ""  # cts: "<CTS suite>/<mode>"; random: "<type>: <flags> | <operations>"
 
 
 @dataclass
@@ -192,7 +192,7 @@ async def _hal_suites(device, spawn, suites, vts_checks, seed, count, devices, p
                                                   progress=random_step):
                 results.append(Result("random", f"seed {o.seed}", o.status, o.detail,
                                       f"{base} --suite random --seed {o.seed} --count 1"
-                                      if o.status != "passed" else "", " ".join(o.ops)))
+                                      if o.status != "passed" else "", o.graph))
     return results
 
 

@@ -8,7 +8,7 @@ Every graph comes from one integer seed, so a failure replays exactly:
 
     nnrt conformance --device NAME --suite random --seed SEED --count 1
 
-About a third of the graphs first run with 1-byte output regions: the
+About a third of the graphs first run with output regions one byte short: the
 device must answer OUTPUT_INSUFFICIENT_SIZE with the shapes it needs, and
 the retry with regions of those shapes must pass. About a fifth are relaxed
 (float32 may compute in float16), checked with the relaxed tolerance.
@@ -35,17 +35,25 @@ F32_TOL = (1e-5, 5 * 1.1920928955078125e-7)
 RELAXED_TOL = (5 * 0.0009765625, 5 * 0.0009765625)
 
 
+Q8 = T.TENSOR_QUANT8_ASYMM
+TYPES = (T.TENSOR_FLOAT32, Q8)
+
+
 @dataclass
 class _Tensor:
     index: int
     shape: tuple[int, ...]
+    scale: float = 0.0
+    zero_point: int = 0
 
 
 @dataclass
 class _Builder:
-    """A graph under construction; ``tensors`` are the float32 values ops may read."""
+    """A graph under construction over one tensor type (float32 or quant8
+    asymm); ``tensors`` are the values operations may read."""
 
     rng: np.random.Generator
+    type: T = T.TENSOR_FLOAT32
     model: nnrt.Model = field(default_factory=nnrt.Model)
     tensors: list[_Tensor] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
@@ -53,11 +61,24 @@ class _Builder:
     consumed: set[int] = field(default_factory=set)
     ops: list[str] = field(default_factory=list)
 
+    @property
+    def quantized(self) -> bool:
+        return self.type == Q8
+
+    def fresh_quant(self) -> tuple[float, int]:
+        return float(np.float32(self.rng.uniform(0.02, 0.1))), int(self.rng.integers(100, 157))
+
+    def _add(self, shape, quant) -> _Tensor:
+        scale, zp = quant if self.quantized else (0.0, 0)
+        k = self.model.add_operand(self.type, list(shape), scale=scale, zero_point=zp)
+        return _Tensor(k, tuple(shape), scale, zp)
+
     def input(self, shape) -> _Tensor:
-        k = self.model.add_operand(T.TENSOR_FLOAT32, list(shape))
-        self.inputs.append(k)
-        self.input_values.append(self.rng.uniform(-1, 1, shape).astype(np.float32))
-        t = _Tensor(k, tuple(shape))
+        t = self._add(shape, self.fresh_quant())
+        self.inputs.append(t.index)
+        self.input_values.append(
+            self.rng.integers(0, 256, shape).astype(np.uint8) if self.quantized
+            else self.rng.uniform(-1, 1, shape).astype(np.float32))
         self.tensors.append(t)
         return t
 
@@ -66,21 +87,35 @@ class _Builder:
         self.model.set_operand_value(k, value)
         return k
 
-    def const(self, array: np.ndarray, type: T = T.TENSOR_FLOAT32) -> int:
-        k = self.model.add_operand(type, list(array.shape))
+    def const(self, array: np.ndarray, type: T = T.TENSOR_FLOAT32, scale: float = 0.0,
+              zero_point: int = 0) -> int:
+        k = self.model.add_operand(type, list(array.shape), scale=scale, zero_point=zero_point)
         self.model.set_operand_value(k, array)
         return k
 
-    def weights(self, shape) -> int:
-        return self.const(self.rng.uniform(-1, 1, shape).astype(np.float32))
+    def weights(self, shape) -> _Tensor:
+        """A constant of the graph's type (quant8: scale 1/64, zero point 128)."""
+        if self.quantized:
+            q = (0.015625, 128)
+            return _Tensor(self.const(self.rng.integers(0, 256, shape).astype(np.uint8), Q8,
+                                      *q), tuple(shape), *q)
+        return _Tensor(self.const(self.rng.uniform(-1, 1, shape).astype(np.float32)),
+                       tuple(shape))
 
-    def emit(self, op: Op, ins: list, shape) -> _Tensor:
-        k = self.model.add_operand(T.TENSOR_FLOAT32, list(shape))
-        self.model.add_operation(op, ins, [k])
+    def bias(self, n: int, x: _Tensor, w: _Tensor) -> int:
+        if self.quantized:  # int32 with scale input x filter, as NNAPI requires
+            return self.const(self.rng.integers(-200, 200, (n,)).astype(np.int32), T.TENSOR_INT32,
+                              float(np.float32(x.scale * w.scale)), 0)
+        return self.const(self.rng.uniform(-1, 1, (n,)).astype(np.float32))
+
+    def emit(self, op: Op, ins: list, shape, quant=None) -> _Tensor:
+        """Add ``op`` writing a new tensor of ``shape``; ``quant`` (scale,
+        zero point) for quant8 graphs, default a fresh one."""
+        t = self._add(shape, quant or self.fresh_quant())
+        self.model.add_operation(op, ins, [t.index])
         for i in ins:
             self.consumed.add(i)
         self.ops.append(op.name)
-        t = _Tensor(k, tuple(shape))
         self.tensors.append(t)
         return t
 
@@ -91,6 +126,10 @@ class _Builder:
 
     def act(self) -> int:
         return self.scalar(T.INT32, int(self.rng.integers(4)))
+
+
+def _same(x: _Tensor) -> tuple[float, int]:
+    return (x.scale, x.zero_point)
 
 
 # Each generator adds one operation reading existing tensors; None when no
@@ -104,33 +143,48 @@ def _binary(op: Op, fused: bool) -> Gen:
         same = [t for t in b.tensors if t.shape == x.shape]
         y = same[b.rng.integers(len(same))]
         if b.rng.random() < 0.3 and len(x.shape) >= 1:  # broadcast a constant row
-            y = _Tensor(b.weights(x.shape[-1:]), x.shape[-1:])
+            y = b.weights(x.shape[-1:])
         ins = [x.index, y.index] + ([b.act()] if fused else [])
-        return b.emit(op, ins, x.shape)
+        quant = None
+        if op == Op.MUL and b.quantized:  # NNAPI: output scale > product of input scales
+            scale, zp = b.fresh_quant()
+            quant = (max(scale, float(np.float32(x.scale * y.scale * 1.5))), zp)
+        return b.emit(op, ins, x.shape, quant)
     return gen
 
 
-def _unary(op: Op) -> Gen:
+def _unary(op: Op, quant=None) -> Gen:
+    """``quant``: the output quantization NNAPI fixes for quant8 (None: as the input's)."""
     def gen(b: _Builder):
         x = b.pick()
-        return b.emit(op, [x.index], x.shape)
+        return b.emit(op, [x.index], x.shape, quant or _same(x))
     return gen
 
 
 def _softmax(b: _Builder):
     x = b.pick()
     return b.emit(Op.SOFTMAX, [x.index, b.scalar(T.FLOAT32, float(b.rng.choice([0.5, 1.0])))],
-                  x.shape)
+                  x.shape, (1 / 256, 0))
 
 
 def _fully_connected(b: _Builder):
-    x = b.pick()
-    batch, k = x.shape[0], int(np.prod(x.shape[1:])) if len(x.shape) > 1 else x.shape[0]
-    if len(x.shape) == 1:
-        batch, k = 1, x.shape[0]
+    choices = [t for t in b.tensors if len(t.shape) >= 2]  # NNAPI: input rank 2 to 4
+    if not choices:
+        return None
+    x = choices[b.rng.integers(len(choices))]
+    batch, k = x.shape[0], int(np.prod(x.shape[1:]))
     n = int(b.rng.integers(1, 6))
-    ins = [x.index, b.weights((n, k)), b.weights((n,)), b.act()]
-    return b.emit(Op.FULLY_CONNECTED, ins, (batch, n))
+    w = b.weights((n, k))
+    ins = [x.index, w.index, b.bias(n, x, w), b.act()]
+    return b.emit(Op.FULLY_CONNECTED, ins, (batch, n), _accumulated(b, x, w, k))
+
+
+def _accumulated(b: _Builder, x: _Tensor, w: _Tensor, fan_in: int):
+    """An output scale for a quant8 sum of ``fan_in`` products: large
+    enough that results do not all saturate."""
+    if not b.quantized:
+        return None
+    return (float(np.float32(x.scale * w.scale * 128 * max(1, fan_in) ** 0.5)), 128)
 
 
 def _conv(b: _Builder):
@@ -145,10 +199,11 @@ def _conv(b: _Builder):
         oh, ow = math.ceil(h / stride), math.ceil(w / stride)
     else:
         oh, ow = (h - kh) // stride + 1, (w - kw) // stride + 1
-    ins = [x.index, b.weights((o, kh, kw, c)), b.weights((o,)),
+    filt = b.weights((o, kh, kw, c))
+    ins = [x.index, filt.index, b.bias(o, x, filt),
            b.scalar(T.INT32, padding), b.scalar(T.INT32, stride), b.scalar(T.INT32, stride),
            b.act()]
-    return b.emit(Op.CONV_2D, ins, (1, oh, ow, o))
+    return b.emit(Op.CONV_2D, ins, (x.shape[0], oh, ow, o), _accumulated(b, x, filt, kh * kw * c))
 
 
 def _pool(op: Op) -> Gen:
@@ -165,7 +220,7 @@ def _pool(op: Op) -> Gen:
             oh, ow = (h - 2) // stride + 1, (w - 2) // stride + 1
         ins = [x.index, b.scalar(T.INT32, padding), b.scalar(T.INT32, stride),
                b.scalar(T.INT32, stride), b.scalar(T.INT32, 2), b.scalar(T.INT32, 2), b.act()]
-        return b.emit(op, ins, (n, oh, ow, c))
+        return b.emit(op, ins, (n, oh, ow, c), _same(x))
     return gen
 
 
@@ -185,14 +240,14 @@ def _reshape(b: _Builder):
     n = int(np.prod(x.shape))
     shape = (1, n) if b.rng.random() < 0.5 else (n,)
     return b.emit(Op.RESHAPE, [x.index, b.const(np.array(shape, np.int32), T.TENSOR_INT32)],
-                  shape)
+                  shape, _same(x))
 
 
 def _transpose(b: _Builder):
     x = b.pick()
     perm = b.rng.permutation(len(x.shape)).astype(np.int32)
     return b.emit(Op.TRANSPOSE, [x.index, b.const(perm, T.TENSOR_INT32)],
-                  tuple(x.shape[p] for p in perm))
+                  tuple(x.shape[p] for p in perm), _same(x))
 
 
 def _mean(b: _Builder):
@@ -203,15 +258,15 @@ def _mean(b: _Builder):
     shape = list(x.shape)
     shape[axis] = 1
     return b.emit(Op.MEAN, [x.index, b.const(np.array([axis], np.int32), T.TENSOR_INT32),
-                            b.scalar(T.INT32, 1)], shape)
+                            b.scalar(T.INT32, 1)], shape, _same(x))
 
 
 GENERATORS: dict[str, Gen] = {
     "ADD": _binary(Op.ADD, True), "SUB": _binary(Op.SUB, True), "MUL": _binary(Op.MUL, True),
     "MAXIMUM": _binary(Op.MAXIMUM, False), "MINIMUM": _binary(Op.MINIMUM, False),
     "RELU": _unary(Op.RELU), "RELU1": _unary(Op.RELU1), "RELU6": _unary(Op.RELU6),
-    "TANH": _unary(Op.TANH), "LOGISTIC": _unary(Op.LOGISTIC), "ABS": _unary(Op.ABS),
-    "NEG": _unary(Op.NEG), "SOFTMAX": _softmax, "FULLY_CONNECTED": _fully_connected,
+    "TANH": _unary(Op.TANH, (1 / 128, 128)), "LOGISTIC": _unary(Op.LOGISTIC, (1 / 256, 0)),
+    "ABS": _unary(Op.ABS), "NEG": _unary(Op.NEG), "SOFTMAX": _softmax, "FULLY_CONNECTED": _fully_connected,
     "CONV_2D": _conv, "AVERAGE_POOL_2D": _pool(Op.AVERAGE_POOL_2D),
     "MAX_POOL_2D": _pool(Op.MAX_POOL_2D), "CONCATENATION": _concat, "RESHAPE": _reshape,
     "TRANSPOSE": _transpose, "MEAN": _mean,
@@ -225,16 +280,39 @@ class RandomGraph:
     inputs: list[np.ndarray]
     ops: list[str]
     relaxed: bool
-    undersized: bool = False  # first run with 1-byte outputs: OUTPUT_INSUFFICIENT_SIZE, retry
+    undersized: bool = False  # first run with short outputs: OUTPUT_INSUFFICIENT_SIZE, retry
+    type: T = T.TENSOR_FLOAT32
+
+    def describe(self) -> str:
+        flags = (" relaxed" if self.relaxed else "") + (" undersized" if self.undersized else "")
+        return f"{self.type.name}:{flags} | {' '.join(self.ops)}"
 
 
-def generate(seed: int, kinds: list[str] | None = None, max_ops: int = 8) -> RandomGraph:
-    """The graph of ``seed`` over operation ``kinds`` (default: all)."""
-    kinds = sorted(kinds if kinds is not None else GENERATORS)
+Kinds = dict[T, list[str]]
+
+
+# NNAPI defines ABS and NEG for float and int32 tensors, not quant8.
+_NOT_FOR = {Q8: {"ABS", "NEG"}}
+
+
+def all_kinds() -> Kinds:
+    """Every generator valid in each tensor type."""
+    return {t: sorted(set(GENERATORS) - _NOT_FOR.get(t, set())) for t in TYPES}
+
+
+def generate(seed: int, kinds: Kinds | None = None, max_ops: int = 8) -> RandomGraph:
+    """The graph of ``seed`` over ``kinds`` (tensor type -> operation names;
+    default: every generator in float32 and quant8). The seed picks the type
+    among those with operations, then the operations."""
+    kinds = {t: sorted(ops) for t, ops in (kinds if kinds is not None else all_kinds()).items()
+             if ops}
     if not kinds:
         raise ValueError("no operation kinds to build a graph from")
     rng = np.random.default_rng(seed)
-    b = _Builder(rng)
+    types = sorted(kinds)
+    type = types[rng.integers(len(types))]
+    names = kinds[type]
+    b = _Builder(rng, type)
     shape = (1, int(rng.integers(2, 7)), int(rng.integers(2, 7)), int(rng.integers(1, 5)))
     b.input(shape)
     if rng.random() < 0.5:
@@ -243,43 +321,49 @@ def generate(seed: int, kinds: list[str] | None = None, max_ops: int = 8) -> Ran
     attempts = 0
     while len(b.ops) < count and attempts < 10 * max_ops:
         attempts += 1
-        GENERATORS[kinds[rng.integers(len(kinds))]](b)
+        GENERATORS[names[rng.integers(len(names))]](b)
+    if not b.ops:  # nothing fit: one operation that always does keeps the graph valid
+        for name in names:
+            if GENERATORS[name](b) is not None:
+                break
     outputs = [t.index for t in b.tensors if t.index not in b.consumed
                and t.index not in b.inputs]
-    if not outputs:  # nothing was added: an identity-like op keeps the graph valid
-        outputs = [_unary(Op.RELU)(b).index] if "RELU" in kinds else \
-            [GENERATORS[kinds[0]](b).index]
-    relaxed = bool(rng.random() < 0.2)
+    if not outputs:
+        raise ValueError(f"seed {seed}: no operation of {names} fits the inputs")
+    relaxed = bool(rng.random() < 0.2) and type == T.TENSOR_FLOAT32
     undersized = bool(rng.random() < 0.3)
     b.model.identify_inputs_and_outputs(b.inputs, outputs)
     if relaxed:
         b.model.relax_computation_float32_to_float16(True)
     b.model.finish()
-    return RandomGraph(seed, b.model, b.input_values, b.ops, relaxed, undersized)
+    return RandomGraph(seed, b.model, b.input_values, b.ops, relaxed, undersized, type)
 
 
-def single_op_models():
-    """(name, model, inputs): one single-operation model per generator kind."""
-    for k, name in enumerate(sorted(GENERATORS)):
-        for attempt in range(20):
-            rng = np.random.default_rng(1000 * k + attempt)
-            b = _Builder(rng)
-            b.input((1, 4, 4, 2))
-            if GENERATORS[name](b) is None:
-                continue
-            out = b.tensors[-1].index
-            b.model.identify_inputs_and_outputs(b.inputs, [out])
-            b.model.finish()
-            yield name, b.model, b.input_values
-            break
+def single_op_models(types=TYPES):
+    """(name, model, inputs, type, op): one single-operation model per
+    generator kind and tensor type."""
+    for type in types:
+        for k, name in enumerate(all_kinds()[type]):
+            for attempt in range(20):
+                rng = np.random.default_rng(1000 * k + attempt)
+                b = _Builder(rng, type)
+                b.input((1, 4, 4, 2))
+                if GENERATORS[name](b) is None:
+                    continue
+                out = b.tensors[-1].index
+                b.model.identify_inputs_and_outputs(b.inputs, [out])
+                b.model.finish()
+                yield f"{name} ({type.name})", b.model, b.input_values, type, name
+                break
 
 
-async def supported_kinds(device: Device) -> list[str]:
-    """The generator kinds whose single-operation model ``device`` supports."""
-    kinds = []
-    for name, model, _ in single_op_models():
+async def supported_kinds(device: Device) -> Kinds:
+    """Per tensor type, the generator kinds whose single-operation model
+    ``device`` supports."""
+    kinds: Kinds = {t: [] for t in TYPES}
+    for _label, model, _inputs, type, name in single_op_models():
         if all(await device.supported_operations(model.hal_model)):
-            kinds.append(name)
+            kinds[type].append(name)
     return kinds
 
 
@@ -287,7 +371,7 @@ async def run_hal(device: Device, model: nnrt.Model, inputs,
                   undersized: bool = False) -> list[np.ndarray]:
     """Prepare ``model`` on ``device`` and run it once through the HAL,
     every operand in one shared memory. With ``undersized`` the first
-    execution gets 1-byte output regions and must answer
+    execution gets output regions one byte short and must answer
     OUTPUT_INSUFFICIENT_SIZE with the shapes it needs; the retry uses them."""
     hal = model.hal_model
     prepared = await device.prepare_model(hal, ExecutionPreference.FAST_SINGLE_ANSWER,
@@ -297,10 +381,11 @@ async def run_hal(device: Device, model: nnrt.Model, inputs,
         out_sizes = [max(4, o.type.element_size * int(np.prod(o.dimensions)))
                      for o in outputs]
         if undersized:
-            result, _ = await _execute(prepared, hal, inputs, [1] * len(outputs))
+            short = [o.type.element_size * int(np.prod(o.dimensions)) - 1 for o in outputs]
+            result, _ = await _execute(prepared, hal, inputs, short)
             if result.status != ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
-                raise _Broken(f"1-byte output regions: got {result.status.name}, expected "
-                              f"OUTPUT_INSUFFICIENT_SIZE")
+                raise _Broken(f"output regions one byte short: got {result.status.name}, "
+                              f"expected OUTPUT_INSUFFICIENT_SIZE")
             if len(result.output_shapes) != len(outputs) or all(
                     s.is_sufficient for s in result.output_shapes):
                 raise _Broken(f"OUTPUT_INSUFFICIENT_SIZE with output shapes "
@@ -348,11 +433,13 @@ class RandomOutcome:
     seed: int
     status: str       # "passed" | "failed" | "skipped"
     detail: str
-    ops: list[str]
+    graph: str        # RandomGraph.describe(): type, flags | operations
 
 
-def compare(got: list[np.ndarray], want: list[np.ndarray], relaxed: bool) -> str | None:
-    atol, rtol = RELAXED_TOL if relaxed else F32_TOL
+def compare(got: list[np.ndarray], want: list[np.ndarray], relaxed: bool,
+            type: T = T.TENSOR_FLOAT32) -> str | None:
+    """The CTS criteria: float32 (relaxed) tolerances, quant8 off by one."""
+    atol, rtol = (1, 0) if type == Q8 else RELAXED_TOL if relaxed else F32_TOL
     if len(got) != len(want):
         return f"{len(got)} outputs, the reference gives {len(want)}"
     for k, (g, w) in enumerate(zip(got, want)):
@@ -368,16 +455,24 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], relaxed: bool) -> str
     return None
 
 
-async def run_seeds(device: Device, reference: Device, seeds, kinds: list[str] | None = None,
+async def run_seeds(device: Device, reference: Device, seeds, kinds: Kinds | None = None,
                     progress=None) -> list[RandomOutcome]:
     """One differential run per seed; ``kinds`` defaults to what ``device`` supports."""
     if kinds is None:
-        kinds = await supported_kinds(device)
+        try:
+            kinds = await supported_kinds(device)
+        except NnrtError as e:
+            outcomes = [RandomOutcome(seed, "failed", f"supported_operations refused a valid "
+                                      f"single-operation model: {e}", "") for seed in seeds]
+            if progress:
+                for o in outcomes:
+                    progress(o)
+            return outcomes
     outcomes = []
     for seed in seeds:
-        if not kinds:
+        if not any(kinds.values()):
             outcome = RandomOutcome(seed, "skipped", "the device supports none of the random "
-                                    "graph operations", [])
+                                    "graph operations in float32 or quant8", "")
         else:
             outcome = await run_one(device, reference, seed, kinds)
         outcomes.append(outcome)
@@ -386,29 +481,29 @@ async def run_seeds(device: Device, reference: Device, seeds, kinds: list[str] |
     return outcomes
 
 
-async def run_one(device: Device, reference: Device, seed: int,
-                  kinds: list[str]) -> RandomOutcome:
+async def run_one(device: Device, reference: Device, seed: int, kinds: Kinds) -> RandomOutcome:
     graph = generate(seed, kinds)
+    what = graph.describe()
     try:
         flags = await device.supported_operations(graph.model.hal_model)
     except NnrtError as e:
         return RandomOutcome(seed, "failed", f"supported_operations refused a valid graph: {e}",
-                             graph.ops)
+                             what)
     if not all(flags):
         missing = sorted({graph.ops[i] for i, ok in enumerate(flags) if not ok})
         return RandomOutcome(seed, "skipped", f"device reports unsupported: "
-                             f"{', '.join(missing)} (as configured in this graph)", graph.ops)
+                             f"{', '.join(missing)} (as configured in this graph)", what)
     try:
         want = await run_hal(reference, graph.model, graph.inputs)
     except NnrtError as e:
         return RandomOutcome(seed, "skipped", f"the reference driver refused the graph: {e}",
-                             graph.ops)
+                             what)
     try:
         got = await run_hal(device, graph.model, graph.inputs, graph.undersized)
     except NnrtError as e:
         return RandomOutcome(seed, "failed", f"the device failed a graph it supports: {e}",
-                             graph.ops)
+                             what)
     except _Broken as e:
-        return RandomOutcome(seed, "failed", str(e), graph.ops)
-    problem = compare(got, want, graph.relaxed)
-    return RandomOutcome(seed, "failed" if problem else "passed", problem or "", graph.ops)
+        return RandomOutcome(seed, "failed", str(e), what)
+    problem = compare(got, want, graph.relaxed, graph.type)
+    return RandomOutcome(seed, "failed" if problem else "passed", problem or "", what)

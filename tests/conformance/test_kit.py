@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.testing import conformance, cts, random_graph
+from nnrt.testing import conformance, cts
 
 from .doubles import WrongAddDevice, WrongStatusDevice
 
@@ -90,12 +90,11 @@ def test_a_wrong_error_status_is_caught_by_each_suite():
     random_failed = _failed(report, "random")
     assert random_failed
     assert all("expected OUTPUT_INSUFFICIENT_SIZE" in r.detail for r in random_failed)
-    # Only the graphs that start with 1-byte outputs hit the bug.
+    # Exactly the graphs that start with 1-byte outputs hit the bug.
     for r in report.results:
         if r.suite == "random":
-            seed = int(r.name.split()[1])
-            assert (r.status == "failed") == random_graph.generate(
-                seed, sorted(random_graph.GENERATORS)).undersized
+            assert (r.status == "failed") == ("undersized" in r.group.split("|")[0]), \
+                (r.name, r.group, r.detail)
 
 
 def test_a_wrong_output_for_one_op_is_caught_by_each_suite():
@@ -120,9 +119,11 @@ def test_a_wrong_output_for_one_op_is_caught_by_each_suite():
     assert "supported_operations.consistent" in vts_failed
     assert "ADD" in vts_failed["supported_operations.consistent"]
     random = [r for r in report.results if r.suite == "random"]
-    assert any(r.status == "failed" for r in random)
-    for r in random:  # exactly the graphs with an ADD fail
-        assert (r.status == "failed") == ("ADD" in r.group.split()), (r.name, r.group, r.detail)
+    with_add = [r for r in random if "ADD" in r.group.split("|")[1].split()]
+    for r in random:  # only graphs with an ADD fail (a later op may hide the wrong element)
+        assert r.status == "passed" or r in with_add, (r.name, r.group, r.detail)
+    assert sum(r.status == "failed" for r in with_add) >= len(with_add) / 2, \
+        [(r.group, r.status) for r in with_add]
     # The replay command's selection reproduces a failure on its own.
     seed = int(next(r for r in random if r.status == "failed").name.split()[1])
     again = conformance.run_conformance("planted-add", devices=[WrongAddDevice(),
