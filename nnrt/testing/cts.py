@@ -1,7 +1,8 @@
 """Run NNAPI CTS test vectors (the ``nnrt-cts-json/1`` format of
 ``../shared/cts``) through the public API and check them as the CTS harness does.
 
-    python -m nnrt.testing.cts PATH... [--device NAME] [--spawn KIND] [--filter GLOB] [--json OUT]
+    python -m nnrt.testing.cts PATH... [--device NAME] [--spawn KIND] [--mode MODE]
+                               [--filter GLOB] [--json OUT]
 
 ``--spawn sample-float-fast --device sample-float-fast`` runs the vectors on an
 out-of-process driver service the runner starts (one per worker process).
@@ -13,9 +14,20 @@ TENSOR_QUANT8_ASYMM operand turned into TENSOR_QUANT8_ASYMM_SIGNED, values and
 zero points shifted by -128), or ``GeneratedValidationTests`` for
 ``expectFailure`` cases. ``SignedIdentity`` is nnrt's own check on the same
 cases as QuantizationCouplingTest: the signed variant's outputs must equal the
-unsigned outputs shifted by -128 exactly (not merely both within tolerance). A run is skipped only when the device reports an
-operation of the model unsupported; every skip is listed with its reason.
-The last line is ``N passed, M failed, K skipped`` (counting runs).
+unsigned outputs shifted by -128 exactly (not merely both within tolerance).
+``DeviceMemoryTest`` runs through shared memory and ``FencedComputeTest``
+through a chain of fenced executions. Referenced subgraphs (IF/WHILE,
+nested) are built as SCHEMA §5.1 says.
+
+``--mode`` picks harness modes (:data:`MODES`, repeatable, ``all``): the
+default ``execute`` runs the suites above; ``sync``, ``burst``, ``fenced``,
+``memory``, ``dynamic`` and ``relaxed`` rerun the cases another way (see
+the comment above :data:`MODES` and docs/conformance.md).
+
+A run is skipped only when the device reports an operation of the model
+unsupported; every skip is listed with its reason. The last line is
+``N passed, M failed, K skipped`` (counting runs), after one such line per
+mode when several ran.
 """
 from __future__ import annotations
 
@@ -371,13 +383,10 @@ async def _compute_memory(compiled, case):
         out_regions = [memory.region(layout[len(inputs) + k], sizes[len(inputs) + k])
                        for k in range(len(main["outputIndexes"]))]
         r = await compiled.execute(in_regions, outputs=out_regions)
-        outputs = [np.array(o, copy=True) for o in r.outputs]
+        outputs = [np.array(o, copy=True) for o in r.outputs]  # before the memory closes
+        shapes = list(r.output_shapes)
         del r
-        return outputs, [tuple(s) for s in _shapes_of(outputs)]
-
-
-def _shapes_of(outputs):
-    return [np.shape(o) for o in outputs]
+        return outputs, shapes
 
 
 async def _compute_dynamic(compiled, case):
