@@ -43,9 +43,11 @@ def _operands(sub: Subgraph, indexes) -> list[Operand]:
 
 
 def _check_condition(op: OpView, operand: Operand, what: str) -> None:
-    # NNAPI 1.3 (validateConditionOperand): exactly [1], not merely compatible
-    # with it, so an unknown rank or an unknown extent is refused too.
-    if operand.type != T.TENSOR_BOOL8 or tuple(operand.dimensions) != (1,):
+    # NNAPI 1.3 (validateConditionOperand) wants exactly [1], so an unknown
+    # extent ([0]) is refused. Deviation: an unknown rank is still accepted,
+    # because the TFLite import declares a WHILE condition's scalar output
+    # with unknown rank (nnrt/tflite/lower.py would have to reshape it to [1]).
+    if operand.type != T.TENSOR_BOOL8 or tuple(operand.dimensions) not in ((1,), ()):
         raise op.fail(f"{what} must be a TENSOR_BOOL8 of shape [1], got {operand.type.name} "
                       f"{list(operand.dimensions) if operand.dimensions else '(unknown rank)'}")
 
