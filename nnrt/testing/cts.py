@@ -275,7 +275,10 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
                 await _compute_sync(rt, model, case, device)
             else:
                 compiled = await rt.compile(model, devices=None if device is None else [device])
-                await _COMPUTE[path](compiled, case)
+                try:
+                    await _COMPUTE[path](compiled, case)
+                finally:
+                    compiled.close()
         except NnrtError:
             return Outcome(name, suite, "passed", mode=mode)
         except NotImplementedError as e:
@@ -301,8 +304,13 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
         if path == "sync":
             outputs, shapes = await _compute_sync(rt, model, case, device)
         else:
+            # Released here, not by the garbage collector at some later call:
+            # a finalizer firing inside a service client's send deadlocked it.
             compiled = await rt.compile(model, devices=None if device is None else [device])
-            outputs, shapes = await _COMPUTE[path](compiled, case)
+            try:
+                outputs, shapes = await _COMPUTE[path](compiled, case)
+            finally:
+                compiled.close()
     except NnrtError as e:
         return Outcome(name, suite, "failed", str(e), mode)
     except _HarnessFailure as e:
@@ -477,7 +485,10 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict, device: str | None) 
             if unsupported:
                 return Outcome(name, suite, "skipped", unsupported)
             compiled = await rt.compile(model, devices=None if device is None else [device])
-            results.append(await compiled.execute(_inputs(variant)))
+            try:
+                results.append(await compiled.execute(_inputs(variant)))
+            finally:
+                compiled.close()
         except NnrtError as e:
             return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")
     unsigned, signed = results
