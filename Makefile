@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test cts bench clean
+.PHONY: demo test cts conformance bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,21 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 cts: $(STAMP)
-	$(PY) -m nnrt.testing.cts ../shared/cts/V1_0 ../shared/cts/V1_1 ../shared/cts/V1_2
+	$(PY) -m nnrt.testing.cts ../shared/cts/V1_0 ../shared/cts/V1_1 ../shared/cts/V1_2 \
+		nnrt/testing/vectors/V1_3
+
+# The whole conformance kit (every CTS vector in every harness mode, the VTS
+# checks, 500 random graphs) on the reference driver in process and on a
+# sample driver service; reports land in build/conformance/.
+CONFORMANCE_DEVICES ?= nnrt-reference sample-float-fast
+conformance: $(STAMP)
+	mkdir -p build/conformance
+	status=0; for d in $(CONFORMANCE_DEVICES); do \
+		spawn=; [ "$$d" = nnrt-reference ] || spawn="--spawn $$d"; \
+		$(PY) -m nnrt conformance --device $$d $$spawn --count 500 \
+			--report build/conformance/$$d.html --json build/conformance/$$d.json \
+			|| status=1; \
+	done; exit $$status
 
 # The standard benchmark: shared models on every device the runtime finds
 # (the in-process reference device, a spawned reference driver service, and

@@ -361,6 +361,11 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+def _conformance(args) -> int:
+    from .testing import conformance  # loaded only for this command
+    return conformance.run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nnrt", description="nnrt neural-network runtime")
     parser.add_argument("--version", action="version", version=f"nnrt {nnrt.__version__}")
@@ -436,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
                            "with an HTML report")
     bench_arguments(bench)
     bench.set_defaults(func=_bench)
+    conf = sub.add_parser("conformance", help="run the conformance kit (CTS vectors, VTS "
+                          "checks, random graphs) against a device")
+    from .testing import conformance
+    conformance.add_arguments(conf)
+    conf.set_defaults(func=_conformance)
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

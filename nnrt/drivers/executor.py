@@ -162,6 +162,11 @@ class ExecutionContext:
         self.executor = executor
         if loop_timeout is None:
             loop_timeout = DEFAULT_LOOP_TIMEOUT
+        elif isinstance(loop_timeout, bool) or not isinstance(loop_timeout, (int, float)) \
+                or not loop_timeout >= 0:
+            # Negative or NaN: NaN would never time out (every comparison is false).
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"loop timeout {loop_timeout!r} is not a duration in seconds >= 0")
         self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
         self.deadline = deadline
         self._checkpoint = checkpoint

@@ -43,6 +43,7 @@ class ReferenceDevice(Device):
         return Scheduling(Boundaries.OPERATION, slots=1)
 
     async def supported_operations(self, model: HalModel) -> list[bool]:
+        validate_model(model)  # an invalid model is INVALID_ARGUMENT, not "unsupported"
         supported = []
         for op in model.main.operations:
             try:

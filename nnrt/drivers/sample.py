@@ -18,6 +18,7 @@ from ..model.graph import HalModel, Operation
 from ..model.types import OperandType as T, OperationType as Op
 from ..hal import Capabilities, Device, DeviceType, PerformanceInfo
 from .mediapipe import MediapipeDevice
+from ..hal.validate import validate_model
 from .reference import ReferenceDevice
 
 
@@ -37,11 +38,13 @@ class SampleDevice(ReferenceDevice):
         return Capabilities(perf, perf, {t: perf for t in T}, perf, perf)
 
     async def supported_operations(self, model: HalModel) -> list[bool]:
-        return [ok and self.claims(model, op)
+        # IF/WHILE are never claimed: prepare_model refuses control flow.
+        return [ok and op.type not in (Op.IF, Op.WHILE) and self.claims(model, op)
                 for ok, op in zip(await super().supported_operations(model),
                                   model.main.operations)]
 
     async def prepare_model(self, model: HalModel, *args, **kwargs):
+        validate_model(model)  # a bad model is INVALID_ARGUMENT before any claim is checked
         if model.referenced:  # IF/WHILE bodies are never claimed by a sample driver
             raise invalid(f"{self.name} does not run control flow")
         for k, op in enumerate(model.main.operations):

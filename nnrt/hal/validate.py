@@ -20,7 +20,7 @@ from .. import ops
 from ..memory import as_buffer
 from ..model.extensions import MAX_PREFIX, check_extension_name
 from ..model.graph import HalModel, Operand, Subgraph
-from ..model.types import HalVersion, OperandLifeTime as L, OperandType
+from ..model.types import HalVersion, OperandLifeTime as L, OperandType, OperationType
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
 
@@ -131,6 +131,7 @@ def _validate_subgraph(model: HalModel, index: int | None, where: str):
     written: set[int] = set()
     known = {i: o.dimensions for i, o in enumerate(sub.operands)}
     for k, op in enumerate(sub.operations):
+        _check_type(op.type, OperationType, f"{where} operation {k}")
         what = f"{where} operation {k} ({op.type.name})"
         for i in (*op.inputs, *op.outputs):
             if not 0 <= i < n:
@@ -189,7 +190,18 @@ def _merge_dims(declared: tuple[int, ...], inferred: tuple[int, ...], what: str)
     return tuple(merged)
 
 
+def _check_type(value, enum_type, what: str) -> None:
+    """A type without an extension prefix (high 16 bits zero) must be one
+    NNAPI defines; a model from another process may carry any integer."""
+    if isinstance(value, enum_type):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >> 16 != 0:
+        return  # an extension type: the extension's validation decides
+    raise invalid(f"{what}: unknown {enum_type.__name__} {value!r}")
+
+
 def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
+    _check_type(operand.type, OperandType, what)
     t = operand.type
     if t.is_extension:
         mapped = {e.prefix: e.name for e in model.extension_prefixes}

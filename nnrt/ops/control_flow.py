@@ -43,10 +43,13 @@ def _operands(sub: Subgraph, indexes) -> list[Operand]:
 
 
 def _check_condition(op: OpView, operand: Operand, what: str) -> None:
-    if operand.type != T.TENSOR_BOOL8 or (operand.dimensions and
-                                          tuple(operand.dimensions) not in ((1,), (0,))):
+    # NNAPI 1.3 (validateConditionOperand) wants exactly [1], so an unknown
+    # extent ([0]) is refused. Deviation: an unknown rank is still accepted,
+    # because the TFLite import declares a WHILE condition's scalar output
+    # with unknown rank (nnrt/tflite/lower.py would have to reshape it to [1]).
+    if operand.type != T.TENSOR_BOOL8 or tuple(operand.dimensions) not in ((1,), ()):
         raise op.fail(f"{what} must be a TENSOR_BOOL8 of shape [1], got {operand.type.name} "
-                      f"{list(operand.dimensions)}")
+                      f"{list(operand.dimensions) if operand.dimensions else '(unknown rank)'}")
 
 
 def _validate_if(op: OpView) -> HalVersion:
@@ -92,6 +95,10 @@ def _validate_while(op: OpView) -> HalVersion:
     _check_pairs(op, inputs, _operands(body, body.input_indexes), "body input")
     body_outs = _operands(body, body.output_indexes)
     _check_pairs(op, inputs[:carried], body_outs, "loop-carried value")
+    # The body's own i-th input and output must agree too (NNAPI checks them
+    # pairwise: with unknown extents the outer operand may match both).
+    _check_pairs(op, _operands(body, body.input_indexes)[:carried], body_outs,
+                 "body input/output pair")
     _check_pairs(op, op.outputs, body_outs[:m], "output")
     return HalVersion.V1_3
 

@@ -1,15 +1,11 @@
 """Run NNAPI CTS test vectors (the ``nnrt-cts-json/1`` format of
 ``../shared/cts``) through the public API and check them as the CTS harness does.
 
-    python -m nnrt.testing.cts PATH... [--device NAME] [--spawn KIND] [--filter GLOB] [--json OUT]
+    python -m nnrt.testing.cts PATH... [--device NAME] [--spawn KIND] [--mode MODE]
+                               [--filter GLOB] [--json OUT]
 
 ``--spawn sample-float-fast --device sample-float-fast`` runs the vectors on an
 out-of-process driver service the runner starts (one per worker process).
-
-``--device litert --fallback`` runs each model on ``litert`` where it claims
-the operations and partitions the rest to the runtime's reference CPU device
-(nothing is skipped); the summary then counts the runs by the devices they
-ran on (``litert``, ``nnrt-reference``, or both in one partitioned run).
 
 Each case runs once per CTS suite this runner implements that the case belongs
 to: ``GeneratedTests`` (as specified), ``DynamicOutputShapeTest`` (every
@@ -18,9 +14,20 @@ TENSOR_QUANT8_ASYMM operand turned into TENSOR_QUANT8_ASYMM_SIGNED, values and
 zero points shifted by -128), or ``GeneratedValidationTests`` for
 ``expectFailure`` cases. ``SignedIdentity`` is nnrt's own check on the same
 cases as QuantizationCouplingTest: the signed variant's outputs must equal the
-unsigned outputs shifted by -128 exactly (not merely both within tolerance). A run is skipped only when the device reports an
-operation of the model unsupported; every skip is listed with its reason.
-The last line is ``N passed, M failed, K skipped`` (counting runs).
+unsigned outputs shifted by -128 exactly (not merely both within tolerance).
+``DeviceMemoryTest`` runs through shared memory and ``FencedComputeTest``
+through a chain of fenced executions. Referenced subgraphs (IF/WHILE,
+nested) are built as SCHEMA §5.1 says.
+
+``--mode`` picks harness modes (:data:`MODES`, repeatable, ``all``): the
+default ``execute`` runs the suites above; ``sync``, ``burst``, ``fenced``,
+``memory``, ``dynamic`` and ``relaxed`` rerun the cases another way (see
+the comment above :data:`MODES` and docs/conformance.md).
+
+A run is skipped only when the device reports an operation of the model
+unsupported; every skip is listed with its reason. The last line is
+``N passed, M failed, K skipped`` (counting runs), after one such line per
+mode when several ran.
 """
 from __future__ import annotations
 
@@ -54,7 +61,9 @@ class Outcome:
     suite: str
     status: str          # "passed" | "failed" | "skipped"
     detail: str = ""     # failing operand and worst error, or skip reason
-    devices: str = ""    # the devices that ran it, "+"-joined in step order
+    mode: str = "execute"  # the harness mode (MODES)
+    spec: str = ""         # the spec file the case came from (for replay commands)
+    devices: str = ""      # the devices that ran it, "+"-joined in step order
 
 
 def load_cases(paths: list[str], pattern: str | None = None):
@@ -92,13 +101,33 @@ def _array(operand: dict) -> np.ndarray:
     return arr.reshape(operand["dimensions"]) if operand["dimensions"] and arr.size else arr
 
 
-def build_model(case: dict, dynamic_outputs: bool = False) -> nnrt.Model:
-    if case["referenced"]:
-        raise NotImplementedError("referenced subgraphs")  # reported as a failure below
-    return _build_subgraph(case["main"], case["isRelaxed"], dynamic_outputs)
+def build_model(case: dict, dynamic_outputs: bool = False,
+                relaxed: bool | None = None) -> nnrt.Model:
+    """The case as an nnrt Model, referenced subgraphs (nested ones too)
+    built and finished before the operands that refer to them (SCHEMA §5.1).
+    ``relaxed`` overrides the case's ``isRelaxed`` (the relaxed harness mode)."""
+    relaxed = case["isRelaxed"] if relaxed is None else relaxed
+    referenced = case["referenced"]
+    built: dict[int, nnrt.Model] = {}
+
+    def subgraph(k: int, path: tuple[int, ...]) -> nnrt.Model:
+        if k in path:
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"referenced subgraph {k} refers to itself")
+        if not 0 <= k < len(referenced):
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"SUBGRAPH operand names subgraph {k}; the case has "
+                                 f"{len(referenced)}")
+        if k not in built:
+            built[k] = _build_subgraph(referenced[k], relaxed, dynamic_outputs,
+                                       lambda j: subgraph(j, path + (k,)))
+        return built[k]
+
+    return _build_subgraph(case["main"], relaxed, dynamic_outputs, lambda j: subgraph(j, ()))
 
 
-def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool) -> nnrt.Model:
+def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool,
+                    subgraph=None) -> nnrt.Model:
     m = nnrt.Model()
     outputs = set(sub["outputIndexes"])
     for k, o in enumerate(sub["operands"]):
@@ -114,6 +143,10 @@ def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool) -> nnrt.Mod
             m.set_operand_value(k, _array(o))
         elif o["lifetime"] == "NO_VALUE":
             m.set_operand_value(k, None)
+        elif o["lifetime"] == "SUBGRAPH":
+            if subgraph is None:
+                raise NotImplementedError("referenced subgraphs")
+            m.set_operand_value_from_model(k, subgraph(int(o["data"][0])))
     for op in sub["operations"]:
         m.add_operation(nnrt.OperationType[op["type"]], op["inputs"], op["outputs"])
     m.identify_inputs_and_outputs(sub["inputIndexes"], sub["outputIndexes"])
@@ -146,10 +179,12 @@ def _uses_float16(case: dict) -> bool:
     return any(o["type"] in ("TENSOR_FLOAT16", "FLOAT16") for s in subs for o in s["operands"])
 
 
-def check_outputs(case: dict, outputs: list[np.ndarray], shapes: list) -> str | None:
-    """None when every output passes the CTS criteria, else what failed."""
+def check_outputs(case: dict, outputs: list[np.ndarray], shapes: list,
+                  relaxed: bool = False) -> str | None:
+    """None when every output passes the CTS criteria, else what failed.
+    ``relaxed``: the model was run relaxed whatever the case says."""
     main = case["main"]
-    relaxed_tol = case["isRelaxed"] or _uses_float16(case)
+    relaxed_tol = relaxed or case["isRelaxed"] or _uses_float16(case)
     quant_tol = 3 if "mobilenet" in case["name"] else 1
     for pos, index in enumerate(main["outputIndexes"]):
         o = main["operands"][index]
@@ -212,6 +247,23 @@ def check_multinomial(case: dict, outputs: list[np.ndarray]) -> str | None:
 
 # --- running ------------------------------------------------------------------
 
+# Harness modes, as AOSP's TestGenerated variants: how a run computes.
+#   execute  CompiledModel.execute (the suites of SCHEMA §5.4; DeviceMemoryTest
+#            and FencedComputeTest runs use the memory and fenced paths)
+#   sync     the HAL directly: Device.prepare_model + execute_synchronously on a
+#            worker thread, every operand in one shared-memory pool
+#   burst    a burst session, two executions of the case in a row
+#   fenced   a chain of fenced executions: the second waits for the first's fence
+#   memory   inputs and outputs are regions of nnrt.Memory (shared memory)
+#   dynamic  outputs declared with unknown dimensions, first run with 1-element
+#            output buffers: must give OUTPUT_INSUFFICIENT_SIZE with the shapes,
+#            then the retry with buffers of those shapes must pass
+#   relaxed  float32 cases with relaxComputationFloat32toFloat16 on, checked
+#            with the relaxed tolerance
+MODES = ("execute", "sync", "burst", "fenced", "memory", "dynamic", "relaxed")
+_SUITE_PATH = {"DeviceMemoryTest": "memory", "FencedComputeTest": "fenced"}
+
+
 def _candidates(rt: nnrt.Runtime, device: str | None, fallback: bool) -> list[str] | None:
     """The devices a run may use: all, ``device`` only, or ``device`` and the CPU."""
     if device is None:
@@ -230,44 +282,217 @@ def _ran_on(compiled) -> str:
 
 
 async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
-                   fallback: bool = False) -> Outcome:
+                   mode: str = "execute", fallback: bool = False) -> Outcome:
     name = case["name"]
     candidates = _candidates(rt, device, fallback)
-    if case["expectFailure"]:
+    path = _SUITE_PATH.get(suite, mode)
+    if suite == "GeneratedValidationTests":
         try:
             model = build_model(case)
-            compiled = await rt.compile(model, devices=candidates)
-            await compiled.execute(_inputs(case))
+            compiled = None
+            if path == "sync":
+                await _compute_sync(rt, model, case, device)
+            else:
+                compiled = await rt.compile(model, devices=candidates)
+                try:
+                    await _COMPUTE[path](compiled, case)
+                finally:
+                    compiled.close()
         except NnrtError:
-            return Outcome(name, suite, "passed")
+            return Outcome(name, suite, "passed", mode=mode)
         except NotImplementedError as e:
-            return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
-        return Outcome(name, suite, "failed", "expected a failure, but everything succeeded")
+            return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
+        return Outcome(name, suite, "failed", "expected a failure, but everything succeeded",
+                       mode)
     if suite == "SignedIdentity":
         return await run_signed_identity(rt, case, candidates)
     if suite == "QuantizationCouplingTest":
         case = to_signed(case)
+    relaxed = True if mode == "relaxed" else None
     try:
-        model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest")
+        model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest",
+                            relaxed=relaxed)
     except NotImplementedError as e:
-        return Outcome(name, suite, "failed", f"cannot build: {e} not implemented")
+        return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
     except NnrtError as e:
-        return Outcome(name, suite, "failed", f"model building refused: {e}")
+        return Outcome(name, suite, "failed", f"model building refused: {e}", mode)
     unsupported = await _unsupported(rt, model, candidates)
     if unsupported:
-        return Outcome(name, suite, "skipped", unsupported)
-    ran_on = ""
+        return Outcome(name, suite, "skipped", unsupported, mode)
+    ran_on = device or ""
     try:
-        compiled = await rt.compile(model, devices=candidates)
-        ran_on = _ran_on(compiled)
-        result = await compiled.execute(_inputs(case))
+        if path == "sync":
+            outputs, shapes = await _compute_sync(rt, model, case, device)
+        else:
+            # Released here, not by the garbage collector at some later call:
+            # a finalizer firing inside a service client's send deadlocked it.
+            compiled = await rt.compile(model, devices=candidates)
+            ran_on = _ran_on(compiled)
+            try:
+                outputs, shapes = await _COMPUTE[path](compiled, case)
+            finally:
+                compiled.close()
     except NnrtError as e:
-        return Outcome(name, suite, "failed", str(e), ran_on)
+        return Outcome(name, suite, "failed", str(e), mode, devices=ran_on)
+    except _HarnessFailure as e:
+        return Outcome(name, suite, "failed", str(e), mode, devices=ran_on)
     if case["expectedMultinomialDistributionTolerance"] > 0:
-        problem = check_multinomial(case, result.outputs)
+        problem = check_multinomial(case, outputs)
     else:
-        problem = check_outputs(case, result.outputs, result.output_shapes)
-    return Outcome(name, suite, "failed" if problem else "passed", problem or "", ran_on)
+        problem = check_outputs(case, outputs, shapes, relaxed=mode == "relaxed")
+    return Outcome(name, suite, "failed" if problem else "passed", problem or "", mode,
+                   devices=ran_on)
+
+
+class _HarnessFailure(Exception):
+    """The device broke a rule of the harness mode (not a numeric mismatch)."""
+
+
+async def _compute_execute(compiled, case):
+    r = await compiled.execute(_inputs(case))
+    return r.outputs, r.output_shapes
+
+
+async def _compute_burst(compiled, case):
+    inputs = _inputs(case)
+    async with compiled.burst() as burst:
+        first = await burst.execute(inputs)
+        first_out = [np.array(o, copy=True) for o in first.outputs]
+        second = await burst.execute(inputs)
+    if case["expectedMultinomialDistributionTolerance"] == 0:
+        for k, (a, b) in enumerate(zip(first_out, second.outputs)):
+            if first.output_shapes[k] != second.output_shapes[k] or \
+                    not np.array_equal(a, np.asarray(b), equal_nan=a.dtype.kind == "f"):
+                raise _HarnessFailure(f"burst: output {k} of the second execution differs "
+                                      f"from the first")
+    return second.outputs, second.output_shapes
+
+
+async def _compute_fenced(compiled, case):
+    """A chain: the second execution waits for the first one's fence."""
+    inputs = _inputs(case)
+    fence1, cb1 = await compiled.execute_fenced(inputs)
+    fence2, cb2 = await compiled.execute_fenced(inputs, wait_for=[fence1])
+    second = await cb2.result()
+    if not cb1.done:
+        raise _HarnessFailure("fenced: the second execution finished before the fence "
+                              "it waited for was signaled")
+    first = cb1.get_result()
+    if case["expectedMultinomialDistributionTolerance"] == 0:
+        for k, (a, b) in enumerate(zip(first.outputs, second.outputs)):
+            if not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True):
+                raise _HarnessFailure(f"fenced: output {k} of the chained execution differs "
+                                      f"from the first")
+    return second.outputs, second.output_shapes
+
+
+def _nbytes(operand: dict) -> int:
+    return len(operand["data"]) * OperandType[operand["type"]].dtype.itemsize
+
+
+async def _compute_memory(compiled, case):
+    """Inputs and outputs in one shared Memory, 4-byte-aligned regions
+    (zero copy: the results are read back from the memory)."""
+    main = case["main"]
+    inputs = _inputs(case)
+    layout, offset = [], 0
+    sizes = [0 if v is None else v.nbytes for v in inputs] + \
+        [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+    for size in sizes:
+        layout.append(offset)
+        offset += (size + 3) // 4 * 4
+    with nnrt.Memory.create(max(offset, 4)) as memory:
+        in_regions = []
+        for k, v in enumerate(inputs):
+            if v is None:
+                in_regions.append(None)
+                continue
+            memory.view()[layout[k]:layout[k] + v.nbytes] = np.ascontiguousarray(v).reshape(-1) \
+                .view(np.uint8)
+            in_regions.append(memory.region(layout[k], v.nbytes))
+        out_regions = [memory.region(layout[len(inputs) + k], sizes[len(inputs) + k])
+                       for k in range(len(main["outputIndexes"]))]
+        r = await compiled.execute(in_regions, outputs=out_regions)
+        outputs = [np.array(o, copy=True) for o in r.outputs]  # before the memory closes
+        shapes = list(r.output_shapes)
+        del r
+        return outputs, shapes
+
+
+async def _compute_dynamic(compiled, case):
+    """Outputs of unknown size: too-small buffers first, then the retry."""
+    main = case["main"]
+    inputs = _inputs(case)
+    dtypes = [OperandType[main["operands"][i]["type"]].dtype for i in main["outputIndexes"]]
+    small = [np.zeros(1, d) for d in dtypes]
+    needs = [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+    try:
+        r = await compiled.execute(inputs, outputs=small)
+    except NnrtError as e:
+        if e.status != nnrt.ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
+            raise
+        shapes = list(e.output_shapes or [])
+        if len(shapes) != len(dtypes):
+            raise _HarnessFailure(f"dynamic: OUTPUT_INSUFFICIENT_SIZE came with "
+                                  f"{len(shapes)} output shapes for {len(dtypes)} outputs")
+        bigger = [np.zeros(max(1, int(np.prod(s, dtype=np.int64))), d)
+                  for s, d in zip(shapes, dtypes)]
+        r = await compiled.execute(inputs, outputs=bigger)
+        return r.outputs, r.output_shapes
+    if any(n > 1 * d.itemsize for n, d in zip(needs, dtypes)):
+        raise _HarnessFailure("dynamic: an output larger than its 1-element buffer was "
+                              "accepted without OUTPUT_INSUFFICIENT_SIZE")
+    return r.outputs, r.output_shapes
+
+
+_COMPUTE = {"execute": _compute_execute, "burst": _compute_burst, "fenced": _compute_fenced,
+            "memory": _compute_memory, "dynamic": _compute_dynamic,
+            "relaxed": _compute_execute}
+
+
+async def _compute_sync(rt: nnrt.Runtime, model: nnrt.Model, case: dict, device: str | None):
+    """The HAL path: the device prepares the model itself (it must validate
+    it) and runs ``execute_synchronously`` on a worker thread."""
+    from nnrt.hal import ExecutionPreference, Priority, RequestArgument, Request
+    from nnrt.model.graph import DataLocation
+
+    dev = rt.device(device) if device is not None else rt.cpu
+    hal = model.hal_model
+    prepared = await dev.prepare_model(hal, ExecutionPreference.FAST_SINGLE_ANSWER,
+                                       Priority.MEDIUM)
+    try:
+        main = case["main"]
+        inputs = _inputs(case)
+        out_sizes = [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+        offsets, offset = [], 0
+        for size in [0 if v is None else v.nbytes for v in inputs] + out_sizes:
+            offsets.append(offset)
+            offset += (size + 63) // 64 * 64
+        with nnrt.Memory.create(max(offset, 64)) as memory:
+            in_args = []
+            for k, v in enumerate(inputs):
+                if v is None:
+                    in_args.append(RequestArgument(has_no_value=True))
+                    continue
+                memory.view()[offsets[k]:offsets[k] + v.nbytes] = \
+                    np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+                in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
+                                               tuple(np.shape(v))))
+            out_args = [RequestArgument(False, DataLocation(0, offsets[len(inputs) + k], n))
+                        for k, n in enumerate(out_sizes)]
+            request = Request(tuple(in_args), tuple(out_args), (memory,))
+            result = await anyio.to_thread.run_sync(prepared.execute_synchronously, request)
+            if result.status != nnrt.ErrorStatus.NONE:
+                raise NnrtError(result.status, result.message or "execute_synchronously failed")
+            outputs, shapes = [], []
+            for k, (index, s) in enumerate(zip(main["outputIndexes"], result.output_shapes)):
+                dtype = OperandType[main["operands"][index]["type"]].dtype
+                outputs.append(np.array(memory.array(dtype, s.dimensions,
+                                                     offsets[len(inputs) + k]), copy=True))
+                shapes.append(tuple(s.dimensions))
+            return outputs, shapes
+    finally:
+        prepared.release()
 
 
 async def run_signed_identity(rt: nnrt.Runtime, case: dict,
@@ -276,7 +501,7 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict,
     exactly 128 and every other output must be identical."""
     name, suite = case["name"], "SignedIdentity"
     results = []
-    ran_on = []
+    ran_on: list[str] = []
     for variant in (case, to_signed(case)):
         try:
             model = build_model(variant)
@@ -285,11 +510,12 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict,
                 return Outcome(name, suite, "skipped", unsupported)
             compiled = await rt.compile(model, devices=candidates)
             ran_on.append(_ran_on(compiled))
-            results.append(await compiled.execute(_inputs(variant)))
+            try:
+                results.append(await compiled.execute(_inputs(variant)))
+            finally:
+                compiled.close()
         except NnrtError as e:
-            return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}",
-                           ",".join(ran_on))
-    devices = ran_on[0] if ran_on[0] == ran_on[1] else ",".join(ran_on)
+            return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")
     unsigned, signed = results
     main = case["main"]
     for pos, index in enumerate(main["outputIndexes"]):
@@ -298,8 +524,7 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict,
         u, s = np.asarray(unsigned.outputs[pos]), np.asarray(signed.outputs[pos])
         if unsigned.output_shapes[pos] != signed.output_shapes[pos]:
             return Outcome(name, suite, "failed", f"output {pos}: shapes "
-                           f"{unsigned.output_shapes[pos]} and {signed.output_shapes[pos]} differ",
-                           devices)
+                           f"{unsigned.output_shapes[pos]} and {signed.output_shapes[pos]} differ")
         expected = u.astype(np.int32) - 128 if u.dtype == np.uint8 else u
         diff = np.flatnonzero(s.astype(np.float64).reshape(-1)
                               != expected.astype(np.float64).reshape(-1))
@@ -307,8 +532,8 @@ async def run_signed_identity(rt: nnrt.Runtime, case: dict,
             k = int(diff[0])
             return Outcome(name, suite, "failed",
                            f"output {pos}: {diff.size} elements differ, first at {k}: signed "
-                           f"{s.reshape(-1)[k]!r}, unsigned {u.reshape(-1)[k]!r}", devices)
-    return Outcome(name, suite, "passed", devices=devices)
+                           f"{s.reshape(-1)[k]!r}, unsigned {u.reshape(-1)[k]!r}")
+    return Outcome(name, suite, "passed", devices=",".join(dict.fromkeys(ran_on)))
 
 
 async def _unsupported(rt: nnrt.Runtime, model: nnrt.Model,
@@ -331,30 +556,54 @@ def _inputs(case: dict) -> list:
     return values
 
 
-def suites_of(case: dict) -> list[str]:
+def suites_of(case: dict, mode: str = "execute") -> list[str]:
+    """The runs of ``case`` in harness ``mode`` (suite names, SCHEMA §5.4).
+    Every mode runs the validation cases; ``execute`` runs every suite."""
+    listed = case["harness"]["ctsSuites"]
     if case["expectFailure"]:
+        # Not listed: the infinite-loop WHILE cases (the VTS checks loop timeouts).
+        if "GeneratedValidationTests" not in listed or mode in ("dynamic", "relaxed"):
+            return []
         return ["GeneratedValidationTests"]
-    suites = [s for s in SUITES if s in case["harness"]["ctsSuites"]]
-    if "QuantizationCouplingTest" in suites:
-        suites.append("SignedIdentity")
-    return suites
+    if mode == "execute":
+        suites = [s for s in SUITES if s in listed]
+        if "QuantizationCouplingTest" in suites:
+            suites.append("SignedIdentity")
+        suites += [s for s in ("DeviceMemoryTest", "FencedComputeTest") if s in listed]
+        return suites
+    if mode == "dynamic":
+        return ["DynamicOutputShapeTest"] if "DynamicOutputShapeTest" in listed else []
+    if mode == "relaxed":
+        types = {o["type"] for sub in (case["main"], *case["referenced"])
+                 for o in sub["operands"]}
+        eligible = "TENSOR_FLOAT32" in types and not case["isRelaxed"] \
+            and not _uses_float16(case)
+        return ["GeneratedTests"] if eligible else []
+    return ["GeneratedTests"]
 
 
 def _run_file_group(args) -> list[dict]:
-    """Worker: run every case of some spec files; returns outcomes as dicts."""
-    paths, pattern, device, spawn, fallback = args
+    """Worker: run every case of some spec files; returns outcomes as dicts.
+    ``devices`` (in-process only) replaces discovery and ``spawn``."""
+    paths, pattern, device, spawn, modes, devices, fallback = args
 
     async def main():
         out = []
-        async with nnrt.Runtime(spawn=spawn) as rt:
-            for _stem, case in load_cases(paths, pattern):
-                for suite in suites_of(case):
-                    try:
-                        outcome = await run_case(rt, case, suite, device, fallback)
-                    except Exception as e:  # a crash in one case must not hide the others
-                        outcome = Outcome(case["name"], suite, "failed",
-                                          f"crashed: {type(e).__name__}: {e}")
-                    out.append(asdict(outcome))
+        runtime = nnrt.Runtime(devices=devices) if devices is not None else \
+            nnrt.Runtime(spawn=spawn)
+        async with runtime as rt:
+            for path in paths:
+                for _stem, case in load_cases([path], pattern):
+                    for mode in modes:
+                        for suite in suites_of(case, mode):
+                            try:
+                                outcome = await run_case(rt, case, suite, device, mode,
+                                                         fallback)
+                            except Exception as e:  # a crash in one case must not hide others
+                                outcome = Outcome(case["name"], suite, "failed",
+                                                  f"crashed: {type(e).__name__}: {e}", mode)
+                            outcome.spec = str(path)
+                            out.append(asdict(outcome))
         return out
     return anyio.run(main)
 
@@ -372,21 +621,38 @@ def _spec_files(paths: list[str]) -> list[str]:
     return files
 
 
+def planned_tasks(paths: list[str], *, jobs: int | None = None, spawn=(), devices=None) -> int:
+    """How many times :func:`run` will call its ``progress`` callback."""
+    files = len(_spec_files(paths))
+    jobs = 1 if devices is not None else max(1, jobs or os.cpu_count() or 1)
+    return jobs if jobs > 1 and spawn else files
+
+
 def run(paths: list[str], *, pattern: str | None = None, device: str | None = None,
         jobs: int | None = None, progress=None, spawn: list[str] = (),
+        modes: tuple[str, ...] = ("execute",), devices=None,
         fallback: bool = False) -> list[Outcome]:
-    """Run every case under ``paths``; ``fallback`` lets operations ``device``
-    does not support run on the reference CPU device instead of skipping."""
+    """Run every case under ``paths`` in each harness mode of ``modes``.
+    ``fallback`` lets operations ``device`` does not support run on the
+    reference CPU device instead of skipping the run.
+    ``devices``: run on these in-process devices instead of discovering any
+    (one worker; a test double, say). ``progress(n)`` is called as each spec
+    file (or group of files) finishes, with the number of runs so far."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown harness mode(s) {unknown}; modes: {', '.join(MODES)}")
+    modes = tuple(modes)
     files = _spec_files(paths)
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
-    jobs = max(1, jobs or os.cpu_count() or 1)
+    jobs = 1 if devices is not None else max(1, jobs or os.cpu_count() or 1)
     if jobs > 1 and spawn:
         # Each worker starts its own services; group the files so that
         # happens once per worker, not once per spec file.
-        tasks = [(files[k::jobs], pattern, device, list(spawn), fallback) for k in range(jobs)]
+        tasks = [(files[k::jobs], pattern, device, list(spawn), modes, None, fallback)
+                 for k in range(jobs)]
     else:
-        tasks = [([f], pattern, device, list(spawn), fallback) for f in files]
+        tasks = [([f], pattern, device, list(spawn), modes, devices, fallback) for f in files]
     outcomes: list[Outcome] = []
     if jobs == 1:
         for t in tasks:
@@ -423,14 +689,17 @@ def main(argv: list[str] | None = None) -> int:
                     "with the CTS accuracy criteria.")
     parser.add_argument("paths", nargs="+", help="spec files or folders (e.g. ../shared/cts/V1_0)")
     parser.add_argument("--device", help="run on this device only (default: the runtime's choice)")
-    parser.add_argument("--spawn", action="append", default=[], metavar="KIND",
-                        help="start a driver service of this kind (e.g. sample-float-fast, "
-                             "named after it) for the run; repeatable")
     parser.add_argument("--fallback", action="store_true",
                         help="with --device: partition what the device does not support to the "
                              "reference CPU device instead of skipping the run")
+    parser.add_argument("--spawn", action="append", default=[], metavar="KIND",
+                        help="start a driver service of this kind (e.g. sample-float-fast, "
+                             "named after it) for the run; repeatable")
     parser.add_argument("--filter", dest="pattern",
                         help="fnmatch glob on case names or spec file names, e.g. 'conv*'")
+    parser.add_argument("--mode", dest="modes", action="append", default=[],
+                        choices=MODES + ("all",),
+                        help="harness mode (repeatable; 'all' = every mode; default: execute)")
     parser.add_argument("--json", dest="json_out", help="write every outcome to this JSON file")
     parser.add_argument("--jobs", "-j", type=int, default=None,
                         help="worker processes (default: number of CPUs)")
@@ -444,19 +713,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r{n} runs done", end="", file=sys.stderr, flush=True)
 
     try:
+        modes = MODES if "all" in args.modes else tuple(dict.fromkeys(args.modes or ["execute"]))
         outcomes = run(args.paths, pattern=args.pattern, device=args.device, jobs=args.jobs,
-                       progress=progress, spawn=args.spawn, fallback=args.fallback)
+                       progress=progress, spawn=args.spawn, modes=modes,
+                       fallback=args.fallback)
     except FileNotFoundError as e:
         parser.error(str(e))
     if interactive:
         print(file=sys.stderr)
-    outcomes.sort(key=lambda o: (o.name, o.suite))
+    outcomes.sort(key=lambda o: (o.name, o.suite, o.mode))
     for o in outcomes:
         if o.status == "failed":
-            print(f"FAILED {o.name} [{o.suite}]: {o.detail}")
+            print(f"FAILED {o.name} [{o.suite}/{o.mode}]: {o.detail}")
     for o in outcomes:
         if o.status == "skipped":
-            print(f"SKIPPED {o.name} [{o.suite}]: {o.detail}")
+            print(f"SKIPPED {o.name} [{o.suite}/{o.mode}]: {o.detail}")
     passed = sum(o.status == "passed" for o in outcomes)
     failed = sum(o.status == "failed" for o in outcomes)
     skipped = sum(o.status == "skipped" for o in outcomes)
@@ -468,6 +739,12 @@ def main(argv: list[str] | None = None) -> int:
         for devices, counts in sorted(count_by_devices(outcomes).items()):
             print(f"ran on {devices or '(not compiled)'}: " +
                   ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    if len(modes) > 1:
+        for mode in modes:
+            runs = [o for o in outcomes if o.mode == mode]
+            print(f"  {mode}: {sum(o.status == 'passed' for o in runs)} passed, "
+                  f"{sum(o.status == 'failed' for o in runs)} failed, "
+                  f"{sum(o.status == 'skipped' for o in runs)} skipped")
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
 

@@ -50,3 +50,70 @@ def test_cts_v1_0_on_an_out_of_process_service(kind):
         assert not skipped
     else:
         assert all("device reports unsupported" in o.detail for o in skipped)
+
+
+def test_own_control_flow_vectors_pass_in_every_harness_mode():
+    """nnrt's IF/WHILE vectors (nested subgraphs, unknown ranks, validation
+    cases) in every mode; the committed file is what the generator makes."""
+    import json
+
+    from nnrt.testing import control_flow_vectors
+    from nnrt.testing.conformance import OWN_VECTORS
+
+    path = OWN_VECTORS / "V1_3" / "nnrt_control_flow.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(control_flow_vectors.document()))
+    outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1)
+    failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
+              if o.status != "passed"]
+    assert not failed, "\n".join(failed)
+    validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
+    assert {"if_condition_unknown_size", "while_body_carried_shape_mismatch",
+            "if_condition_float32", "while_body_too_many_outputs"} <= validation
+    assert {o.mode for o in outcomes} == set(cts.MODES) - {"dynamic"}
+
+
+def test_a_harness_mode_catches_what_it_is_for(monkeypatch):
+    """The dynamic mode fails a device that fills a too-small output instead
+    of answering OUTPUT_INSUFFICIENT_SIZE; the burst mode fails one whose
+    second execution differs from the first."""
+    import numpy as np
+
+    from nnrt.drivers.reference import ReferenceDevice
+
+    from .doubles import WrongStatusDevice
+
+    folder = CTS / "V1_0"
+    if not folder.exists():
+        pytest.skip(f"{folder} is not beside the checkout")
+    outcomes = cts.run([str(folder / "add.json")], modes=("dynamic",), device="planted-status",
+                       devices=[WrongStatusDevice(), ReferenceDevice()])
+    assert outcomes and all(o.status == "failed" and "GENERAL_FAILURE" in o.detail
+                            for o in outcomes)
+
+    calls = []
+
+    class Drifting:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            pass
+
+        async def execute(self, inputs):
+            calls.append(1)
+            r = await self.compiled.execute(inputs)
+            if len(calls) % 2 == 0:
+                r.outputs[0].reshape(-1)[0] += np.asarray(1, r.outputs[0].dtype)
+            return r
+
+    async def burst_of(compiled, case):
+        b = Drifting()
+        b.compiled = compiled
+        monkeypatch.setattr(compiled, "burst", lambda: b)
+        return await original_burst(compiled, case)
+
+    original_burst = cts._COMPUTE["burst"]
+    monkeypatch.setitem(cts._COMPUTE, "burst", burst_of)
+    outcomes = cts.run([str(folder / "add.json")], modes=("burst",), jobs=1)
+    assert outcomes and all(o.status == "failed" and "differs from the first" in o.detail
+                            for o in outcomes), [o.detail for o in outcomes]
