@@ -39,6 +39,7 @@ from ..handoff import Waiter, run_soon
 from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference,
                    ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
                    check_deadline, check_priority)
+from ..hal.validate import validate_model
 from ..memory import as_buffer
 from ..model.graph import HalModel
 from ..vlog import vlog
@@ -155,6 +156,7 @@ class ScheduledDevice(Device):
             vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
                  priority.name, settings.max_priority.name)
             priority = settings.max_priority
+        validate_model(model)   # sized below: a malformed model is refused, not measured
         check_memory_limit(model_bytes(model),
                            self.scheduler.memory_limit if settings.memory_limit is None
                            else settings.memory_limit, "the model")

@@ -1176,17 +1176,23 @@ def encode(message) -> tuple[bytes, list[int]]:
     except (AttributeError, KeyError):
         raise TypeError(f"not a protocol message: {message!r}") from None
     w = _Writer(_BODY.pack(Kind.REPLY if reply else Kind.CALL, message.method, message.call_id))
-    if reply:
-        w.u32(message.status)
-        w.str_(message.message)
-        has_value = _has_value(message.method, message.status)
-        w.flag(has_value)
-        if has_value and codec.put_value is not None:
-            codec.put_value(w, message.value)
-    else:
-        if codec.put_call is None:
-            raise TypeError(f"{message.method.name} has no call form")
-        codec.put_call(w, message)
+    if not reply and codec.put_call is None:
+        raise TypeError(f"{message.method.name} has no call form")
+    try:
+        if reply:
+            w.u32(message.status)
+            w.str_(message.message)
+            has_value = _has_value(message.method, message.status)
+            w.flag(has_value)
+            if has_value and codec.put_value is not None:
+                codec.put_value(w, message.value)
+        else:
+            codec.put_call(w, message)
+    except (struct.error, OverflowError, ValueError) as e:
+        # An argument the wire cannot carry (a negative offset, a string
+        # deadline): the caller's mistake, refused before anything is sent.
+        raise ProtocolError(f"{message.method.name}: an argument cannot be encoded: {e}") \
+            from None
     body = w.out
     if len(body) > MAX_FRAME or len(w.fds) > MAX_FDS:
         raise ProtocolError(f"message of {len(body)} bytes and {len(w.fds)} fds exceeds the "
