@@ -119,19 +119,12 @@ def known_extension(name: str) -> Extension:
                       f"definition, or open a runtime that finds a device offering it") from None
 
 
-class ExtensionOperandType(int):
-    """The operand type ``code`` (prefix << 16 | type within) of extension
-    ``extension``; it answers what :class:`OperandType` answers (is it a
-    tensor, its element size) from the extension's definition."""
+class _ExtensionCode(int):
+    """A 32-bit extension type code: the model's prefix for the extension in
+    the high bits, the type within the extension in the low 16."""
 
     extension: str
-    info: ExtensionOperandTypeInfo
-
-    def __new__(cls, code: int, extension: str, info: ExtensionOperandTypeInfo):
-        self = super().__new__(cls, code)
-        self.extension = extension
-        self.info = info
-        return self
+    is_extension = True
 
     @property
     def prefix(self) -> int:
@@ -141,11 +134,24 @@ class ExtensionOperandType(int):
     def type_within(self) -> int:
         return int(self) & MAX_PREFIX
 
+
+class ExtensionOperandType(_ExtensionCode):
+    """The operand type ``code`` (prefix << 16 | type within) of extension
+    ``extension``; it answers what :class:`OperandType` answers (is it a
+    tensor, its element size) from the extension's definition."""
+
+    info: ExtensionOperandTypeInfo
+
+    def __new__(cls, code: int, extension: str, info: ExtensionOperandTypeInfo):
+        self = super().__new__(cls, code)
+        self.extension = extension
+        self.info = info
+        return self
+
     @property
     def name(self) -> str:
         return f"{self.extension}:{self.type_within}"
 
-    is_extension = True
     is_quantized = False
 
     @property
@@ -172,10 +178,8 @@ class ExtensionOperandType(int):
         return (ExtensionOperandType, (int(self), self.extension, self.info))
 
 
-class ExtensionOperationType(int):
+class ExtensionOperationType(_ExtensionCode):
     """The operation type ``code`` of extension ``extension``."""
-
-    extension: str
 
     def __new__(cls, code: int, extension: str, name: str | None = None):
         self = super().__new__(cls, code)
@@ -184,18 +188,9 @@ class ExtensionOperationType(int):
         return self
 
     @property
-    def prefix(self) -> int:
-        return int(self) >> TYPE_WITHIN_BITS
-
-    @property
-    def type_within(self) -> int:
-        return int(self) & MAX_PREFIX
-
-    @property
     def name(self) -> str:
         return f"{self.extension}:{self._name or self.type_within}"
 
-    is_extension = True
     is_oem = False
 
     def __repr__(self) -> str:

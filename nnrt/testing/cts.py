@@ -127,7 +127,7 @@ def build_model(case: dict, dynamic_outputs: bool = False,
 
 
 def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool,
-                    subgraph=None) -> nnrt.Model:
+                    subgraph) -> nnrt.Model:
     m = nnrt.Model()
     outputs = set(sub["outputIndexes"])
     for k, o in enumerate(sub["operands"]):
@@ -144,8 +144,6 @@ def _build_subgraph(sub: dict, relaxed: bool, dynamic_outputs: bool,
         elif o["lifetime"] == "NO_VALUE":
             m.set_operand_value(k, None)
         elif o["lifetime"] == "SUBGRAPH":
-            if subgraph is None:
-                raise NotImplementedError("referenced subgraphs")
             m.set_operand_value_from_model(k, subgraph(int(o["data"][0])))
     for op in sub["operations"]:
         m.add_operation(nnrt.OperationType[op["type"]], op["inputs"], op["outputs"])

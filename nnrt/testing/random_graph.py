@@ -382,7 +382,7 @@ async def run_hal(device: Device, model: nnrt.Model, inputs,
                      for o in outputs]
         if undersized:
             short = [o.type.element_size * int(np.prod(o.dimensions)) - 1 for o in outputs]
-            result, _ = await _execute(prepared, hal, inputs, short)
+            result, _ = await execute_in_one_memory(prepared, hal, inputs, short)
             if result.status != ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
                 raise _Broken(f"output regions one byte short: got {result.status.name}, "
                               f"expected OUTPUT_INSUFFICIENT_SIZE")
@@ -392,7 +392,7 @@ async def run_hal(device: Device, model: nnrt.Model, inputs,
                               f"{result.output_shapes}: none marked insufficient")
             out_sizes = [max(4, o.type.element_size * int(np.prod(s.dimensions)))
                          for o, s in zip(outputs, result.output_shapes)]
-        result, arrays = await _execute(prepared, hal, inputs, out_sizes)
+        result, arrays = await execute_in_one_memory(prepared, hal, inputs, out_sizes)
         if result.status != ErrorStatus.NONE:
             raise NnrtError(result.status, result.message or "execution failed")
         return arrays
@@ -404,7 +404,10 @@ class _Broken(Exception):
     """The device broke the HAL contract on a valid graph."""
 
 
-async def _execute(prepared, hal, inputs, out_sizes):
+async def execute_in_one_memory(prepared, hal, inputs, out_sizes):
+    """Run ``prepared`` with every input and output in one shared Memory
+    (64-byte aligned regions; ``out_sizes`` bytes per output): the result
+    and, when it succeeded, copies of the outputs at their reported shapes."""
     outputs = [hal.main.operands[i] for i in hal.main.output_indexes]
     sizes = [np.asarray(v).nbytes for v in inputs] + list(out_sizes)
     offsets, offset = [], 0

@@ -32,6 +32,7 @@ from nnrt.hal import (UINT64_MAX, Capabilities, Device, DeviceType, ExecutionPre
                       ExecutionResult, Priority, Request, RequestArgument)
 from nnrt.model.graph import DataLocation, HalModel, Operand, Operation
 from nnrt.model.types import OperandType as T, OperationType as Op
+from nnrt.testing.random_graph import execute_in_one_memory
 
 MISSED_DEADLINE = {ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT}
 
@@ -760,31 +761,14 @@ async def _run_on(device: Device, hal: HalModel, inputs, what: str) -> list[np.n
                                               Priority.MEDIUM)
     except NnrtError as e:
         raise VtsFailure(f"{what}: prepare_model failed: {e}") from None
-    outputs = [hal.main.operands[i] for i in hal.main.output_indexes]
-    sizes = [np.asarray(v).nbytes for v in inputs] + [4096 for _ in outputs]
-    offsets, offset = [], 0
-    for s in sizes:
-        offsets.append(offset)
-        offset += (s + 63) // 64 * 64
-    with nnrt.Memory.create(offset) as memory:
-        in_args = []
-        for k, v in enumerate(inputs):
-            v = np.ascontiguousarray(v)
-            memory.view()[offsets[k]:offsets[k] + v.nbytes] = v.reshape(-1).view(np.uint8)
-            in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
-                                           tuple(v.shape)))
-        n = len(inputs)
-        out_args = [RequestArgument(False, DataLocation(0, offsets[n + k], 4096))
-                    for k in range(len(outputs))]
-        try:
-            result = await prepared.execute(Request(tuple(in_args), tuple(out_args), (memory,)))
-        finally:
-            prepared.release()
-        if result.status != ErrorStatus.NONE:
-            raise VtsFailure(f"{what}: execution failed: {result.status.name} "
-                             f"({result.message})")
-        return [np.array(memory.array(o.type.dtype, s.dimensions, offsets[n + k]))
-                for k, (o, s) in enumerate(zip(outputs, result.output_shapes))]
+    try:
+        result, arrays = await execute_in_one_memory(
+            prepared, hal, inputs, [4096] * len(hal.main.output_indexes))
+    finally:
+        prepared.release()
+    if result.status != ErrorStatus.NONE:
+        raise VtsFailure(f"{what}: execution failed: {result.status.name} ({result.message})")
+    return arrays
 
 
 # --- running ----------------------------------------------------------------------
