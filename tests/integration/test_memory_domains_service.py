@@ -1,0 +1,211 @@
+"""Memory domains over a real driver service process: the token travels,
+the data does not. A buffer written by one execution is the next one's
+input; another app's token, an undeclared role and a never-written buffer
+are refused; a buffer of unknown dimensions is resized by the service;
+copies go both ways through shared memory."""
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
+from nnrt.drivers.service.client import ServiceDevice
+from nnrt.hal import BufferDesc, BufferRole, Request, RequestArgument
+from nnrt.memory import DeviceToken, Memory
+from nnrt.model.graph import DataLocation
+from tests.integration.test_service import start_service, stop
+
+N = 16384   # floats of state: 64 KiB, far more than any control message may carry
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    path = tmp_path_factory.mktemp("memdom") / "reference.sock"
+    proc = start_service(path, "reference", "memdom-reference")
+    yield path
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def pid_service(tmp_path_factory):
+    """A service whose apps are processes (--app-key pid), so a second
+    process of ours is another app."""
+    path = tmp_path_factory.mktemp("memdom-pid") / "reference.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "memdom-pid",
+                             "--socket", str(path), "--driver", "reference", "--app-key", "pid"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else b""
+    if b"listening" not in line:
+        proc.kill()
+        raise RuntimeError(f"service did not start: {line!r}")
+    yield path
+    stop(proc)
+
+
+def add_model(dims):
+    """out = state + x."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    b = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    return m.finish().hal_model
+
+
+def token_request(token, x: Memory, dims=()):
+    """inputs (buffer, x), output: the same buffer."""
+    return Request((RequestArgument(False, DataLocation(0, 0, 0)),
+                    RequestArgument(False, DataLocation(1, 0, x.size), tuple(dims))),
+                   (RequestArgument(False, DataLocation(0, 0, 0)),),
+                   (DeviceToken(token), x))
+
+
+async def test_state_stays_in_the_service_and_only_tokens_travel(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((N,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        rng = np.random.default_rng(1)
+        state = rng.standard_normal(N).astype(np.float32)
+        with Memory.create(N * 4) as mem, Memory.create(N * 4) as x:
+            mem.array(np.float32, N)[:] = state
+            await buffer.copy_from(mem, (N,))
+            before = device.wire_statistics()
+            for _ in range(20):
+                xs = rng.standard_normal(N).astype(np.float32)
+                x.array(np.float32, N)[:] = xs
+                result = await prepared.execute(token_request(token, x))
+                assert result.status == ErrorStatus.NONE, result.message
+                state = state + xs
+            after = device.wire_statistics()
+            sent = after.bytes_sent - before.bytes_sent
+            received = after.bytes_received - before.bytes_received
+            # 20 executions: each frame is a few hundred bytes of control,
+            # nowhere near the 64 KiB of state or input.
+            assert after.frames_sent - before.frames_sent == 20
+            assert sent < 20 * 512 and received < 20 * 512, (sent, received)
+            assert after.fds_sent - before.fds_sent == 1   # x's memfd, once: then by id
+            mem.array(np.float32, N)[:] = 0
+            await buffer.copy_to(mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-6)
+    finally:
+        device.close()
+
+
+async def test_undeclared_role_and_unwritten_buffer_are_refused(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        _buffer, token = await device.allocate(BufferDesc((4,)), [prepared],
+                                               [BufferRole(0, 0)], [])
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.INVALID_ARGUMENT
+            assert "never written" in result.message
+        with pytest.raises(NnrtError) as e:
+            await device.allocate(BufferDesc((5,)), [prepared], [BufferRole(0, 0)], [])
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
+        with Memory.create(16) as mem, Memory.create(16) as x:
+            await buffer.copy_from(mem, (4,))
+            # input 0 is declared, output 0 is not
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.INVALID_ARGUMENT
+            assert "not allocated for this use" in result.message
+        buffer.release()
+        with Memory.create(16) as mem:
+            with pytest.raises(NnrtError) as e:
+                await device.for_test_buffer(token).copy_to(mem)
+            assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_a_buffer_of_unknown_dimensions_is_resized(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((0,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        for n in (3, 7, 2):
+            with Memory.create(n * 4) as mem, Memory.create(n * 4) as x:
+                mem.array(np.float32, n)[:] = np.arange(n)
+                await buffer.copy_from(mem, (n,))
+                x.array(np.float32, n)[:] = 10
+                result = await prepared.execute(token_request(token, x, (n,)))
+                assert result.status == ErrorStatus.NONE, result.message
+                assert result.output_shapes[0].dimensions == (n,)
+                await buffer.copy_to(mem)
+                np.testing.assert_array_equal(mem.array(np.float32, n), np.arange(n) + 10)
+        with Memory.create(12) as wrong:   # holds (2,) now: copy_to checks the size
+            with pytest.raises(NnrtError, match="holds 8 bytes"):
+                await buffer.copy_to(wrong)
+    finally:
+        device.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys, anyio
+    import nnrt
+    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.hal import Request, RequestArgument
+    from nnrt.memory import DeviceToken, Memory
+    from nnrt.model.graph import DataLocation
+    from tests.integration.test_memory_domains_service import add_model, token_request
+
+    async def main(path, token):
+        device = await ServiceDevice.connect(path)
+        prepared = await device.prepare_model(add_model((4,)))
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+        with Memory.create(16) as mem:
+            try:
+                await device.for_test_buffer(token).copy_to(mem)
+                copied = "copied"
+            except nnrt.NnrtError as e:
+                copied = e.status.name
+        print(result.status.name, copied, result.message)
+        device.close()
+
+    anyio.run(main, sys.argv[1], int(sys.argv[2]))
+""")
+
+
+@pytest.mark.parametrize("app_key", ["uid", "pid"])
+async def test_another_connections_or_apps_token_is_refused(app_key, service, pid_service):
+    """With app key uid the child process is the same app, but its prepared
+    model is not one of the buffer's roles and the buffer is not its
+    connection's; with app key pid it is another app altogether (the
+    driver's ownership check). Either way: refused, and the owner goes on."""
+    path = service if app_key == "uid" else pid_service
+    device = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        with Memory.create(16) as mem:
+            await buffer.copy_from(mem, (4,))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(token)],
+                             capture_output=True, text=True, timeout=60, cwd=root)
+        status, copied, message = out.stdout.split(" ", 2)
+        assert status == "INVALID_ARGUMENT", out.stderr
+        expected = "names no buffer of this app" if app_key == "pid" else "not allocated for"
+        assert expected in message
+        assert copied == "INVALID_ARGUMENT"
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+        assert result.status == ErrorStatus.NONE, result.message
+    finally:
+        device.close()
