@@ -26,7 +26,8 @@ from ..memory import Region
 from ..model.builder import Model
 from ..model.graph import Operand
 from ..hal.validate import ValidatedModel, validate_model
-from . import partition, request, signature
+from . import memory_domain, partition, request, signature
+from .memory_domain import DeviceMemory, MemoryDesc
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
@@ -329,6 +330,16 @@ class Runtime:
                                      tuple(ops[k].type.name for k in indexes), fallback))
         return placed
 
+    async def allocate(self, desc: MemoryDesc) -> DeviceMemory:
+        """A memory for the roles of ``desc`` (NNAPI's
+        ``ANeuralNetworksMemory_createFromDesc``): a buffer kept by the
+        driver the roles' compiled model runs on, named by token (its data
+        never crosses into the app), or shared memory with the same
+        semantics when the driver declines or the roles span devices. See
+        nnrt/runtime/memory_domain.py."""
+        self.devices   # BAD_STATE when not open
+        return await memory_domain.allocate(desc, self)
+
     @property
     def cpu(self) -> Device:
         """The CPU device work falls back to: the runtime's own reference
@@ -450,6 +461,10 @@ class CompiledModel:
     def outputs(self) -> list[signature.TensorInfo]:
         return self._signature.outputs
 
+    def _model_io_index(self, kind: str, k: int) -> int:
+        """The model's own index of the app's input (output) ``k``."""
+        return self._signature.model_index(kind, k)
+
     def reset_state(self) -> None:
         """Zero the state a stateful model carries between executions."""
         self._signature.reset_state()
@@ -514,6 +529,8 @@ class CompiledModel:
             self._failures += 1
             raise
         self._executions += 1
+        if outputs is not None and any(isinstance(o, DeviceMemory) for o in outputs):
+            result = _written(result, outputs)
         return result
 
     def _fall_back(self, failure: "_DriverFailure") -> None:
@@ -563,8 +580,11 @@ class CompiledModel:
         single = len(steps) == 1
         on_device = in_driver = 0
         measured = measure
+        # A burst's ring carries shared-memory slots: a request naming a
+        # driver buffer runs as a plain execution of the step.
+        tokens = any(isinstance(v, DeviceMemory) for v in (*arrays, *(user_outputs or ())))
         for step in steps:
-            session = sessions.get(id(step)) if sessions else None
+            session = sessions.get(id(step)) if sessions and not tokens else None
             runner = session if session is not None else step.prepared
 
             async def execute(request, runner=runner):
@@ -588,7 +608,8 @@ class CompiledModel:
         outputs = [values[i] for i in hal.main.output_indexes]
         if user_outputs is not None and not single:
             outputs = copy_into(user_outputs, outputs)
-        shapes = [tuple(np.shape(o)) for o in outputs]
+        shapes = [tuple(o.dimensions) if isinstance(o, DeviceMemory) else tuple(np.shape(o))
+                  for o in outputs]
         timing = None
         if measure:
             timing = ExecutionTiming(on_device if measured else None,
@@ -617,6 +638,9 @@ class CompiledModel:
         inputs, outputs = self._order(inputs, outputs)
         if self._signature.stateful:
             raise invalid("execute_fenced does not carry a stateful model's state: use execute")
+        if any(isinstance(v, DeviceMemory) for v in (*inputs, *(outputs or ()))):
+            raise invalid("execute_fenced does not take device memories (yet): use execute "
+                          "or a burst")
         return await execute_fenced(self, inputs, outputs, wait_for, measure_timing, deadline,
                                     loop_timeout, timeout_after_fence)
 
@@ -630,6 +654,9 @@ class CompiledModel:
             if value is None:
                 request.check_omitted(hal, hal.main.input_indexes[k], what)
                 staged.append(None)
+            elif isinstance(value, DeviceMemory):
+                value.check_use(self, "input", k, what)
+                staged.append(value if value.on_device else value.region())
             elif isinstance(value, Region):
                 if operand.type.is_tensor and not value.dimensions \
                         and not operand.is_fully_specified:
@@ -655,7 +682,16 @@ class CompiledModel:
         if len(outputs) != len(self._outputs):
             raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
                           f"output arrays")
+        outputs = list(outputs)
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if isinstance(arr, DeviceMemory):
+                arr.check_use(self, "output", k, f"output {k}")
+                if any(v is arr for v in inputs):
+                    raise invalid(f"output {k}: the device memory is also an input: alternate "
+                                  f"two memories")
+                if not arr.on_device:
+                    outputs[k] = arr.region()
+                continue
             if isinstance(arr, Region):
                 if not arr.memory.writable:
                     raise invalid(f"output {k}: the memory is mapped read-only")
@@ -665,7 +701,18 @@ class CompiledModel:
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
                               f"{operand.type.dtype}, or a Region of an nnrt.Memory")
         request.check_no_overlap(inputs, outputs)
-        return list(outputs)
+        return outputs
+
+
+def _written(result: Result, outputs) -> Result:
+    """``result`` with each device-memory output marked written at its
+    shape and given back as the memory itself (its data stays where it is)."""
+    values = list(result.outputs)
+    for k, out in enumerate(outputs):
+        if isinstance(out, DeviceMemory):
+            out.written(result.output_shapes[k])
+            values[k] = out
+    return Result(values, result.output_shapes, result.timing)
 
 
 def _release(prepared_models: list) -> None:

@@ -73,6 +73,14 @@ class Signature:
                     self._positions_by_name.setdefault(key, k)
         self.reset_state()
 
+    def model_index(self, kind: str, k: int) -> int:
+        """The model's own index of the app's input (output) ``k``."""
+        positions = self._input_positions if kind == "input" else self._output_positions
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(positions):
+            raise invalid(f"{kind} index {k!r} is not one of the model's {len(positions)} "
+                          f"{kind}s")
+        return positions[k]
+
     @property
     def stateful(self) -> bool:
         return bool(self._state_pairs)
