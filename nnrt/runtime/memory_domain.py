@@ -69,16 +69,26 @@ class MemoryDesc:
         self._dimensions = tuple(int(d) for d in dims)
         return self
 
+    def __repr__(self) -> str:
+        roles = ", ".join(f"{r.kind} {r.index}" for r in self._roles) or "no role"
+        return f"<nnrt.MemoryDesc {roles}; dimensions {list(self._dimensions)}>"
+
     def _add(self, compiled, kind: str, index: int, frequency: float) -> "MemoryDesc":
         compiled._check_open()
         if isinstance(frequency, bool) or not isinstance(frequency, (int, float)) \
                 or not 0.0 < frequency <= 1.0:
             raise invalid(f"add_{kind}_role: frequency {frequency!r} is not in (0, 1]")
-        full = compiled._model_io_index(kind, index)
+        return self._add_model_role(compiled, kind, compiled._model_io_index(kind, index),
+                                    frequency)
+
+    def _add_model_role(self, compiled, kind: str, full: int,
+                        frequency: float = 1.0) -> "MemoryDesc":
+        """A role by the model's own index (a state input or output, which
+        the app does not see)."""
         role = _Role(compiled, kind, full, float(frequency))
         if any(r.compiled is compiled and r.kind == kind and r.index == full
                for r in self._roles):
-            raise invalid(f"add_{kind}_role: {kind} {index} of this compiled model is a role "
+            raise invalid(f"add_{kind}_role: {kind} {full} of the model is a role "
                           f"already")
         self._roles.append(role)
         return self

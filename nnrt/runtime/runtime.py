@@ -22,7 +22,7 @@ from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedM
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..memory import Region
+from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import Operand
 from ..hal.validate import ValidatedModel, validate_model
@@ -392,6 +392,10 @@ class CompiledModelStatistics:
     executions: int     # completed successfully
     failures: int       # executions that raised (after any fallback)
     fallbacks: int      # executions rerun on the CPU after a driver failure
+    # Times a stateful model's state crossed between the app side and the
+    # driver: once per execution when it is carried in numpy, once per reset
+    # when it stays in device memories.
+    state_transfers: int = 0
 
 
 class CompiledModel:
@@ -419,6 +423,7 @@ class CompiledModel:
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
+        self._state_tried = False   # whether device memories for the state were tried
         self._input_names = [i.name for i in signature.describe(model).inputs]
 
     @property
@@ -428,7 +433,8 @@ class CompiledModel:
         return self._placement
 
     def statistics(self) -> CompiledModelStatistics:
-        return CompiledModelStatistics(self._executions, self._failures, self._fallbacks)
+        return CompiledModelStatistics(self._executions, self._failures, self._fallbacks,
+                                       self._signature.transfers)
 
     @property
     def closed(self) -> bool:
@@ -491,9 +497,51 @@ class CompiledModel:
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed."""
+        await self._ready_state()
         inputs, outputs = self._order(inputs, outputs)
         return self._signature.carry_state(
             await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
+
+    async def _ready_state(self) -> None:
+        """A stateful model keeps its state in device memories (two per
+        state pair, taking turns), tried once: when the driver declines and
+        shared memory cannot stand in, the state stays in numpy. Zeroes them
+        after a reset; goes back to numpy state (zeroed, with a warning) when
+        the model moved off the memories' device."""
+        sig = self._signature
+        if not sig.stateful:
+            return
+        if not self._state_tried:
+            self._state_tried = True
+            if sig.outputs_known():
+                made: list = []
+                try:
+                    for i, o in sig.state_pairs:
+                        pair = []
+                        for _ in range(2):
+                            desc = MemoryDesc()._add_model_role(self, "input", i)
+                            pair.append(await self._runtime.allocate(
+                                desc._add_model_role(self, "output", o)))
+                            made.append(pair[-1])
+                    sig.keep_state_in([made[k:k + 2] for k in range(0, len(made), 2)])
+                except NnrtError as e:
+                    vlog("execution", "the state stays in numpy: %s", e)
+                    for m in made:
+                        m.close()
+        memories = sig.memories
+        if memories is None:
+            return
+        if any(m.on_device and self.devices != [m.device] for pair in memories for m in pair):
+            _log.warning("%s no longer runs on the device holding its state; the state "
+                         "starts afresh in numpy", self)
+            for m in sig.drop_memories():
+                m.close()
+            return
+        if sig.reset_pending:
+            for current, _next in memories:
+                with Memory.create(current.nbytes(current.declared), "nnrt-zero-state") as zero:
+                    await memory_domain.copy(zero, current)
+            sig.reset_done()
 
     def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:
         self._check_open()
@@ -521,6 +569,11 @@ class CompiledModel:
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
                                          loop_timeout, sessions)
             except _DriverFailure as failure:
+                if any(isinstance(v, DeviceMemory) and v.on_device
+                       for v in (*arrays, *(user_outputs or ()))):
+                    # The memory's contents live in the failed driver: they
+                    # cannot follow the execution to the CPU.
+                    raise failure.error from None
                 self._fall_back(failure)
                 self._steps = await self._cpu_steps()
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
@@ -555,6 +608,8 @@ class CompiledModel:
         the compiled model is garbage collected). Executing it afterwards
         raises BAD_STATE."""
         self._closed = True
+        for m in self._signature.drop_memories():
+            m.close()
         self._finalizer()
 
     async def __aenter__(self) -> "CompiledModel":
@@ -789,6 +844,7 @@ class Burst:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         sig = self._compiled._signature
+        await self._compiled._ready_state()
         inputs, outputs = self._compiled._order(inputs, outputs)
         async with self._lock:  # a burst runs its requests in order, one at a time
             try:

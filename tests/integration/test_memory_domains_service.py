@@ -209,3 +209,56 @@ async def test_another_connections_or_apps_token_is_refused(app_key, service, pi
         assert result.status == ErrorStatus.NONE, result.message
     finally:
         device.close()
+
+
+def state_model(n):
+    """(state, x) -> (state + x, mean-free product state * x)."""
+    m = nnrt.Model()
+    state = m.add_operand(T.TENSOR_FLOAT32, [n])
+    x = m.add_operand(T.TENSOR_FLOAT32, [n])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    new = m.add_operand(T.TENSOR_FLOAT32, [n])
+    prod = m.add_operand(T.TENSOR_FLOAT32, [n])
+    m.add_operation(Op.ADD, [state, x, act], [new])
+    m.add_operation(Op.MUL, [state, x, act], [prod])
+    m.identify_inputs_and_outputs([state, x], [new, prod])
+    return m.finish()
+
+
+async def test_the_public_api_over_a_service_keeps_state_there():
+    """rt.allocate over a spawned service: 20 executions alternate two device
+    memories; the results equal numpy and the control messages carry no
+    tensor data (their bytes stay far below one state's size)."""
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False,
+                            litert=False) as rt:
+        npu = rt.device("npu")
+        compiled = await rt.compile(state_model(N), devices=["npu"])
+        desc = lambda: nnrt.MemoryDesc().add_input_role(compiled, 0).add_output_role(compiled, 0)
+        a, b = await rt.allocate(desc()), await rt.allocate(desc())
+        assert a.on_device and a.device is npu
+        rng = np.random.default_rng(2)
+        state = rng.standard_normal(N).astype(np.float32)
+        with nnrt.Memory.create(N * 4) as mem, nnrt.Memory.create(N * 4) as xmem, \
+                nnrt.Memory.create(N * 4) as pmem:
+            mem.array(np.float32, N)[:] = state
+            await nnrt.copy(mem, a)
+            before = npu.wire_statistics()
+            for k in range(20):
+                xs = rng.standard_normal(N).astype(np.float32)
+                xmem.array(np.float32, N)[:] = xs
+                src, dst = (a, b) if k % 2 == 0 else (b, a)
+                result = await compiled.execute([src, xmem.region()],
+                                                outputs=[dst, pmem.region()])
+                np.testing.assert_allclose(result.outputs[1], state * xs, rtol=1e-6)
+                state = state + xs
+            after = npu.wire_statistics()
+            assert after.frames_sent - before.frames_sent == 20
+            assert after.bytes_sent - before.bytes_sent < 20 * 512
+            assert after.bytes_received - before.bytes_received < 20 * 512
+            await nnrt.copy(a, mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+            await nnrt.copy(a, b)   # device to device, through one shared memory
+            mem.array(np.float32, N)[:] = 0
+            await nnrt.copy(b, mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
