@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import ErrorStatus, NnrtError, invalid
@@ -140,6 +141,13 @@ class DriverBuffer(Buffer):
                 f"{'written' if self.initialized else 'never written'}>")
 
 
+@dataclass(frozen=True, slots=True)
+class BufferStatistics:
+    live: int          # buffers allocated and not released
+    allocated: int     # buffers allocated since the driver started
+    executions: int    # executions that named a buffer by token
+
+
 class BufferRegistry:
     """The buffers of one driver, keyed by token."""
 
@@ -148,9 +156,14 @@ class BufferRegistry:
         self._buffers: dict[int, DriverBuffer] = {}
         self._tokens = itertools.count(1)
         self._max_per_app = max_per_app
+        self._allocated = self._executions = 0
 
     def __len__(self) -> int:
         return len(self._buffers)
+
+    def statistics(self) -> BufferStatistics:
+        with self.lock:
+            return BufferStatistics(len(self._buffers), self._allocated, self._executions)
 
     def allocate(self, app: AppKey, desc: BufferDesc,
                  models: Sequence[tuple[object, HalModel, AppKey]],
@@ -206,6 +219,7 @@ class BufferRegistry:
             buffer = DriverBuffer(self, token, app, first, dims, frozenset(roles),
                                   tuple(m[0] for m in models))
             self._buffers[token] = buffer
+            self._allocated += 1
         return buffer, token
 
     def release(self, token: int) -> None:
@@ -268,6 +282,8 @@ class BufferRegistry:
                 run: Callable[[Request], ExecutionResult]) -> ExecutionResult:
         """Run ``request`` (some of whose pools are tokens) with ``run`` (the
         driver's execution of a plain request) and keep the buffers it wrote."""
+        with self.lock:
+            self._executions += 1
         capacity: dict[int, int] = {}
         for _attempt in range(2):
             try:

@@ -427,6 +427,12 @@ class CompiledModel:
         self._input_names = [i.name for i in signature.describe(model).inputs]
 
     @property
+    def runtime(self) -> Runtime:
+        """The runtime that compiled this model (``runtime.allocate`` makes
+        its device memories)."""
+        return self._runtime
+
+    @property
     def placement(self) -> Placement:
         """Which device runs which operations, and why any ran on the CPU
         instead (``placement.fallbacks``)."""
