@@ -12,7 +12,7 @@ import time
 
 from .. import ops
 from .._version import __version__
-from ..errors import ErrorStatus, NnrtError, invalid
+from ..errors import ErrorStatus, NnrtError
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
@@ -69,12 +69,8 @@ class ReferenceDevice(Device):
     async def allocate(self, desc: BufferDesc, prepared_models, input_roles: list[BufferRole],
                        output_roles: list[BufferRole], *, app: AppKey = None):
         """A buffer kept in this driver (see nnrt/hal/buffers.py)."""
-        models = []
-        for k, prepared in enumerate(prepared_models):
-            if not isinstance(prepared, ReferencePreparedModel) or prepared.buffers is not self.buffers:
-                raise invalid(f"allocate: prepared model {k} is not one of {self.name}'s")
-            models.append((prepared, prepared.model, prepared.app))
-        return self.buffers.allocate(app, desc, models, input_roles, output_roles)
+        return self.buffers.allocate_for(self.name, ReferencePreparedModel, app, desc,
+                                         prepared_models, input_roles, output_roles)
 
     def __repr__(self) -> str:
         return f"<ReferenceDevice {self.name}>"

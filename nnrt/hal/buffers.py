@@ -222,6 +222,18 @@ class BufferRegistry:
             self._allocated += 1
         return buffer, token
 
+    def allocate_for(self, owner: str, kind: type, app: AppKey, desc: BufferDesc,
+                     prepared_models, input_roles, output_roles) -> tuple[DriverBuffer, int]:
+        """:meth:`allocate` for a driver whose prepared models are ``kind``
+        instances carrying ``model``, ``app`` and this registry as
+        ``buffers``; ``owner`` (the device's name) says whose they must be."""
+        models = []
+        for k, prepared in enumerate(prepared_models):
+            if not isinstance(prepared, kind) or prepared.buffers is not self:
+                raise invalid(f"allocate: prepared model {k} is not one of {owner}'s")
+            models.append((prepared, prepared.model, prepared.app))
+        return self.allocate(app, desc, models, input_roles, output_roles)
+
     def release(self, token: int) -> None:
         with self.lock:
             self._buffers.pop(token, None)

@@ -175,3 +175,28 @@ async def test_a_driver_without_memory_domains_declines():
     with pytest.raises(NnrtError) as e:
         await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
     assert e.value.status == ErrorStatus.GENERAL_FAILURE
+
+
+async def test_the_litert_driver_keeps_buffers_too():
+    """The LiteRT driver uses the same registry: state through a buffer
+    equals numpy, and a role not declared is refused."""
+    litert = pytest.importorskip("nnrt.drivers.litert")
+    if not litert.available():
+        pytest.skip("LiteRT is not installed")
+    device = ScheduledDevice(litert.LiteRTDevice(), app="app-a")
+    prepared = await device.prepare_model(add_model())
+    buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                          [BufferRole(0, 0)])
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with Memory.create(16) as mem:
+        await buffer.copy_from(mem, (1, 4))
+        for _ in range(3):
+            result = await prepared.execute(request([DeviceToken(token), x], [DeviceToken(token)]))
+            assert result.status == ErrorStatus.NONE, result.message
+        await buffer.copy_to(mem)
+        np.testing.assert_array_equal(mem.array(np.float32, (1, 4)), 3 * x)
+    result = await prepared.execute(request([x, DeviceToken(token)], [np.empty((1, 4), np.float32)]))
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "not allocated" in result.message
+    reference = await ScheduledDevice(ReferenceDevice(), app="app-a").prepare_model(add_model())
+    with pytest.raises(NnrtError, match="not prepared on"):
+        await device.allocate(BufferDesc(), [reference], [BufferRole(0, 0)], [])
