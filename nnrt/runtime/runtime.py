@@ -578,7 +578,10 @@ class CompiledModel:
                 if any(isinstance(v, DeviceMemory) and v.on_device
                        for v in (*arrays, *(user_outputs or ()))):
                     # The memory's contents live in the failed driver: they
-                    # cannot follow the execution to the CPU.
+                    # cannot follow this execution to the CPU. Later ones run
+                    # there (a stateful model's state starts afresh).
+                    self._fall_back(failure)
+                    self._steps = await self._cpu_steps()
                     raise failure.error from None
                 self._fall_back(failure)
                 self._steps = await self._cpu_steps()

@@ -262,3 +262,105 @@ async def test_the_public_api_over_a_service_keeps_state_there():
             mem.array(np.float32, N)[:] = 0
             await nnrt.copy(b, mem)
             np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+
+
+async def test_concurrent_use_of_one_buffer_never_tears_or_wedges(service):
+    """Eight writers and eight readers of one buffer at once: every call
+    answers, every read sees one whole write (never a mix), the service
+    lives on."""
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((N,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        with Memory.create(N * 4) as mem:
+            await buffer.copy_from(mem, (N,))
+        import anyio
+        reads = []
+
+        async def write(k):
+            # out = buffer + (k - buffer) would need two inputs: write k via copy_from
+            with Memory.create(N * 4) as m:
+                m.array(np.float32, N)[:] = k
+                await buffer.copy_from(m, (N,))
+
+        async def read():
+            with Memory.create(N * 4) as x, Memory.create(N * 4) as out:
+                req = Request((RequestArgument(False, DataLocation(0, 0, 0)),
+                               RequestArgument(False, DataLocation(1, 0, x.size))),
+                              (RequestArgument(False, DataLocation(2, 0, out.size)),),
+                              (DeviceToken(token), x, out))
+                result = await prepared.execute(req)
+                assert result.status == ErrorStatus.NONE, result.message
+                reads.append(np.unique(out.array(np.float32, N)))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for k in range(8):
+                    tg.start_soon(write, k + 1)
+                    tg.start_soon(read)
+        assert len(reads) == 8 and all(len(r) == 1 for r in reads), reads
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_a_copy_from_an_unsealed_memfd_is_refused_and_the_service_goes_on(service):
+    import os as _os
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        _buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
+        fd = _os.memfd_create("unsealed")
+        _os.ftruncate(fd, 16)
+        from nnrt.drivers.service import protocol as p
+        from nnrt.drivers.service.client import _value
+        wire = p.WirePool(0, fd, True, 0, 16, 0, 16)
+        reply = await device._channel.call(
+            lambda cid: p.CopyBuffer(cid, p.Method.COPY_FROM, token, wire, (4,)))
+        _os.close(fd)
+        assert reply.status == ErrorStatus.INVALID_ARGUMENT and "sealed" in reply.message
+        with Memory.create(16) as mem:
+            await device.for_test_buffer(token).copy_from(mem, (4,))   # a sealed one works
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_after_a_sigkill_the_state_starts_afresh_on_the_cpu():
+    """A device memory's contents die with its service: the execution that
+    finds the service dead fails with DEAD_OBJECT, later ones run on the
+    CPU, and a stateful model's state starts afresh there (it is not
+    recovered: see docs/api.md)."""
+    import signal
+    xs = [np.full(4, k + 1, np.float32) for k in range(6)]
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [4])
+    state = m.add_operand(T.TENSOR_FLOAT32, [4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    new = m.add_operand(T.TENSOR_FLOAT32, [4])
+    out = m.add_operand(T.TENSOR_FLOAT32, [4])
+    m.add_operation(Op.ADD, [state, x, act], [new])
+    m.add_operation(Op.MUL, [new, x, act], [out])
+    m.identify_inputs_and_outputs([x, state], [out, new])
+    from nnrt.model.metadata import ModelMetadata, TensorInfo
+    info = lambda name: TensorInfo(name, np.dtype(np.float32), (4,))
+    m.set_metadata(ModelMetadata((info("x"), info("state")), (info("out"), info("new")),
+                                 states=((1, 1),)))
+    model = m.finish()
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False) as rt:
+        compiled = await rt.compile(model)
+        assert [d.name for d in compiled.devices] == ["npu"]
+        first = [(await compiled.execute([v])).outputs[0].copy() for v in xs[:2]]
+        assert all(m_.on_device for pair in compiled._signature.memories for m_ in pair)
+        np.testing.assert_array_equal(first[1], (xs[0] + xs[1]) * xs[1])
+        rt._services[0].process.send_signal(signal.SIGKILL)
+        rt._services[0].process.wait()
+        with pytest.raises(NnrtError) as e:
+            await compiled.execute([xs[2]])
+        assert e.value.status == ErrorStatus.DEAD_OBJECT
+        assert [d.name for d in compiled.devices] == [rt.cpu.name]
+        again = (await compiled.execute([xs[0]])).outputs[0]
+        np.testing.assert_array_equal(again, xs[0] * xs[0])   # fresh state: 0 + x
+        assert compiled.statistics().fallbacks == 1
