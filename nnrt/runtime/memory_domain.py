@@ -105,6 +105,7 @@ class DeviceMemory:
                  device: Device | None, buffer: Buffer | None, token: int,
                  shared: Memory | None, declined: str = ""):
         self._roles = frozenset((id(r.compiled), r.kind, r.index) for r in roles)
+        # Held so the ids the roles are keyed by name these models while the memory lives.
         self._compiled = tuple({id(r.compiled): r.compiled for r in roles}.values())
         self.operand = operand
         self.declared = declared
