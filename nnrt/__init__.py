@@ -19,11 +19,12 @@ from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
 from .hal.types import Priority, deadline_in  # noqa: E402
-from .runtime import (Burst, CompiledModel, ExecutionTiming, Placement, Result,  # noqa: E402
-                      Runtime, SyncCompiledModel, SyncRuntime, run)
+from .runtime import (Burst, CompiledModel, DeviceMemory, ExecutionTiming,  # noqa: E402
+                      MemoryDesc, Placement, Result, Runtime, SyncCompiledModel, SyncRuntime,
+                      copy, run)
 
-__all__ = ["Burst", "CompiledModel", "DeviceType", "ErrorStatus", "ExecutionPreference",
-           "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "Model", "NnrtError",
+__all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus", "ExecutionPreference",
+           "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "MemoryDesc", "Model", "NnrtError",
            "OperandType", "OperationType", "PaddingScheme", "Placement", "Priority", "Result",
            "ResultCode", "Runtime", "SyncCompiledModel", "SyncFence", "SyncRuntime", "deadline_in",
-           "run", "__version__"]
+           "copy", "run", "__version__"]

@@ -60,6 +60,7 @@ import abc
 from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
+from ..memory import DeviceToken
 from ..memory.staging import ArenaPool, SlotCache, Staging, stage
 from .. import trace
 from .wire import (BurstArgument, BurstProtocolError, BurstRequest, RequestEncoder,
@@ -311,7 +312,12 @@ class BurstController(BurstSession):
             slots: list[int] = []
             index_of_slot: dict[int, int] = {}
             where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
-            for place in staging.places:
+            for k, place in enumerate(staging.places):
+                if isinstance(place, DeviceToken):
+                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                    f"request pool {k} is a driver buffer: the burst ring "
+                                    f"carries shared-memory slots only (run such a request "
+                                    f"with the prepared model's execute)")
                 slot = self._slots.slot(place.memory)
                 if slot not in index_of_slot:
                     index_of_slot[slot] = len(slots)

@@ -16,6 +16,8 @@ from ..errors import ErrorStatus, NnrtError
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
+from ..hal.buffers import BufferRegistry, uses_tokens
+from ..hal.types import BufferDesc, BufferRole
 from ..hal.validate import RequestValidator, validate_model
 from ..model.graph import HalModel
 from ..model.types import OperandType
@@ -32,6 +34,7 @@ class ReferenceDevice(Device):
     def __init__(self, name: str = "nnrt-reference"):
         keep_freed_memory()   # a fresh array per operation: see nnrt/drivers/heap.py
         self.name = name
+        self.buffers = BufferRegistry()   # memory domains: buffers kept in this process
 
     def capabilities(self) -> Capabilities:
         one = PerformanceInfo(1.0, 1.0)
@@ -61,16 +64,25 @@ class ReferenceDevice(Device):
         validated = validate_model(model)
         vlog("driver", "%s: prepared a HAL %s model with %d operations", self.name,
              validated.version.name, len(model.main.operations))
-        return ReferencePreparedModel(model, Executor(model, validated))
+        return ReferencePreparedModel(model, Executor(model, validated), self.buffers, app)
+
+    async def allocate(self, desc: BufferDesc, prepared_models, input_roles: list[BufferRole],
+                       output_roles: list[BufferRole], *, app: AppKey = None):
+        """A buffer kept in this driver (see nnrt/hal/buffers.py)."""
+        return self.buffers.allocate_for(self.name, ReferencePreparedModel, app, desc,
+                                         prepared_models, input_roles, output_roles)
 
     def __repr__(self) -> str:
         return f"<ReferenceDevice {self.name}>"
 
 
 class ReferencePreparedModel(PreparedModel):
-    def __init__(self, model: HalModel, executor: Executor):
+    def __init__(self, model: HalModel, executor: Executor, buffers: BufferRegistry | None = None,
+                 app: AppKey = None):
         self.model = model
         self.executor = executor
+        self.buffers = BufferRegistry() if buffers is None else buffers
+        self.app = app    # who prepared it: the only app whose buffers it may use
         # Resolved once, used by every execution (issue 16): the request
         # checks keep the last valid layout, the plan the operand facts.
         self._validator = RequestValidator(model)
@@ -81,7 +93,16 @@ class ReferencePreparedModel(PreparedModel):
                               loop_timeout: float | None = None, *,
                               checkpoint: Checkpoint | None = None) -> ExecutionResult:
         """Validate ``request``, run every operation (``checkpoint`` between
-        any two), write the outputs. A failure is a result."""
+        any two), write the outputs. A failure is a result. A request naming
+        driver buffers by token runs through the buffer registry."""
+        if uses_tokens(request):
+            return self.buffers.execute(
+                self, self.app, request,
+                lambda bound: self._execute(bound, measure, deadline, loop_timeout, checkpoint))
+        return self._execute(request, measure, deadline, loop_timeout, checkpoint)
+
+    def _execute(self, request: Request, measure: bool, deadline: float | None,
+                 loop_timeout: float | None, checkpoint: Checkpoint | None) -> ExecutionResult:
         started = time.perf_counter_ns()
         shapes: tuple[OutputShape, ...] = ()
         try:

@@ -3,10 +3,11 @@ spelled the Python way).
 
 ``types`` holds the values that cross the seam, ``interface`` the abstract
 ``Device`` / ``PreparedModel`` / ``BurstSession`` / ``Buffer`` a driver
-implements, ``validate`` the checks of models and requests every side runs
+implements, ``buffers`` the registry of driver-managed buffers (memory domains),
+``validate`` the checks of models and requests every side runs
 (ValidateHal), ``fenced`` the fenced-execution engine.
 """
-from .types import (NO_TIMING, UINT64_MAX, Capabilities, DeviceType, ExecutionPreference,
+from .types import (NO_TIMING, UINT64_MAX, BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
 from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device,
@@ -14,7 +15,7 @@ from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, De
 from .request import output_shapes, read_inputs, write_outputs
 from ..errors import ErrorStatus
 
-__all__ = ["AppKey", "Boundaries", "Buffer", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus",
+__all__ = ["AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
            "FencedCallback", "PerformanceInfo", "PreparedModel", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
            "UINT64_MAX", "check_deadline", "check_priority", "deadline_in", "output_shapes",

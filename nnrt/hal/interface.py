@@ -32,8 +32,8 @@ from ..errors import ErrorStatus, NnrtError
 from ..handoff import Waiter, run_soon
 from ..model.extensions import Extension
 from ..model.graph import HalModel
-from .types import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult, Priority,
-                    Request, Timing)
+from .types import (BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
+                    ExecutionResult, Priority, Request, Timing)
 
 
 class Boundaries(enum.Enum):
@@ -209,13 +209,27 @@ class PreparedModel(abc.ABC):
 
 
 class Buffer(abc.ABC):
-    """A driver-managed buffer (memory domains)."""
+    """A driver-managed buffer (memory domains, HAL ``IBuffer``): made by
+    :meth:`Device.allocate`, named in requests by its token (a
+    :class:`nnrt.memory.DeviceToken` pool), its contents kept in the driver.
+    Copies are awaited: a service's proxy asks over its socket."""
+
+    token: int
 
     @abc.abstractmethod
-    def copy_to(self, memory) -> None: ...
+    async def copy_to(self, memory) -> None:
+        """Copy the buffer's contents into ``memory`` (an nnrt Memory or a
+        writable buffer of exactly its size). INVALID_ARGUMENT when the
+        buffer was never written or the sizes differ."""
 
     @abc.abstractmethod
-    def copy_from(self, memory, dimensions: Sequence[int]) -> None: ...
+    async def copy_from(self, memory, dimensions: Sequence[int] = ()) -> None:
+        """Replace the contents with ``memory``'s bytes, shaped
+        ``dimensions`` (combined with the buffer's: they must agree and be
+        fully specified together). INVALID_ARGUMENT otherwise."""
+
+    def release(self) -> None:
+        """Free the buffer in the driver; its token names nothing after. Idempotent."""
 
 
 class Device(abc.ABC):
@@ -276,8 +290,15 @@ class Device(abc.ABC):
     def close(self) -> None:
         """Let go of the device (a service's connection). Idempotent."""
 
-    def allocate(self, desc, roles) -> tuple[Buffer, int]:
-        """Allocate a driver-managed buffer; a driver without memory domains
-        fails, and the runtime then uses shared memory instead (as the HAL allows)."""
+    async def allocate(self, desc: BufferDesc, prepared_models: Sequence[PreparedModel],
+                       input_roles: Sequence[BufferRole], output_roles: Sequence[BufferRole],
+                       *, app: AppKey = None) -> tuple[Buffer, int]:
+        """Allocate a driver-managed buffer for the given roles (HAL
+        ``IDevice::allocate``): ``(buffer, token)``. ``prepared_models`` are
+        this device's own, prepared for ``app``; the roles index them. A
+        driver without memory domains declines with GENERAL_FAILURE (this
+        default), and the runtime then uses shared memory instead (as the
+        HAL allows); see nnrt/hal/buffers.py for the registry a CPU-side
+        driver uses."""
         raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                         f"device {self.name} does not allocate driver-managed buffers")

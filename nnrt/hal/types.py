@@ -130,3 +130,22 @@ class ExecutionResult:
     output_shapes: tuple[OutputShape, ...] = ()
     timing: Timing = NO_TIMING
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BufferRole:
+    """One use a driver-managed buffer is allocated for (HAL ``BufferRole``):
+    input or output ``io_index`` of ``prepared_models[model_index]`` of the
+    ``allocate`` call; ``frequency`` in (0, 1] is how often it is used so."""
+
+    model_index: int
+    io_index: int
+    frequency: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class BufferDesc:
+    """What the app says of a buffer beyond its roles (HAL ``BufferDesc``):
+    its dimensions, 0 for an unknown extent, () for all unknown."""
+
+    dimensions: tuple[int, ...] = ()

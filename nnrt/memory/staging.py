@@ -21,6 +21,7 @@ import threading
 import weakref
 
 from ..errors import ErrorStatus, NnrtError
+from .device import DeviceToken
 from .shared import Memory
 
 ALIGN = 64   # every staged pool starts on a cache line of the arena
@@ -219,6 +220,9 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
             if pool.closed:
                 raise _invalid(f"request pool {k} is a closed Memory")
             places.append(Place(pool, 0, pool.size))
+            continue
+        if isinstance(pool, DeviceToken):   # a driver buffer: nothing to place
+            places.append(pool)
             continue
         try:
             raw = memoryview(pool).cast("B")

@@ -111,8 +111,22 @@ class ScheduledDevice(Device):
     def close(self) -> None:
         self.device.close()
 
-    def allocate(self, desc, roles):
-        return self.device.allocate(desc, roles)
+    async def allocate(self, desc, prepared_models, input_roles, output_roles, *,
+                       app: AppKey = None):
+        """The driver's buffer for ``app`` (default: the front's): the roles'
+        prepared models must be this front's and that app's; the driver gets
+        its own prepared models behind them."""
+        app = self.app if app is None else check_key(app, "app key")
+        inner = []
+        for k, prepared in enumerate(prepared_models):
+            if not isinstance(prepared, ScheduledPreparedModel) or prepared._gate is not self.gate:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"allocate: prepared model {k} was not prepared on {self.name}")
+            if prepared.app != app:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"allocate: prepared model {k} belongs to another app")
+            inner.append(prepared.prepared)
+        return await self.device.allocate(desc, inner, input_roles, output_roles, app=app)
 
     def set_policy(self, policy: Policy) -> None:
         """Apply a new policy (a service's SIGHUP) to known and future apps;

@@ -22,11 +22,12 @@ from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedM
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..memory import Region
+from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import Operand
 from ..hal.validate import ValidatedModel, validate_model
-from . import partition, request, signature
+from . import memory_domain, partition, request, signature
+from .memory_domain import DeviceMemory, MemoryDesc
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
@@ -329,6 +330,16 @@ class Runtime:
                                      tuple(ops[k].type.name for k in indexes), fallback))
         return placed
 
+    async def allocate(self, desc: MemoryDesc) -> DeviceMemory:
+        """A memory for the roles of ``desc`` (NNAPI's
+        ``ANeuralNetworksMemory_createFromDesc``): a buffer kept by the
+        driver the roles' compiled model runs on, named by token (its data
+        never crosses into the app), or shared memory with the same
+        semantics when the driver declines or the roles span devices. See
+        nnrt/runtime/memory_domain.py."""
+        self.devices   # BAD_STATE when not open
+        return await memory_domain.allocate(desc, self)
+
     @property
     def cpu(self) -> Device:
         """The CPU device work falls back to: the runtime's own reference
@@ -381,6 +392,10 @@ class CompiledModelStatistics:
     executions: int     # completed successfully
     failures: int       # executions that raised (after any fallback)
     fallbacks: int      # executions rerun on the CPU after a driver failure
+    # Times a stateful model's state crossed between the app side and the
+    # driver: once per execution when it is carried in numpy, once per reset
+    # when it stays in device memories.
+    state_transfers: int = 0
 
 
 class CompiledModel:
@@ -408,7 +423,14 @@ class CompiledModel:
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
+        self._state_tried = False   # whether device memories for the state were tried
         self._input_names = [i.name for i in signature.describe(model).inputs]
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime that compiled this model (``runtime.allocate`` makes
+        its device memories)."""
+        return self._runtime
 
     @property
     def placement(self) -> Placement:
@@ -417,7 +439,8 @@ class CompiledModel:
         return self._placement
 
     def statistics(self) -> CompiledModelStatistics:
-        return CompiledModelStatistics(self._executions, self._failures, self._fallbacks)
+        return CompiledModelStatistics(self._executions, self._failures, self._fallbacks,
+                                       self._signature.transfers)
 
     @property
     def closed(self) -> bool:
@@ -450,6 +473,10 @@ class CompiledModel:
     def outputs(self) -> list[signature.TensorInfo]:
         return self._signature.outputs
 
+    def _model_io_index(self, kind: str, k: int) -> int:
+        """The model's own index of the app's input (output) ``k``."""
+        return self._signature.model_index(kind, k)
+
     def reset_state(self) -> None:
         """Zero the state a stateful model carries between executions."""
         self._signature.reset_state()
@@ -476,9 +503,51 @@ class CompiledModel:
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed."""
+        await self._ready_state()
         inputs, outputs = self._order(inputs, outputs)
         return self._signature.carry_state(
             await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
+
+    async def _ready_state(self) -> None:
+        """A stateful model keeps its state in device memories (two per
+        state pair, taking turns), tried once: when the driver declines and
+        shared memory cannot stand in, the state stays in numpy. Zeroes them
+        after a reset; goes back to numpy state (zeroed, with a warning) when
+        the model moved off the memories' device."""
+        sig = self._signature
+        if not sig.stateful:
+            return
+        if not self._state_tried:
+            self._state_tried = True
+            if sig.outputs_known():
+                made: list = []
+                try:
+                    for i, o in sig.state_pairs:
+                        pair = []
+                        for _ in range(2):
+                            desc = MemoryDesc()._add_model_role(self, "input", i)
+                            pair.append(await self._runtime.allocate(
+                                desc._add_model_role(self, "output", o)))
+                            made.append(pair[-1])
+                    sig.keep_state_in([made[k:k + 2] for k in range(0, len(made), 2)])
+                except NnrtError as e:
+                    vlog("execution", "the state stays in numpy: %s", e)
+                    for m in made:
+                        m.close()
+        memories = sig.memories
+        if memories is None:
+            return
+        if any(m.on_device and self.devices != [m.device] for pair in memories for m in pair):
+            _log.warning("%s no longer runs on the device holding its state; the state "
+                         "starts afresh in numpy", self)
+            for m in sig.drop_memories():
+                m.close()
+            return
+        if sig.reset_pending:
+            for current, _next in memories:
+                with Memory.create(current.nbytes(current.declared), "nnrt-zero-state") as zero:
+                    await memory_domain.copy(zero, current)
+            sig.reset_done()
 
     def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:
         self._check_open()
@@ -506,6 +575,14 @@ class CompiledModel:
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
                                          loop_timeout, sessions)
             except _DriverFailure as failure:
+                if any(isinstance(v, DeviceMemory) and v.on_device
+                       for v in (*arrays, *(user_outputs or ()))):
+                    # The memory's contents live in the failed driver: they
+                    # cannot follow this execution to the CPU. Later ones run
+                    # there (a stateful model's state starts afresh).
+                    self._fall_back(failure)
+                    self._steps = await self._cpu_steps()
+                    raise failure.error from None
                 self._fall_back(failure)
                 self._steps = await self._cpu_steps()
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
@@ -514,6 +591,8 @@ class CompiledModel:
             self._failures += 1
             raise
         self._executions += 1
+        if outputs is not None and any(isinstance(o, DeviceMemory) for o in outputs):
+            result = _written(result, outputs)
         return result
 
     def _fall_back(self, failure: "_DriverFailure") -> None:
@@ -538,6 +617,8 @@ class CompiledModel:
         the compiled model is garbage collected). Executing it afterwards
         raises BAD_STATE."""
         self._closed = True
+        for m in self._signature.drop_memories():
+            m.close()
         self._finalizer()
 
     async def __aenter__(self) -> "CompiledModel":
@@ -563,8 +644,11 @@ class CompiledModel:
         single = len(steps) == 1
         on_device = in_driver = 0
         measured = measure
+        # A burst's ring carries shared-memory slots: a request naming a
+        # driver buffer runs as a plain execution of the step.
+        tokens = any(isinstance(v, DeviceMemory) for v in (*arrays, *(user_outputs or ())))
         for step in steps:
-            session = sessions.get(id(step)) if sessions else None
+            session = sessions.get(id(step)) if sessions and not tokens else None
             runner = session if session is not None else step.prepared
 
             async def execute(request, runner=runner):
@@ -588,7 +672,8 @@ class CompiledModel:
         outputs = [values[i] for i in hal.main.output_indexes]
         if user_outputs is not None and not single:
             outputs = copy_into(user_outputs, outputs)
-        shapes = [tuple(np.shape(o)) for o in outputs]
+        shapes = [tuple(o.dimensions) if isinstance(o, DeviceMemory) else tuple(np.shape(o))
+                  for o in outputs]
         timing = None
         if measure:
             timing = ExecutionTiming(on_device if measured else None,
@@ -617,6 +702,9 @@ class CompiledModel:
         inputs, outputs = self._order(inputs, outputs)
         if self._signature.stateful:
             raise invalid("execute_fenced does not carry a stateful model's state: use execute")
+        if any(isinstance(v, DeviceMemory) for v in (*inputs, *(outputs or ()))):
+            raise invalid("execute_fenced does not take device memories (yet): use execute "
+                          "or a burst")
         return await execute_fenced(self, inputs, outputs, wait_for, measure_timing, deadline,
                                     loop_timeout, timeout_after_fence)
 
@@ -630,6 +718,9 @@ class CompiledModel:
             if value is None:
                 request.check_omitted(hal, hal.main.input_indexes[k], what)
                 staged.append(None)
+            elif isinstance(value, DeviceMemory):
+                value.check_use(self, "input", k, what)
+                staged.append(value if value.on_device else value.region())
             elif isinstance(value, Region):
                 if operand.type.is_tensor and not value.dimensions \
                         and not operand.is_fully_specified:
@@ -655,7 +746,16 @@ class CompiledModel:
         if len(outputs) != len(self._outputs):
             raise invalid(f"the model has {len(self._outputs)} outputs, got {len(outputs)} "
                           f"output arrays")
+        outputs = list(outputs)
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if isinstance(arr, DeviceMemory):
+                arr.check_use(self, "output", k, f"output {k}")
+                if any(v is arr for v in inputs):
+                    raise invalid(f"output {k}: the device memory is also an input: alternate "
+                                  f"two memories")
+                if not arr.on_device:
+                    outputs[k] = arr.region()
+                continue
             if isinstance(arr, Region):
                 if not arr.memory.writable:
                     raise invalid(f"output {k}: the memory is mapped read-only")
@@ -665,7 +765,18 @@ class CompiledModel:
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
                               f"{operand.type.dtype}, or a Region of an nnrt.Memory")
         request.check_no_overlap(inputs, outputs)
-        return list(outputs)
+        return outputs
+
+
+def _written(result: Result, outputs) -> Result:
+    """``result`` with each device-memory output marked written at its
+    shape and given back as the memory itself (its data stays where it is)."""
+    values = list(result.outputs)
+    for k, out in enumerate(outputs):
+        if isinstance(out, DeviceMemory):
+            out.written(result.output_shapes[k])
+            values[k] = out
+    return Result(values, result.output_shapes, result.timing)
 
 
 def _release(prepared_models: list) -> None:
@@ -742,6 +853,7 @@ class Burst:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         sig = self._compiled._signature
+        await self._compiled._ready_state()
         inputs, outputs = self._compiled._order(inputs, outputs)
         async with self._lock:  # a burst runs its requests in order, one at a time
             try:

@@ -9,11 +9,14 @@ carries the state of a stateful model between executions.
 State: a model whose metadata pairs state inputs with state outputs (an
 imported LSTM's variable tensors) takes its state inputs from here, not from
 the app. Execution k's state outputs become execution k + 1's state inputs;
-the app sees neither, and ``reset_state`` zeros them. The state lives in
-numpy arrays on the app side and crosses to the driver with each request:
-memory domains (a driver-managed buffer the state would stay in) do not exist
-yet. Executions of one stateful model must run one after another — two at
-once would both read the same state.
+the app sees neither, and ``reset_state`` zeros them. The runtime keeps the
+state in device memories when it can (:meth:`Signature.keep_state_in`: two
+per state pair, taking turns as the state input and the state output, so
+the state stays in the driver and never crosses into the app); otherwise in
+numpy arrays on the app side, crossing to the driver with each request.
+``transfers`` counts how often the state's bytes crossed between the app side
+and the driver. Executions of one stateful model must run one after another
+— two at once would both read the same state.
 """
 from __future__ import annotations
 
@@ -71,15 +74,64 @@ class Signature:
             for key in (info.name, info.signature_name):
                 if key:
                     self._positions_by_name.setdefault(key, k)
+        self._memories: list[list] | None = None   # per pair: [current, next] memory
+        self._reset_pending = True
+        self.transfers = 0
         self.reset_state()
+
+    @property
+    def state_pairs(self) -> list[tuple[int, int]]:
+        """(model input, model output) of each state."""
+        return list(self._state_pairs)
+
+    def outputs_known(self) -> bool:
+        """Whether every output the app sees has a known shape (the runtime
+        can then make them itself beside the state's memories)."""
+        return all(None not in info.shape for info in self.outputs)
+
+    def keep_state_in(self, memories) -> None:
+        """Keep the state in ``memories`` from now on: per state pair, two
+        memories (``nnrt.DeviceMemory``) that take turns as its input and
+        its output. They start zeroed (``reset_pending``)."""
+        self._memories = [list(pair) for pair in memories]
+        self._reset_pending = True
+
+    @property
+    def memories(self) -> list[list] | None:
+        return self._memories
+
+    def drop_memories(self) -> list:
+        """Go back to numpy state (zeroed); the memories, to close."""
+        memories, self._memories = self._memories or [], None
+        self.reset_state()
+        return [m for pair in memories for m in pair]
+
+    @property
+    def reset_pending(self) -> bool:
+        """The state's memories must be zeroed before the next execution."""
+        return self._memories is not None and self._reset_pending
+
+    def reset_done(self) -> None:
+        self._reset_pending = False
+        self.transfers += 1
+
+    def model_index(self, kind: str, k: int) -> int:
+        """The model's own index of the app's input (output) ``k``."""
+        positions = self._input_positions if kind == "input" else self._output_positions
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(positions):
+            raise invalid(f"{kind} index {k!r} is not one of the model's {len(positions)} "
+                          f"{kind}s")
+        return positions[k]
 
     @property
     def stateful(self) -> bool:
         return bool(self._state_pairs)
 
     def reset_state(self) -> None:
-        """Zero the state the next execution starts from."""
+        """Zero the state the next execution starts from (for memories: the
+        runtime zeroes them before the next execution)."""
         self._state = [np.zeros(info.shape, info.dtype) for info in self._state_info]
+        self._reset_pending = True
 
     def state(self) -> list[np.ndarray]:
         """The state the next execution starts from (copies)."""
@@ -108,20 +160,29 @@ class Signature:
         full: list = [None] * self._total_inputs
         for k, value in zip(self._input_positions, ordered):
             full[k] = value
-        for (i, _), value in zip(self._state_pairs, self._state):
+        current = self._state if self._memories is None else [m[0] for m in self._memories]
+        for (i, _), value in zip(self._state_pairs, current):
             full[i] = value
         return full
 
     def order_outputs(self, outputs: Sequence | None) -> Sequence | None:
-        """The app's output buffers plus buffers for the state outputs."""
-        if outputs is None or not self._state_pairs:
+        """The app's output buffers plus buffers (or the next memories) for
+        the state outputs. With memories every output is given: the app's
+        are made here when it gave none."""
+        if not self._state_pairs or (outputs is None and self._memories is None):
             return outputs
+        if outputs is None:
+            outputs = [np.empty(info.shape, info.dtype) for info in self.outputs]
         if len(outputs) != len(self.outputs):
             raise invalid(f"the model has {len(self.outputs)} outputs, got {len(outputs)} "
                           f"output arrays")
         full: list = [None] * self._total_outputs
         for k, value in zip(self._output_positions, outputs):
             full[k] = value
+        if self._memories is not None:
+            for (_, o), pair in zip(self._state_pairs, self._memories):
+                full[o] = pair[1]
+            return full
         for (_, o), info in zip(self._state_pairs, self._state_info):
             full[o] = np.empty(info.shape, info.dtype)
         return full
@@ -131,7 +192,12 @@ class Signature:
         return the result without them."""
         if not self._state_pairs:
             return result
-        self._state = [np.array(result.outputs[o], copy=True) for _, o in self._state_pairs]
+        if self._memories is not None:
+            for pair in self._memories:   # the output just written is the next input
+                pair.reverse()
+        else:
+            self._state = [np.array(result.outputs[o], copy=True) for _, o in self._state_pairs]
+            self.transfers += 1
         keep = self._output_positions
         return replace(result, outputs=[result.outputs[k] for k in keep],
                        output_shapes=[result.output_shapes[k] for k in keep])

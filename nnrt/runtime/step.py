@@ -4,8 +4,10 @@ fenced chain alike.
 
 A value is what the runtime holds for an operand: None (an omitted optional
 input), a numpy array (the request points at its bytes: no copy), a
-:class:`~nnrt.memory.Region` of an app's Memory, or a :class:`Buffer` of the
-runtime's own shared memory (the fenced chain's). One pool per Memory,
+:class:`~nnrt.memory.Region` of an app's Memory, a :class:`Buffer` of the
+runtime's own shared memory (the fenced chain's), or a
+:class:`~nnrt.runtime.memory_domain.DeviceMemory` kept by the driver (the
+request names it by token). One pool per Memory,
 however many regions of it a request uses, so a driver service maps each
 memory once.
 
@@ -25,9 +27,10 @@ import numpy as np
 from ..errors import ErrorStatus
 from ..hal import Device, ExecutionResult, PreparedModel, Request, RequestArgument
 from ..hal.validate import ValidatedModel
-from ..memory import Memory, Region
+from ..memory import DeviceToken, Memory, Region
 from ..model.graph import DataLocation, Operand
 from . import partition
+from .memory_domain import DeviceMemory
 
 # How many times an execution is retried with larger output buffers after
 # OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
@@ -57,6 +60,9 @@ class Buffer:
 
 
 def _location(pools: list, value, output: bool) -> DataLocation:
+    if isinstance(value, DeviceMemory):   # a driver buffer: its token, used whole
+        pools.append(DeviceToken(value.token))
+        return DataLocation(len(pools) - 1, 0, 0)
     if isinstance(value, (Region, Buffer)):
         memory = value.memory
         for k, pool in enumerate(pools):
@@ -79,6 +85,8 @@ def _dimensions(value, operand: Operand) -> tuple[int, ...]:
         return ()
     if isinstance(value, Region):
         return tuple(value.dimensions or operand.dimensions)
+    if isinstance(value, DeviceMemory):
+        return tuple(value.dimensions)
     return tuple(value.shape)
 
 
@@ -104,6 +112,9 @@ def allocate_array(dims: tuple[int, ...], operand: Operand) -> np.ndarray:
 def shaped(value, shape: tuple[int, ...], operand: Operand):
     """The result an output value holds, at the shape the driver reported:
     a view, never a copy."""
+    if isinstance(value, DeviceMemory):   # the data stays in the driver
+        value.written(shape)
+        return value
     if isinstance(value, Region):   # a view onto the app's memory
         return value.array(operand.type.dtype, shape)
     if isinstance(value, Buffer):

@@ -21,7 +21,8 @@ nested) are built as SCHEMA §5.1 says.
 
 ``--mode`` picks harness modes (:data:`MODES`, repeatable, ``all``): the
 default ``execute`` runs the suites above; ``sync``, ``burst``, ``fenced``,
-``memory``, ``dynamic`` and ``relaxed`` rerun the cases another way (see
+``memory``, ``dynamic``, ``relaxed`` and ``domain`` (device memories from
+roles) rerun the cases another way (see
 the comment above :data:`MODES` and docs/conformance.md).
 
 A run is skipped only when the device reports an operation of the model
@@ -258,7 +259,10 @@ def check_multinomial(case: dict, outputs: list[np.ndarray]) -> str | None:
 #            then the retry with buffers of those shapes must pass
 #   relaxed  float32 cases with relaxComputationFloat32toFloat16 on, checked
 #            with the relaxed tolerance
-MODES = ("execute", "sync", "burst", "fenced", "memory", "dynamic", "relaxed")
+#   domain   memory domains: every tensor input and output through its own
+#            device memory made from a MemoryDesc with that role (rt.allocate),
+#            inputs filled and outputs read back with nnrt.copy
+MODES = ("execute", "sync", "burst", "fenced", "memory", "dynamic", "relaxed", "domain")
 _SUITE_PATH = {"DeviceMemoryTest": "memory", "FencedComputeTest": "fenced"}
 
 
@@ -443,7 +447,55 @@ async def _compute_dynamic(compiled, case):
     return r.outputs, r.output_shapes
 
 
-_COMPUTE = {"execute": _compute_execute, "burst": _compute_burst, "fenced": _compute_fenced,
+async def _compute_domain(compiled, case):
+    """Every tensor input and output in a device memory allocated for its
+    role; scalars (which a memory does not hold) and empty inputs are
+    passed as they are. Outputs are left to the driver to size."""
+    rt = compiled.runtime
+    main = case["main"]
+    made: list = []
+    try:
+        inputs = []
+        for k, v in enumerate(_inputs(case)):
+            if v is None or v.ndim == 0 or v.nbytes == 0:
+                inputs.append(v)
+                continue
+            memory = await rt.allocate(nnrt.MemoryDesc().add_input_role(compiled, k)
+                                       .set_dimensions(v.shape))
+            made.append(memory)
+            with nnrt.Memory.create(v.nbytes) as staged:
+                staged.view()[:] = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+                await nnrt.copy(staged, memory)
+            inputs.append(memory)
+        outputs = []
+        for k, i in enumerate(main["outputIndexes"]):
+            operand = OperandType[main["operands"][i]["type"]]
+            if not operand.is_tensor:
+                outputs.append(np.empty(1, operand.dtype))
+                continue
+            memory = await rt.allocate(nnrt.MemoryDesc().add_output_role(compiled, k))
+            made.append(memory)
+            outputs.append(memory)
+        r = await compiled.execute(inputs, outputs=outputs)
+        values = []
+        for out, shape in zip(r.outputs, r.output_shapes):
+            if not isinstance(out, nnrt.DeviceMemory):
+                values.append(np.array(out, copy=True).reshape(shape))
+                continue
+            n = out.nbytes(shape)
+            if n == 0:
+                values.append(np.empty(shape, out.dtype))
+                continue
+            with nnrt.Memory.create(n) as staged:
+                await nnrt.copy(out, staged)
+                values.append(np.array(staged.array(out.dtype, shape), copy=True))
+        return values, list(r.output_shapes)
+    finally:
+        for memory in made:
+            memory.close()
+
+
+_COMPUTE = {"execute": _compute_execute, "domain": _compute_domain, "burst": _compute_burst, "fenced": _compute_fenced,
             "memory": _compute_memory, "dynamic": _compute_dynamic,
             "relaxed": _compute_execute}
 

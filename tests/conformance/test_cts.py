@@ -117,3 +117,26 @@ def test_a_harness_mode_catches_what_it_is_for(monkeypatch):
     outcomes = cts.run([str(folder / "add.json")], modes=("burst",), jobs=1)
     assert outcomes and all(o.status == "failed" and "differs from the first" in o.detail
                             for o in outcomes), [o.detail for o in outcomes]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_memory_domain_mode_passes_on_the_reference_driver(version):
+    """Every tensor input and output of every vector through a device memory
+    made from its role: each run the execute mode runs as GeneratedTests
+    passes, and the memories were the reference driver's own buffers."""
+    from nnrt.drivers.reference import ReferenceDevice
+
+    folder = CTS / version
+    if not folder.exists():
+        pytest.skip(f"{folder} is not beside the checkout")
+    device = ReferenceDevice()
+    outcomes = cts.run([str(folder)], modes=("domain",), device=device.name, devices=[device])
+    failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status != "passed"]
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
+    generated = [o for o in outcomes if o.suite == "GeneratedTests"]
+    cases = {case["name"] for _stem, case in cts.load_cases([str(folder)])
+             if not case["expectFailure"]}
+    assert {o.name for o in generated} == cases
+    stats = device.buffers.statistics()
+    assert stats.allocated >= len(generated) and stats.executions >= len(generated)
+    assert stats.live == 0   # every memory released when its run ended

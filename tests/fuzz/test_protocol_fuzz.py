@@ -88,6 +88,16 @@ MESSAGES = [
     p.Reply(12, p.Method.BURST_ENDED),
     p.Cancel(13, 5),
     p.Reply(13, p.Method.CANCEL),
+    p.Allocate(20, (0, 2), (7,), (p.BufferRole(0, 0, 0.5),), (p.BufferRole(0, 0),)),
+    p.Reply(20, p.Method.ALLOCATE, value=3),
+    p.CopyBuffer(21, p.Method.COPY_TO, 3, POOL),
+    p.Reply(21, p.Method.COPY_TO),
+    p.CopyBuffer(22, p.Method.COPY_FROM, 3, POOL, (2, 2)),
+    p.Reply(22, p.Method.COPY_FROM),
+    p.ReleaseBuffer(23, 3),
+    p.Reply(23, p.Method.RELEASE_BUFFER),
+    p.Execute(24, 7, (RequestArgument(False, DataLocation(1, 0, 0)),), (ARG,),
+              (POOL, p.WireToken(3)), (), False, None, None),
     p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
 ]
 FRAMES = [p.encode(m) for m in MESSAGES]

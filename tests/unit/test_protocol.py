@@ -268,7 +268,44 @@ def all_method_messages():
         p.Reply(16, p.Method.GET_MEMORIES, value=(pool,)),
         p.BurstEnded(17, 9, "its ring is out of sync"),
         p.Reply(17, p.Method.BURST_ENDED),
+        p.Allocate(20, (0, 4), (7, 8), (p.BufferRole(0, 1, 0.5),),
+                   (p.BufferRole(1, 0), p.BufferRole(0, 0, 1.0))),
+        p.Reply(20, p.Method.ALLOCATE, value=5),
+        p.CopyBuffer(21, p.Method.COPY_TO, 5, pool),
+        p.Reply(21, p.Method.COPY_TO),
+        p.CopyBuffer(22, p.Method.COPY_FROM, 5, pool, (2, 3)),
+        p.Reply(22, p.Method.COPY_FROM),
+        p.ReleaseBuffer(23, 5),
+        p.Reply(23, p.Method.RELEASE_BUFFER),
+        # a request naming a driver buffer by token among its shared-memory pools
+        p.Execute(24, 7, (RequestArgument(False, DataLocation(1, 0, 0)),),
+                  (RequestArgument(False, DataLocation(0, 0, 16)),),
+                  (pool, p.WireToken(5)), (), False, None, None),
     ]
+
+
+def test_a_token_pool_is_only_a_request_pool_and_never_zero():
+    pool = p.WirePool(2, 11, True, 0, 4096, 0, 4096)
+    for message in (p.Reply(1, p.Method.GET_MEMORIES, value=(p.WireToken(5),)),
+                    p.CopyBuffer(1, p.Method.COPY_TO, 5, p.WireToken(5))):
+        frame, fds = p.encode(message)
+        with pytest.raises(p.ProtocolError, match="kind 2"):
+            p.decode_body(frame_body(frame), fds)
+    frame, fds = p.encode(p.Execute(1, 7, (), (), (pool, p.WireToken(0)), (), False, None,
+                                    None))
+    with pytest.raises(p.ProtocolError, match="token 0"):
+        p.decode_body(frame_body(frame), fds)
+
+
+def test_connections_count_what_they_frame():
+    client, server = p.Connection("client"), p.Connection("server")
+    data, fds = client.send(p.Hello(1))
+    server.receive_data(data, fds)
+    assert server.next_event() == p.Hello(1)
+    reply, _ = server.send(p.Reply(1, p.Method.HELLO,
+                                   value=p.DeviceInfo("d", DeviceType.CPU, "v", 30)))
+    assert client.statistics() == p.WireStatistics(1, len(data), 0, 0, 0)
+    assert server.statistics() == p.WireStatistics(1, len(reply), 0, 1, len(data))
 
 
 @pytest.mark.parametrize("message", all_method_messages(), ids=lambda m: type(m).__name__)

@@ -343,3 +343,11 @@ def test_api_md_shared_memory_example_keeps_its_output_off_its_input():
     with nnrt.Memory.create(size) as memory:
         request.check_no_overlap([memory.region(*inp)], [memory.region(*out)])
         assert out[0] + out[1] <= size
+
+
+def test_api_md_memory_domain_example_runs_as_written():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    block = text.split("## Memory domains")[1].split("```python")[1].split("```")[0]
+    exec(compile(block, "docs/api.md", "exec"), {})

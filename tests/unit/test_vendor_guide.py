@@ -56,3 +56,40 @@ async def test_the_guides_driver_refuses_what_it_does_not_claim():
             assert e.status == ErrorStatus.INVALID_ARGUMENT
         else:
             raise AssertionError("the adder compiled a MUL")
+
+
+async def test_the_guides_memory_domain_example_keeps_buffers_for_the_runtime():
+    """The second block of the guide, after the first: rt.allocate gets the
+    adder's own buffers, the state stays in them, roles are enforced."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    namespace: dict = {}
+    exec(compile(blocks[0], str(GUIDE), "exec"), namespace)
+    buffered = next(b for b in blocks if "BufferRegistry" in b)
+    exec(compile(buffered, str(GUIDE), "exec"), namespace)
+    device = namespace["BufferedAdderDevice"]()
+    m = nnrt.Model()
+    state, x = m.add_operand(T.TENSOR_FLOAT32, [3]), m.add_operand(T.TENSOR_FLOAT32, [3])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [3])
+    m.add_operation(Op.ADD, [state, x, act], [out])
+    m.identify_inputs_and_outputs([state, x], [out])
+    async with nnrt.Runtime(devices=[device, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(m.finish(), devices=["adder-buffers"])
+        desc = nnrt.MemoryDesc().add_input_role(compiled, 0).add_output_role(compiled, 0)
+        a, b = await rt.allocate(desc), await rt.allocate(desc)
+        assert a.on_device and b.on_device
+        with nnrt.Memory.create(12) as shared:
+            await nnrt.copy(shared, a)
+            for k in range(4):
+                src, dst = (a, b) if k % 2 == 0 else (b, a)
+                await compiled.execute([src, np.full(3, 2, np.float32)], outputs=[dst])
+            await nnrt.copy(a, shared)
+            np.testing.assert_array_equal(shared.array(np.float32, 3), [8, 8, 8])
+        try:
+            await compiled.execute([np.ones(3, np.float32), a])
+        except NnrtError as e:
+            assert e.status == ErrorStatus.INVALID_ARGUMENT
+        else:
+            raise AssertionError("input 1 is not one of the memory's roles")
+        assert device.buffers.statistics().executions == 4

@@ -23,6 +23,8 @@ from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Dev
                     DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
                     PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
                     check_deadline, check_priority, read_inputs, write_outputs)
+from ...hal.buffers import BufferRegistry, uses_tokens
+from ...hal.types import BufferDesc
 from ...hal.validate import validate_model, validate_request
 from ...model.types import OperandType
 from ...vlog import vlog
@@ -70,6 +72,7 @@ class LiteRTDevice(Device):
         self.num_threads = num_threads
         self.segment_time = segment_time
         self.segments = segments
+        self.buffers = BufferRegistry()   # memory domains: buffers kept in this process
 
     def capabilities(self) -> Capabilities:
         return Capabilities(_FAST, _FAST, {t: (_FAST if t in _TYPES_RUN else _NOT_RUN)
@@ -154,13 +157,20 @@ class LiteRTDevice(Device):
         if deadline is not None and time.monotonic() > deadline:
             raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                             "the model was prepared after its preparation deadline")
-        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds)
+        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds, self.buffers)
+
+    async def allocate(self, desc: BufferDesc, prepared_models, input_roles, output_roles, *,
+                       app: AppKey = None):
+        """A buffer kept in this driver (see nnrt/hal/buffers.py)."""
+        return self.buffers.allocate_for(self.name, LiteRTPreparedModel, app, desc,
+                                         prepared_models, input_roles, output_roles)
 
 
 class LiteRTPreparedModel(PreparedModel):
     def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: AppKey,
-                 estimated_seconds: float):
+                 estimated_seconds: float, buffers: BufferRegistry | None = None):
         self.model = model
+        self.buffers = BufferRegistry() if buffers is None else buffers
         self.priority = priority
         self.app = app
         self.runner = runner
@@ -185,6 +195,14 @@ class LiteRTPreparedModel(PreparedModel):
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None, loop_timeout: float | None = None,
                               *, checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        if uses_tokens(request):   # driver buffers named by token: bound, then run
+            return self.buffers.execute(
+                self, self.app, request,
+                lambda bound: self._execute(bound, measure, deadline, checkpoint))
+        return self._execute(request, measure, deadline, checkpoint)
+
+    def _execute(self, request: Request, measure: bool, deadline: float | None,
+                 checkpoint: Checkpoint | None) -> ExecutionResult:
         started = time.perf_counter()
         try:
             deadline = check_deadline(deadline)

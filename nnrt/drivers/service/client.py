@@ -77,10 +77,10 @@ from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
 from ...handoff import Waiter, run_soon
-from ...hal import (Capabilities, Device, ExecutionPreference, ExecutionResult, FencedCallback,
-                    PreparedModel, Request, Scheduling, Timing)
+from ...hal import (Buffer, BufferDesc, Capabilities, Device, ExecutionPreference,
+                    ExecutionResult, FencedCallback, PreparedModel, Request, Scheduling, Timing)
 from ...hal.types import Priority
-from ...memory import Memory
+from ...memory import DeviceToken, Memory
 from ...memory.staging import ArenaPool, Staging, stage
 from ...model.graph import HalModel
 from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
@@ -505,6 +505,31 @@ class ServiceDevice(Device):
                 m.close()
         return ServicePreparedModel(self, _value(reply, "prepare_model"))
 
+    async def allocate(self, desc: BufferDesc, prepared_models, input_roles, output_roles, *,
+                       app=None) -> tuple["ServiceBuffer", int]:
+        """A buffer kept in the service (ALLOCATE); only its token comes
+        back. ``app`` is not sent: the service knows the caller."""
+        ids = []
+        for k, prepared in enumerate(prepared_models):
+            if not isinstance(prepared, ServicePreparedModel) or prepared.device is not self \
+                    or prepared._released:
+                raise invalid(f"allocate: prepared model {k} is not a live model of {self.name}")
+            ids.append(prepared.model_id)
+        reply = await self._channel.call(lambda cid: p.Allocate(
+            cid, tuple(desc.dimensions), tuple(ids), tuple(input_roles), tuple(output_roles)))
+        token = _value(reply, "allocate")
+        return ServiceBuffer(self._channel, token), token
+
+    def wire_statistics(self) -> p.WireStatistics:
+        """What this connection framed so far (frames, bytes, fds)."""
+        with self._channel._lock:
+            return self._channel.proto.statistics()
+
+    def for_test_buffer(self, token: int) -> "ServiceBuffer":
+        """A proxy naming buffer ``token`` of the service, made by any
+        connection — for tests that check the service refuses it."""
+        return ServiceBuffer(self._channel, token)
+
     def for_test_prepared_model(self, model_id: int) -> "ServicePreparedModel":
         """A proxy naming prepared model ``model_id`` of the service, made by
         any connection — for tests that check the service refuses it."""
@@ -537,6 +562,54 @@ def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
             m.close()
         raise
     return p.with_pools(model, wire), staged
+
+
+class ServiceBuffer(Buffer):
+    """A driver buffer kept in a service, named by its token. A copy sends
+    the fd of a shared memory; the service copies into or out of it."""
+
+    def __init__(self, channel: "_Channel", token: int):
+        self._channel = channel
+        self.token = token
+        self._released = False
+
+    async def copy_to(self, memory) -> None:
+        await self._copy(p.Method.COPY_TO, memory, ())
+
+    async def copy_from(self, memory, dimensions=()) -> None:
+        await self._copy(p.Method.COPY_FROM, memory, tuple(dimensions))
+
+    async def _copy(self, method: p.Method, memory, dimensions) -> None:
+        if self._released:
+            raise invalid(f"buffer {self.token} was released")
+        staged = None
+        if isinstance(memory, Memory):
+            mem, length = memory, memory.size
+        else:   # any other buffer goes through a memfd of its own
+            raw = memoryview(memory).cast("B")
+            length = raw.nbytes
+            staged = mem = Memory.create(max(length, 1), "nnrt-buffer-copy")
+            if method == p.Method.COPY_FROM:
+                mem.view()[:length] = raw
+        try:
+            wire = p.WirePool(0, mem.fileno(), mem.writable, mem.fd_offset, mem.size, 0, length)
+            _value(await self._channel.call(
+                lambda cid: p.CopyBuffer(cid, method, self.token, wire, dimensions)), method.name)
+            if staged is not None and method == p.Method.COPY_TO:
+                raw[:] = mem.view()[:length]
+        finally:
+            if staged is not None:
+                staged.close()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._channel.send_only(
+            lambda proto: proto.notify(lambda cid: p.ReleaseBuffer(cid, self.token)))
+
+    def __repr__(self) -> str:
+        return f"<ServiceBuffer {self.token}>"
 
 
 class _BurstLink(BurstLink):
@@ -675,7 +748,7 @@ class ServicePreparedModel(PreparedModel):
             raise invalid(f"timeout_after_fence {timeout_after_fence!r} is not None or "
                           f"a number of seconds >= 0")
         for k, pool in enumerate(request.pools):
-            if not isinstance(pool, Memory):
+            if not isinstance(pool, (Memory, DeviceToken)):
                 raise invalid(f"request pool {k} is a {type(pool).__name__}: a fenced execution "
                               f"on a driver service needs nnrt.memory.Memory pools")
         staging = self._stage(request)

@@ -67,7 +67,8 @@ from typing import Any, Callable
 from ...errors import ErrorStatus, NnrtError
 from ...hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                     OutputShape, PerformanceInfo, RequestArgument, Timing)
-from ...hal.types import Priority
+from ...hal.types import BufferRole, Priority
+from ...memory import DeviceToken
 from ...memory.staging import SlotCache
 from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
@@ -124,6 +125,11 @@ class Method(enum.IntEnum):
     BURST_ENDED = 15          # service -> client: a burst ended on the service's side
     STATISTICS = 16           # the scheduler's counters and its recent finished jobs
     CANCEL = 17               # stop the EXECUTE started by another call; empty reply
+    # 20-29: memory domains (driver-managed buffers named by token)
+    ALLOCATE = 20             # roles over prepared model ids; reply: the buffer's token
+    COPY_TO = 21              # buffer -> the shared memory whose fd comes with the call
+    COPY_FROM = 22            # the shared memory whose fd comes with the call -> buffer
+    RELEASE_BUFFER = 23
 
 
 # Calls the service makes to the client (the burst server asking the
@@ -320,6 +326,46 @@ class ReleaseModel:
     call_id: int
     model_id: int
     method = Method.RELEASE_MODEL
+
+
+@dataclass(frozen=True, slots=True)
+class WireToken:
+    """A request pool naming a driver buffer by its token: the data stays
+    in the service (memory domains)."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    """HAL ``allocate``: roles index ``model_ids`` (prepared models of the
+    caller's connection); each role is (model index, io index, frequency)."""
+
+    call_id: int
+    dimensions: tuple[int, ...]
+    model_ids: tuple[int, ...]
+    input_roles: tuple[BufferRole, ...]
+    output_roles: tuple[BufferRole, ...]
+    method = Method.ALLOCATE
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBuffer:
+    """COPY_TO (buffer -> ``pool``) or COPY_FROM (``pool`` -> buffer, shaped
+    ``dimensions``); ``pool`` is a WirePool whose fd travels with the call."""
+
+    call_id: int
+    method: Method
+    token: int
+    pool: WirePool
+    dimensions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseBuffer:
+    call_id: int
+    token: int
+    method = Method.RELEASE_BUFFER
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,13 +596,22 @@ def _get_location(r: _Reader, what: str) -> DataLocation | None:
                         r.u32(f"{what} length"))
 
 
+# A pool's kind byte: mapped by id (no fd), its fd comes with the message,
+# or a driver buffer's token (memory domains; request pools only).
+_POOL_CACHED, _POOL_FD, _POOL_TOKEN = 0, 1, 2
+
+
 def _put_pools(w: _Writer, pools) -> None:
     w.u32(len(pools))
     for p in pools:
+        if isinstance(p, WireToken):
+            w.u64(p.token)
+            w.u8(_POOL_TOKEN)
+            continue
         if not isinstance(p, WirePool):
             raise TypeError(f"pools must be WirePool entries on the wire, got {type(p).__name__}")
         w.u64(p.pool_id)
-        w.flag(p.fd is not None)
+        w.u8(_POOL_FD if p.fd is not None else _POOL_CACHED)
         w.flag(p.writable)
         for v in (p.fd_offset, p.map_size, p.offset, p.length):
             w.u64(v)
@@ -564,13 +619,22 @@ def _put_pools(w: _Writer, pools) -> None:
             w.fds.append(p.fd)
 
 
-def _get_pools(r: _Reader, what: str) -> tuple[WirePool, ...]:
-    n = r.count(f"{what} pool count", 42)
+def _get_pools(r: _Reader, what: str, tokens: bool = False) -> tuple:
+    """WirePools (and, with ``tokens``, WireTokens: a request's pools)."""
+    n = r.count(f"{what} pool count", 9)
     pools = []
     for k in range(n):
         w = f"{what} pool {k}"
         pool_id = r.u64(f"{w} id")
-        has_fd = r.flag(f"{w} fd flag")
+        kind = r.u8(f"{w} kind")
+        if kind == _POOL_TOKEN and tokens:
+            if pool_id == 0:
+                raise ProtocolError(f"{w}: buffer token 0")
+            pools.append(WireToken(pool_id))
+            continue
+        if kind not in (_POOL_CACHED, _POOL_FD):
+            raise ProtocolError(f"{w}: pool kind {kind} is not valid here")
+        has_fd = kind == _POOL_FD
         writable = r.flag(f"{w} writable flag")
         fd_offset, map_size, offset, length = (r.u64(f"{w} {x}") for x in
                                                ("fd offset", "map size", "offset", "length"))
@@ -585,7 +649,7 @@ def _get_pools(r: _Reader, what: str) -> tuple[WirePool, ...]:
 
 
 def _pool_fds(pools) -> tuple[int, ...]:
-    return tuple(wp.fd for wp in pools if wp.fd is not None)
+    return tuple(wp.fd for wp in pools if isinstance(wp, WirePool) and wp.fd is not None)
 
 
 def _put_subgraph(w: _Writer, s: Subgraph) -> None:
@@ -927,7 +991,7 @@ def _get_execute(r: _Reader, call_id: int, method: Method) -> Execute:
     for kind in ("input", "output"):
         n = r.count(f"{kind} count", 6)
         args.append(tuple(_get_argument(r, f"{kind} {k}") for k in range(n)))
-    pools = _get_pools(r, "request")
+    pools = _get_pools(r, "request", tokens=True)
     release = tuple(r.u64("released pool id") for _ in range(r.count("release count", 8)))
     return Execute(call_id, model_id, args[0], args[1], pools, release, r.flag("measure"),
                    r.finite("deadline"), r.finite("loop timeout"))
@@ -1070,6 +1134,52 @@ def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
     return StatisticsValue(st, tuple(jobs))
 
 
+def _put_roles(w: _Writer, roles) -> None:
+    w.u32(len(roles))
+    for role in roles:
+        w.u32(role.model_index)
+        w.u32(role.io_index)
+        w.f64(role.frequency)
+
+
+def _get_roles(r: _Reader, what: str) -> tuple[BufferRole, ...]:
+    return tuple(BufferRole(r.u32(f"{what} model index"), r.u32(f"{what} io index"),
+                            r.f64(f"{what} frequency"))
+                 for _ in range(r.count(f"{what} count", 16)))
+
+
+def _put_allocate(w: _Writer, m: Allocate) -> None:
+    w.u32s(m.dimensions)
+    w.u32(len(m.model_ids))
+    for model_id in m.model_ids:
+        w.u64(model_id)
+    _put_roles(w, m.input_roles)
+    _put_roles(w, m.output_roles)
+
+
+def _get_allocate(r: _Reader, call_id: int, method: Method) -> Allocate:
+    dims = r.u32s("buffer dimensions")
+    ids = tuple(r.u64("prepared model id") for _ in range(r.count("prepared model count", 8)))
+    return Allocate(call_id, dims, ids, _get_roles(r, "input role"), _get_roles(r, "output role"))
+
+
+def _put_copy(w: _Writer, m: CopyBuffer) -> None:
+    w.u64(m.token)
+    _put_pools(w, (m.pool,))
+    w.u32s(m.dimensions)
+
+
+def _get_copy(r: _Reader, call_id: int, method: Method) -> CopyBuffer:
+    token = r.u64("buffer token")
+    pools = _get_pools(r, "copy")
+    if len(pools) != 1 or pools[0].fd is None:
+        raise ProtocolError(f"{method.name}: takes one shared memory, sent with its fd")
+    dims = r.u32s("copy dimensions")
+    if method == Method.COPY_TO and dims:
+        raise ProtocolError("COPY_TO takes no dimensions")
+    return CopyBuffer(call_id, method, token, pools[0], dims)
+
+
 def _execution_error(status: ErrorStatus, message: str) -> ExecutionResult:
     return ExecutionResult(status, message=message)
 
@@ -1137,6 +1247,11 @@ CODECS: dict[Method, Codec] = {
     Method.BURST_ENDED: Codec(_put_burst_ended, _get_burst_ended),
     Method.CANCEL: Codec(lambda w, m: w.u64(m.target),
                          _get_u64_call(Cancel, "cancelled call id")),
+    Method.ALLOCATE: Codec(_put_allocate, _get_allocate, _put_id, _get_id("buffer token")),
+    Method.COPY_TO: Codec(_put_copy, _get_copy, fds=lambda call: _pool_fds((call.pool,))),
+    Method.COPY_FROM: Codec(_put_copy, _get_copy, fds=lambda call: _pool_fds((call.pool,))),
+    Method.RELEASE_BUFFER: Codec(lambda w, m: w.u64(m.token),
+                                 _get_u64_call(ReleaseBuffer, "buffer token")),
 }
 assert set(CODECS) == set(Method), "every method has its codec"
 
@@ -1249,6 +1364,20 @@ def _decode_reply(r: _Reader, method: Method, call_id: int, codec: Codec) -> Rep
 
 # -- connections ---------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class WireStatistics:
+    """What one side of a connection framed: whole frames (headers
+    included) and the fds beside them. Tensor data never travels in a
+    frame (it lives in shared memory or in the driver), which tests assert
+    on these counts."""
+
+    frames_sent: int
+    bytes_sent: int
+    fds_sent: int
+    frames_received: int
+    bytes_received: int
+
+
 class Connection:
     """One side of a connection, framing and the call stream only: feed it
     bytes and fds, pull events; ask it to encode what you send. ``role`` is
@@ -1262,6 +1391,7 @@ class Connection:
         self.state = State.IDLE
         self._buffer = bytearray()
         self._fds: list[int] = []
+        self._counts = [0, 0, 0, 0, 0]   # WireStatistics, in its field order
 
     # receiving
 
@@ -1295,6 +1425,8 @@ class Connection:
             raise ProtocolError(f"frame announces {nfds} fds, {len(self._fds)} arrived")
         body = bytes(self._buffer[_FRAME.size:_FRAME.size + length])
         del self._buffer[:_FRAME.size + length]
+        self._counts[3] += 1
+        self._counts[4] += _FRAME.size + length
         fds, self._fds = self._fds[:nfds], self._fds[nfds:]
         try:
             message = decode_body(body, fds)
@@ -1335,7 +1467,15 @@ class Connection:
                 self.state = transition(self.state, event)
         elif not isinstance(message, Reply) and message.method not in SERVICE_CALLS:
             raise ProtocolError("a service sends only replies and service calls")
-        return encode(message)
+        data, fds = encode(message)
+        self._counts[0] += 1
+        self._counts[1] += len(data)
+        self._counts[2] += len(fds)
+        return data, fds
+
+    def statistics(self) -> WireStatistics:
+        """Frames, bytes and fds this side sent and received so far."""
+        return WireStatistics(*self._counts)
 
     def close(self) -> None:
         self.state = transition(self.state, Event.CLOSE)
@@ -1420,7 +1560,8 @@ class ClientConnection(Connection):
         are released with this call."""
         cache = self._pools.setdefault(model_id, _ModelPools())
         release = cache.slots.take_freed()
-        in_use = {cache.slots.slot(place.memory) for place in places if place is not None}
+        in_use = {cache.slots.slot(place.memory) for place in places
+                  if place is not None and not isinstance(place, DeviceToken)}
         release += cache.slots.evict(CLIENT_CACHED_POOLS, in_use)
         release = [s for s in release if s in cache.held]
         cache.held.difference_update(release)
@@ -1428,6 +1569,9 @@ class ClientConnection(Connection):
         for place in places:
             if place is None:
                 pools.append(WirePool(0, None, True, 0, 0, 0, 0))
+                continue
+            if isinstance(place, DeviceToken):   # a driver buffer: only its token travels
+                pools.append(WireToken(place.token))
                 continue
             mem = place.memory
             pool_id = cache.slots.slot(mem)

@@ -67,13 +67,13 @@ from ...burst.server import BurstCounters, BurstServer
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
-from ...memory import Memory
+from ...memory import DeviceToken, Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.extensions import uses_extensions
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ... import trace
-from ...hal import Device, ExecutionResult, PreparedModel, Request
+from ...hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
 from ...hal.allowlist import check_peer
 from ...qos import ScheduledDevice
 from . import protocol as p
@@ -85,6 +85,7 @@ _RECV_SIZE = 1 << 16
 # exhaust the service's tasks or fds for the others.
 MAX_CALLS_IN_FLIGHT = 1024
 MAX_MODELS_PER_CONNECTION = 1024
+MAX_BUFFERS_PER_CONNECTION = 1024   # driver buffers (memory domains) alive
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
 
 
@@ -209,6 +210,7 @@ class ServiceConnection:
         self.peer = peer_credentials(sock)
         self.proto = p.ServerConnection()
         self.models: dict[int, _Prepared] = {}
+        self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
@@ -239,6 +241,9 @@ class ServiceConnection:
                 for m in self.proto.drop_model(model_id):
                     m.close()
             self.models.clear()
+            for buffer in self.buffers.values():
+                buffer.release()
+            self.buffers.clear()
             for burst in self.bursts.values():  # their tasks were cancelled with the group
                 burst.close()
             self.bursts.clear()
@@ -489,6 +494,10 @@ class ServiceConnection:
                 m.close()
 
     def _request_pool(self, model_id: int, wp: p.WirePool, k: int, transient: list):
+        if isinstance(wp, p.WireToken):
+            # The driver checks, on this use, that the token is a buffer of
+            # the prepared model's app and that the use is one of its roles.
+            return DeviceToken(wp.token)
         if wp.fd is not None:
             mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
                                  PROT_RW if wp.writable else PROT_READ, require_sealed=True)
@@ -514,6 +523,47 @@ class ServiceConnection:
                               f"{mem.size} bytes ({'rw' if mem.writable else 'ro'}), not "
                               f"{wp.map_size} ({'rw' if wp.writable else 'ro'})")
         return mem.view()[wp.offset:wp.offset + wp.length]
+
+    # -- memory domains: driver buffers named by token --------------------------
+
+    async def _allocate(self, call: p.Allocate) -> int:
+        if len(self.buffers) >= MAX_BUFFERS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_BUFFERS_PER_CONNECTION} buffers on one "
+                            f"connection; release some")
+        prepared = [self._own(model_id).prepared for model_id in call.model_ids]
+        buffer, token = await self.service.device.allocate(
+            BufferDesc(call.dimensions), prepared, call.input_roles, call.output_roles,
+            app=self.service.app_of(self.peer))
+        self.buffers[token] = buffer
+        return token
+
+    def _buffer(self, token: int) -> Buffer:
+        buffer = self.buffers.get(token)
+        if buffer is None:
+            raise invalid(f"token {token} names no buffer of this connection")
+        return buffer
+
+    async def _copy(self, call: p.CopyBuffer) -> None:
+        buffer = self._buffer(call.token)
+        wp = call.pool
+        to_memory = call.method == p.Method.COPY_TO
+        if to_memory and not wp.writable:
+            raise invalid("COPY_TO: the destination memory is not writable")
+        with Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
+                            PROT_RW if to_memory else PROT_READ, require_sealed=True) as mem:
+            region = mem.view()[wp.offset:wp.offset + wp.length]
+            try:
+                if to_memory:
+                    await buffer.copy_to(region)
+                else:
+                    await buffer.copy_from(region, call.dimensions)
+            finally:
+                region.release()
+
+    async def _release_buffer(self, call: p.ReleaseBuffer) -> None:
+        self._buffer(call.token).release()
+        del self.buffers[call.token]
 
     # -- bursts (see nnrt.burst.server) ---------------------------------------
 
@@ -636,6 +686,10 @@ _HANDLERS = {
     p.Method.CONFIGURE_BURST: ServiceConnection._configure_burst,
     p.Method.RELEASE_BURST: ServiceConnection._release_burst,
     p.Method.FREE_BURST_SLOTS: ServiceConnection._free_burst_slots,
+    p.Method.ALLOCATE: ServiceConnection._allocate,
+    p.Method.COPY_TO: ServiceConnection._copy,
+    p.Method.COPY_FROM: ServiceConnection._copy,
+    p.Method.RELEASE_BUFFER: ServiceConnection._release_buffer,
 }
 assert set(_HANDLERS) | p.SERVICE_CALLS | {p.Method.ERROR, p.Method.CANCEL} == set(p.Method)
 

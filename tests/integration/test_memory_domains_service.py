@@ -1,0 +1,366 @@
+"""Memory domains over a real driver service process: the token travels,
+the data does not. A buffer written by one execution is the next one's
+input; another app's token, an undeclared role and a never-written buffer
+are refused; a buffer of unknown dimensions is resized by the service;
+copies go both ways through shared memory."""
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
+from nnrt.drivers.service.client import ServiceDevice
+from nnrt.hal import BufferDesc, BufferRole, Request, RequestArgument
+from nnrt.memory import DeviceToken, Memory
+from nnrt.model.graph import DataLocation
+from tests.integration.test_service import start_service, stop
+
+N = 16384   # floats of state: 64 KiB, far more than any control message may carry
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    path = tmp_path_factory.mktemp("memdom") / "reference.sock"
+    proc = start_service(path, "reference", "memdom-reference")
+    yield path
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def pid_service(tmp_path_factory):
+    """A service whose apps are processes (--app-key pid), so a second
+    process of ours is another app."""
+    path = tmp_path_factory.mktemp("memdom-pid") / "reference.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "memdom-pid",
+                             "--socket", str(path), "--driver", "reference", "--app-key", "pid"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else b""
+    if b"listening" not in line:
+        proc.kill()
+        raise RuntimeError(f"service did not start: {line!r}")
+    yield path
+    stop(proc)
+
+
+def add_model(dims):
+    """out = state + x."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    b = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, list(dims))
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    return m.finish().hal_model
+
+
+def token_request(token, x: Memory, dims=()):
+    """inputs (buffer, x), output: the same buffer."""
+    return Request((RequestArgument(False, DataLocation(0, 0, 0)),
+                    RequestArgument(False, DataLocation(1, 0, x.size), tuple(dims))),
+                   (RequestArgument(False, DataLocation(0, 0, 0)),),
+                   (DeviceToken(token), x))
+
+
+async def test_state_stays_in_the_service_and_only_tokens_travel(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((N,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        rng = np.random.default_rng(1)
+        state = rng.standard_normal(N).astype(np.float32)
+        with Memory.create(N * 4) as mem, Memory.create(N * 4) as x:
+            mem.array(np.float32, N)[:] = state
+            await buffer.copy_from(mem, (N,))
+            before = device.wire_statistics()
+            for _ in range(20):
+                xs = rng.standard_normal(N).astype(np.float32)
+                x.array(np.float32, N)[:] = xs
+                result = await prepared.execute(token_request(token, x))
+                assert result.status == ErrorStatus.NONE, result.message
+                state = state + xs
+            after = device.wire_statistics()
+            sent = after.bytes_sent - before.bytes_sent
+            received = after.bytes_received - before.bytes_received
+            # 20 executions: each frame is a few hundred bytes of control,
+            # nowhere near the 64 KiB of state or input.
+            assert after.frames_sent - before.frames_sent == 20
+            assert sent < 20 * 512 and received < 20 * 512, (sent, received)
+            assert after.fds_sent - before.fds_sent == 1   # x's memfd, once: then by id
+            mem.array(np.float32, N)[:] = 0
+            await buffer.copy_to(mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-6)
+    finally:
+        device.close()
+
+
+async def test_undeclared_role_and_unwritten_buffer_are_refused(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        _buffer, token = await device.allocate(BufferDesc((4,)), [prepared],
+                                               [BufferRole(0, 0)], [])
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.INVALID_ARGUMENT
+            assert "never written" in result.message
+        with pytest.raises(NnrtError) as e:
+            await device.allocate(BufferDesc((5,)), [prepared], [BufferRole(0, 0)], [])
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
+        with Memory.create(16) as mem, Memory.create(16) as x:
+            await buffer.copy_from(mem, (4,))
+            # input 0 is declared, output 0 is not
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.INVALID_ARGUMENT
+            assert "not allocated for this use" in result.message
+        buffer.release()
+        with Memory.create(16) as mem:
+            with pytest.raises(NnrtError) as e:
+                await device.for_test_buffer(token).copy_to(mem)
+            assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_a_buffer_of_unknown_dimensions_is_resized(service):
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((0,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        for n in (3, 7, 2):
+            with Memory.create(n * 4) as mem, Memory.create(n * 4) as x:
+                mem.array(np.float32, n)[:] = np.arange(n)
+                await buffer.copy_from(mem, (n,))
+                x.array(np.float32, n)[:] = 10
+                result = await prepared.execute(token_request(token, x, (n,)))
+                assert result.status == ErrorStatus.NONE, result.message
+                assert result.output_shapes[0].dimensions == (n,)
+                await buffer.copy_to(mem)
+                np.testing.assert_array_equal(mem.array(np.float32, n), np.arange(n) + 10)
+        with Memory.create(12) as wrong:   # holds (2,) now: copy_to checks the size
+            with pytest.raises(NnrtError, match="holds 8 bytes"):
+                await buffer.copy_to(wrong)
+    finally:
+        device.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys, anyio
+    import nnrt
+    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.hal import Request, RequestArgument
+    from nnrt.memory import DeviceToken, Memory
+    from nnrt.model.graph import DataLocation
+    from tests.integration.test_memory_domains_service import add_model, token_request
+
+    async def main(path, token):
+        device = await ServiceDevice.connect(path)
+        prepared = await device.prepare_model(add_model((4,)))
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+        with Memory.create(16) as mem:
+            try:
+                await device.for_test_buffer(token).copy_to(mem)
+                copied = "copied"
+            except nnrt.NnrtError as e:
+                copied = e.status.name
+        print(result.status.name, copied, result.message)
+        device.close()
+
+    anyio.run(main, sys.argv[1], int(sys.argv[2]))
+""")
+
+
+@pytest.mark.parametrize("app_key", ["uid", "pid"])
+async def test_another_connections_or_apps_token_is_refused(app_key, service, pid_service):
+    """With app key uid the child process is the same app, but its prepared
+    model is not one of the buffer's roles and the buffer is not its
+    connection's; with app key pid it is another app altogether (the
+    driver's ownership check). Either way: refused, and the owner goes on."""
+    path = service if app_key == "uid" else pid_service
+    device = await ServiceDevice.connect(str(path))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        with Memory.create(16) as mem:
+            await buffer.copy_from(mem, (4,))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(token)],
+                             capture_output=True, text=True, timeout=60, cwd=root)
+        status, copied, message = out.stdout.split(" ", 2)
+        assert status == "INVALID_ARGUMENT", out.stderr
+        expected = "names no buffer of this app" if app_key == "pid" else "not allocated for"
+        assert expected in message
+        assert copied == "INVALID_ARGUMENT"
+        with Memory.create(16) as x:
+            result = await prepared.execute(token_request(token, x))
+        assert result.status == ErrorStatus.NONE, result.message
+    finally:
+        device.close()
+
+
+def state_model(n):
+    """(state, x) -> (state + x, mean-free product state * x)."""
+    m = nnrt.Model()
+    state = m.add_operand(T.TENSOR_FLOAT32, [n])
+    x = m.add_operand(T.TENSOR_FLOAT32, [n])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    new = m.add_operand(T.TENSOR_FLOAT32, [n])
+    prod = m.add_operand(T.TENSOR_FLOAT32, [n])
+    m.add_operation(Op.ADD, [state, x, act], [new])
+    m.add_operation(Op.MUL, [state, x, act], [prod])
+    m.identify_inputs_and_outputs([state, x], [new, prod])
+    return m.finish()
+
+
+async def test_the_public_api_over_a_service_keeps_state_there():
+    """rt.allocate over a spawned service: 20 executions alternate two device
+    memories; the results equal numpy and the control messages carry no
+    tensor data (their bytes stay far below one state's size)."""
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False,
+                            litert=False) as rt:
+        npu = rt.device("npu")
+        compiled = await rt.compile(state_model(N), devices=["npu"])
+        desc = lambda: nnrt.MemoryDesc().add_input_role(compiled, 0).add_output_role(compiled, 0)
+        a, b = await rt.allocate(desc()), await rt.allocate(desc())
+        assert a.on_device and a.device is npu
+        rng = np.random.default_rng(2)
+        state = rng.standard_normal(N).astype(np.float32)
+        with nnrt.Memory.create(N * 4) as mem, nnrt.Memory.create(N * 4) as xmem, \
+                nnrt.Memory.create(N * 4) as pmem:
+            mem.array(np.float32, N)[:] = state
+            await nnrt.copy(mem, a)
+            before = npu.wire_statistics()
+            for k in range(20):
+                xs = rng.standard_normal(N).astype(np.float32)
+                xmem.array(np.float32, N)[:] = xs
+                src, dst = (a, b) if k % 2 == 0 else (b, a)
+                result = await compiled.execute([src, xmem.region()],
+                                                outputs=[dst, pmem.region()])
+                np.testing.assert_allclose(result.outputs[1], state * xs, rtol=1e-6)
+                state = state + xs
+            after = npu.wire_statistics()
+            assert after.frames_sent - before.frames_sent == 20
+            assert after.bytes_sent - before.bytes_sent < 20 * 512
+            assert after.bytes_received - before.bytes_received < 20 * 512
+            await nnrt.copy(a, mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+            await nnrt.copy(a, b)   # device to device, through one shared memory
+            mem.array(np.float32, N)[:] = 0
+            await nnrt.copy(b, mem)
+            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+
+
+async def test_concurrent_use_of_one_buffer_never_tears_or_wedges(service):
+    """Eight writers and eight readers of one buffer at once: every call
+    answers, every read sees one whole write (never a mix), the service
+    lives on."""
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((N,)))
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        with Memory.create(N * 4) as mem:
+            await buffer.copy_from(mem, (N,))
+        import anyio
+        reads = []
+
+        async def write(k):
+            # out = buffer + (k - buffer) would need two inputs: write k via copy_from
+            with Memory.create(N * 4) as m:
+                m.array(np.float32, N)[:] = k
+                await buffer.copy_from(m, (N,))
+
+        async def read():
+            with Memory.create(N * 4) as x, Memory.create(N * 4) as out:
+                req = Request((RequestArgument(False, DataLocation(0, 0, 0)),
+                               RequestArgument(False, DataLocation(1, 0, x.size))),
+                              (RequestArgument(False, DataLocation(2, 0, out.size)),),
+                              (DeviceToken(token), x, out))
+                result = await prepared.execute(req)
+                assert result.status == ErrorStatus.NONE, result.message
+                reads.append(np.unique(out.array(np.float32, N)))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for k in range(8):
+                    tg.start_soon(write, k + 1)
+                    tg.start_soon(read)
+        assert len(reads) == 8 and all(len(r) == 1 for r in reads), reads
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_a_copy_from_an_unsealed_memfd_is_refused_and_the_service_goes_on(service):
+    import os as _os
+    device = await ServiceDevice.connect(str(service))
+    try:
+        prepared = await device.prepare_model(add_model((4,)))
+        _buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
+        fd = _os.memfd_create("unsealed")
+        _os.ftruncate(fd, 16)
+        from nnrt.drivers.service import protocol as p
+        from nnrt.drivers.service.client import _value
+        wire = p.WirePool(0, fd, True, 0, 16, 0, 16)
+        reply = await device._channel.call(
+            lambda cid: p.CopyBuffer(cid, p.Method.COPY_FROM, token, wire, (4,)))
+        _os.close(fd)
+        assert reply.status == ErrorStatus.INVALID_ARGUMENT and "sealed" in reply.message
+        with Memory.create(16) as mem:
+            await device.for_test_buffer(token).copy_from(mem, (4,))   # a sealed one works
+        assert device.alive
+    finally:
+        device.close()
+
+
+async def test_after_a_sigkill_the_state_starts_afresh_on_the_cpu():
+    """A device memory's contents die with its service: the execution that
+    finds the service dead fails with DEAD_OBJECT, later ones run on the
+    CPU, and a stateful model's state starts afresh there (it is not
+    recovered: see docs/api.md)."""
+    import signal
+    xs = [np.full(4, k + 1, np.float32) for k in range(6)]
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [4])
+    state = m.add_operand(T.TENSOR_FLOAT32, [4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    new = m.add_operand(T.TENSOR_FLOAT32, [4])
+    out = m.add_operand(T.TENSOR_FLOAT32, [4])
+    m.add_operation(Op.ADD, [state, x, act], [new])
+    m.add_operation(Op.MUL, [new, x, act], [out])
+    m.identify_inputs_and_outputs([x, state], [out, new])
+    from nnrt.model.metadata import ModelMetadata, TensorInfo
+    info = lambda name: TensorInfo(name, np.dtype(np.float32), (4,))
+    m.set_metadata(ModelMetadata((info("x"), info("state")), (info("out"), info("new")),
+                                 states=((1, 1),)))
+    model = m.finish()
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False) as rt:
+        compiled = await rt.compile(model)
+        assert [d.name for d in compiled.devices] == ["npu"]
+        first = [(await compiled.execute([v])).outputs[0].copy() for v in xs[:2]]
+        assert all(m_.on_device for pair in compiled._signature.memories for m_ in pair)
+        np.testing.assert_array_equal(first[1], (xs[0] + xs[1]) * xs[1])
+        rt._services[0].process.send_signal(signal.SIGKILL)
+        rt._services[0].process.wait()
+        with pytest.raises(NnrtError) as e:
+            await compiled.execute([xs[2]])
+        assert e.value.status == ErrorStatus.DEAD_OBJECT
+        assert [d.name for d in compiled.devices] == [rt.cpu.name]
+        again = (await compiled.execute([xs[0]])).outputs[0]
+        np.testing.assert_array_equal(again, xs[0] * xs[0])   # fresh state: 0 + x
+        assert compiled.statistics().fallbacks == 1
