@@ -911,20 +911,6 @@ class Ring:
         # other task of the event loop (issue 16). Only blocking waiters,
         # which own their thread, spin.
         watch = self._watch(efd)
-        if watch is not None:
-            while True:
-                if ready():
-                    return Ready.RING
-                self._announce(space)
-                try:
-                    if ready():
-                        return Ready.RING
-                    woke = await watch.wait(also, ready)
-                finally:
-                    self._retire(space)
-                if woke is Ready.ALSO and not ready():
-                    return Ready.ALSO
-                self._check_open()
         while True:
             if ready():
                 return Ready.RING
@@ -932,7 +918,10 @@ class Ring:
             try:
                 if ready():
                     return Ready.RING
-                if also is None:
+                if watch is not None:    # (its reader drains the eventfd)
+                    efd_ready = False
+                    also_ready = await watch.wait(also, ready) is Ready.ALSO
+                elif also is None:
                     await anyio.wait_readable(efd)
                     efd_ready, also_ready = True, False
                 else:
