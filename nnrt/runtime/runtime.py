@@ -710,7 +710,10 @@ class Burst:
 
     def __init__(self, compiled: CompiledModel):
         self._compiled = compiled
-        self._lock = anyio.Lock()
+        # fast_acquire: a free lock is taken without a trip through the event
+        # loop (the frame's own wait is the schedule point), as the HAL
+        # session's own lock (issue 16).
+        self._lock = anyio.Lock(fast_acquire=True)
         self._sessions: dict | None = None
         self._frames = self._failures = 0
         self._fallbacks_at_open = compiled._fallbacks
