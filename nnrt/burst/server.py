@@ -73,7 +73,8 @@ from ..model.graph import DataLocation
 from ..vlog import vlog
 from .. import trace
 from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, BurstOutputShape,
-                   BurstProtocolError, BurstResult, RequestDecoder, encode_result)
+                   BurstProtocolError, BurstResult, RequestDecoder, ResultEncoder,
+                   encode_result)
 
 # Fetch the memories behind some slots: slot -> Memory for every slot it
 # could get (NnrtError when the controller refuses). Runs on the event loop.
@@ -130,6 +131,7 @@ class BurstServer:
         self._results = results
         self._fetch = fetch
         self._decoder = RequestDecoder()
+        self._encoder = ResultEncoder()
         self._counters = counters or BurstCounters()
         self._label = label
         self._lock = threading.Lock()       # guards _memories, _to_free, _executing
@@ -256,7 +258,7 @@ class BurstServer:
                 frame = self._requests.read_nowait()
                 result = self._serve(frame)
                 try:
-                    encoded = encode_result(result)
+                    encoded = self._encoder.encode(result)
                 except BurstProtocolError as e:  # e.g. a driver's shape beyond u32
                     encoded = encode_result(BurstResult(
                         result.serial, ErrorStatus.GENERAL_FAILURE,

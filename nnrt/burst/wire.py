@@ -355,37 +355,68 @@ def _decode_guarded(data, parse):
 # ------------------------------------------------------------------ caches
 #
 # A burst sends the same request layout frame after frame: only the serial
-# and the deadline change. These caches keep encode/decode of the rest off
-# the per-frame path. They give what encode_request/decode_request give (the
-# same bytes, the same message); on a hit only the serial and the deadline
-# are checked again, the rest being equal to a layout already checked.
+# and the deadline change (and the same result, but for its serial and
+# timings). These caches keep encode/decode of the rest off the per-frame
+# path. They give what encode_*/decode_* give (the same bytes, the same
+# message); on a hit only the fields that vary are checked again, the rest
+# being equal to a message already checked.
 
 _SERIAL_DEADLINE = struct.Struct("<Qd")   # at offset 8 of a request
 _VARYING = slice(8, 24)
+# A result's serial (offset 8) and timings (offsets 24 and 32) change from
+# frame to frame; its status, shapes and message, the rest, seldom do.
+_RES_SERIAL = struct.Struct("<Q")
+_RES_TIMES = struct.Struct("<QQ")
+
+
+class _Cache:
+    """A bounded dict of encodings or messages, the oldest dropped first."""
+
+    __slots__ = ("_size", "_entries")
+
+    def __init__(self, size: int):
+        self._size = size
+        self._entries: dict = {}
+
+    def get(self, key):
+        return self._entries.get(key)
+
+    def put(self, key, value):
+        if len(self._entries) >= self._size:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = value
+        return value
 
 
 class RequestEncoder:
-    """``encode_request`` with a cache of the encoding of each layout."""
+    """``encode_request`` with a cache of the encoding of each layout. The
+    last layout is also recognised by the identity of its argument tuples
+    (the burst controller hands the same ones over while the layout holds),
+    without hashing every argument again."""
 
     def __init__(self, size: int = 16):
-        self._size = size
-        self._cache: dict[tuple, bytes] = {}
+        self._cache = _Cache(size)
+        self._last: tuple | None = None    # (key, template) of the last encoding
 
     def encode(self, request: BurstRequest) -> bytes:
         if not isinstance(request, BurstRequest):
             raise BurstProtocolError(f"{type(request).__name__} is not a BurstRequest")
-        try:
-            key = (request.inputs, request.outputs, request.slots, bool(request.measure_timing),
-                   request.deadline is None, request.loop_timeout)
-            template = self._cache.get(key)
-        except TypeError:      # an unhashable field (a list): no caching
-            return encode_request(request)
-        if template is None:
-            data = encode_request(request)
-            if len(self._cache) >= self._size:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = data
-            return data
+        key = (request.inputs, request.outputs, request.slots, bool(request.measure_timing),
+               request.deadline is None, request.loop_timeout)
+        last = self._last
+        if last is not None and last[0][0] is key[0] and last[0][1] is key[1] \
+                and last[0][2:] == key[2:]:
+            template = last[1]
+        else:
+            try:
+                template = self._cache.get(key)
+            except TypeError:      # an unhashable field (a list): no caching
+                return encode_request(request)
+            if template is None:
+                template = self._cache.put(key, encode_request(request))
+                self._last = (key, template)
+                return template
+            self._last = (key, template)
         buf = bytearray(template)
         deadline = 0.0 if request.deadline is None else _check_seconds(request.deadline,
                                                                        "deadline")
@@ -393,29 +424,64 @@ class RequestEncoder:
         return bytes(buf)
 
 
-class RequestDecoder:
-    """``decode_request`` with a cache keyed by everything but the serial and
-    the deadline: a hit re-checks those two fields only (the rest of the
-    bytes are those of a message that decoded)."""
+class ResultEncoder:
+    """``encode_result`` with a cache of the encoding of each (status,
+    output shapes, message): a hit checks and writes the serial and the
+    two timings only."""
 
     def __init__(self, size: int = 16):
-        self._size = size
-        self._cache: dict[bytes, BurstRequest] = {}
+        self._cache = _Cache(size)
 
-    def decode(self, data) -> BurstRequest:
+    def encode(self, result: BurstResult) -> bytes:
+        if not isinstance(result, BurstResult):
+            raise BurstProtocolError(f"{type(result).__name__} is not a BurstResult")
+        try:
+            key = (result.status, result.output_shapes, result.message)
+            template = self._cache.get(key)
+        except TypeError:      # an unhashable field (a list): no caching
+            return encode_result(result)
+        if template is None:
+            return self._cache.put(key, encode_result(result))
+        buf = bytearray(template)
+        _RES_SERIAL.pack_into(buf, 8, _check_uint(result.serial, 64, "serial"))
+        _RES_TIMES.pack_into(buf, 24, _check_uint(result.on_device, 64, "on_device time"),
+                             _check_uint(result.in_driver, 64, "in_driver time"))
+        return bytes(buf)
+
+
+class _CachedDecoder:
+    """Decoding with a cache keyed by every byte of a message but those of
+    the fields that vary: a hit re-checks those fields only (the rest of the
+    bytes are those of a message that decoded)."""
+
+    _HEAD: struct.Struct
+
+    def __init__(self, size: int = 16):
+        self._cache = _Cache(size)
+
+    def decode(self, data):
         view = _view(data)
-        if len(view) < _REQ_HEAD.size:
-            return decode_request(view)
+        if len(view) < self._HEAD.size:
+            return self._decode(view)
         # The ring hands over bytes already: no second copy of the frame.
         raw = data if data.__class__ is bytes else bytes(view)
-        key = raw[:_VARYING.start] + raw[_VARYING.stop:]
+        key = self._key(raw)
         hit = self._cache.get(key)
         if hit is None:
-            request = decode_request(raw)
-            if len(self._cache) >= self._size:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = request
-            return request
+            return self._cache.put(key, self._decode(raw))
+        return self._from_hit(hit, raw)
+
+
+class RequestDecoder(_CachedDecoder):
+    """``decode_request`` with a cache keyed by everything but the serial and
+    the deadline."""
+
+    _HEAD = _REQ_HEAD
+    _decode = staticmethod(decode_request)
+    _key = staticmethod(lambda raw: raw[:_VARYING.start] + raw[_VARYING.stop:])
+
+    @staticmethod
+    def _from_hit(hit: BurstRequest, raw: bytes) -> BurstRequest:
         serial, deadline = _SERIAL_DEADLINE.unpack_from(raw, 8)
         if hit.deadline is not None:
             deadline = _check_seconds(deadline, "deadline")
@@ -427,8 +493,25 @@ class RequestDecoder:
                             deadline, hit.loop_timeout)
 
 
+class ResultDecoder(_CachedDecoder):
+    """``decode_result`` with a cache keyed by everything but the serial and
+    the timings (any u64 is a valid value of those three)."""
+
+    _HEAD = _RES_HEAD
+    _decode = staticmethod(decode_result)
+    _key = staticmethod(lambda raw: raw[:8] + raw[16:24] + raw[40:])
+
+    @staticmethod
+    def _from_hit(hit: BurstResult, raw: bytes) -> BurstResult:
+        serial, = _RES_SERIAL.unpack_from(raw, 8)
+        on_device, in_driver = _RES_TIMES.unpack_from(raw, 24)
+        return BurstResult(serial, hit.status, hit.output_shapes, on_device, in_driver,
+                           hit.message)
+
+
 __all__ = ["BurstArgument", "BurstOutputShape", "BurstProtocolError", "BurstRequest",
            "BurstResult", "MAX_ARGUMENTS", "MAX_MESSAGE", "MAX_RANK", "MAX_REQUEST_SIZE",
-           "MAX_RESULT_SIZE", "MAX_SLOTS", "RequestDecoder", "RequestEncoder", "UINT64_MAX",
+           "MAX_RESULT_SIZE", "MAX_SLOTS", "RequestDecoder", "RequestEncoder", "ResultDecoder",
+           "ResultEncoder", "UINT64_MAX",
            "decode", "decode_request",
            "decode_result", "encode_request", "encode_result"]

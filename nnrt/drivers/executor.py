@@ -249,7 +249,7 @@ def _checked_output(step: _Step, k: int, result):
                             f"{step.type.name} output {k} has element type {result.dtype}, "
                             f"operand type {operand.type.name} needs {dtype} (bug in the kernel)")
     dims = step.out_dims[k]
-    if dims:
+    if dims and result.shape != dims:   # (equal: the common case, without the walk below)
         if len(dims) != result.ndim or any(d and d != r for d, r in zip(dims, result.shape)):
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                             f"{step.type.name} output {k} has shape {list(result.shape)}, "

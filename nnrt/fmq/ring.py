@@ -166,9 +166,20 @@ peer (``os.pidfd_open``, readable when the process exits) -- and passes that
 fd as ``also=`` to a wait, which then returns :data:`Ready.ALSO` when that
 fd becomes readable while the ring still holds nothing for the waiter.
 
-Asynchronous waits use ``anyio.wait_readable`` on the eventfd (an epoll fd
-holding both when ``also`` is given), i.e. ``loop.add_reader`` on asyncio
-and the I/O manager on trio: the event loop sleeps, it never polls.
+Asynchronous waits sleep in the event loop, which never polls. On asyncio
+(and uvloop) each eventfd the ring waits on gets a private epoll, holding
+it and the ``also`` fd, that stays registered with the loop between waits
+(:class:`_LoopWatch`): its reader drains the eventfd and wakes the waiting
+task, so a wait costs no ``epoll_ctl`` -- registering a reader for every
+wait and removing it after (``anyio.wait_readable``) was two system calls
+and most of the cost of an async hand-off (issue 16). Between waits the
+eventfd is drained as soon as it fires and an ``also`` fd that fires with
+nobody waiting leaves the epoll until the next wait, so a level-triggered
+reader never runs the loop hot. The loop only ever sees that private epoll,
+never a fd shared with the peer: closing it removes it from the loop's
+interest list, whoever holds the eventfds. Other loops (trio) use
+``anyio.wait_readable`` on the eventfd, or on an epoll holding it and
+``also``.
 """
 from __future__ import annotations
 
@@ -184,6 +195,8 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
+
+import asyncio
 
 import anyio
 from anyio import WouldBlock
@@ -442,6 +455,7 @@ class Ring:
         # One epoll per (eventfd, also fd) pair, made on first use and kept:
         # creating it for every wait cost tens of microseconds per frame.
         self._epolls: dict[tuple[int, int], select.epoll] = {}
+        self._watches: dict[int, _LoopWatch] = {}   # eventfd -> its asyncio watch
         self._pollers: dict[tuple[int, int | None], select.poll] = {}
         self._frames_written = 0
         self._frames_read = 0
@@ -539,6 +553,9 @@ class Ring:
         if self._closed:
             return
         self._closed = True
+        for watch in self._watches.values():
+            watch.close()
+        self._watches.clear()
         for ep in self._epolls.values():
             ep.close()
         self._epolls.clear()
@@ -872,10 +889,28 @@ class Ring:
             self._epolls[(efd, also)] = ep
         return ep
 
+    def _watch(self, efd: int) -> "_LoopWatch | None":
+        """The asyncio watch of ``efd`` on the running loop; None on another
+        kind of loop (trio), or while a watch of another live loop exists."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        watch = self._watches.get(efd)
+        if watch is not None and watch.loop is not loop:
+            if not watch.loop.is_closed():
+                return None
+            watch.close()
+            watch = None
+        if watch is None:
+            watch = self._watches[efd] = _LoopWatch(loop, efd)
+        return watch
+
     async def _sleep_async(self, efd: int, space: bool, also: int | None, ready) -> Ready:
         # Never spins, whatever ``spin`` says: a spin here would stall every
         # other task of the event loop (issue 16). Only blocking waiters,
         # which own their thread, spin.
+        watch = self._watch(efd)
         while True:
             if ready():
                 return Ready.RING
@@ -883,7 +918,10 @@ class Ring:
             try:
                 if ready():
                     return Ready.RING
-                if also is None:
+                if watch is not None:    # (its reader drains the eventfd)
+                    efd_ready = False
+                    also_ready = await watch.wait(also, ready) is Ready.ALSO
+                elif also is None:
                     await anyio.wait_readable(efd)
                     efd_ready, also_ready = True, False
                 else:
@@ -896,6 +934,99 @@ class Ring:
             if also_ready and not ready():
                 return Ready.ALSO
             self._check_open()
+
+
+class _LoopWatch:
+    """An asyncio loop's reader, kept between waits, on a private epoll
+    holding one of a ring's eventfds and (during a wait that gives one) an
+    ``also`` fd. One task waits at a time (the ring has one consumer and one
+    producer). Runs on the loop's thread, but ``close``."""
+
+    __slots__ = ("loop", "efd", "ep", "also", "future", "ready", "closing")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, efd: int):
+        self.loop = loop
+        self.efd = efd
+        self.ep = select.epoll(2, select.EPOLL_CLOEXEC)
+        self.also: int | None = None        # in ``ep`` besides ``efd``
+        self.future: asyncio.Future | None = None
+        self.ready = None
+        self.closing = False
+        try:
+            self.ep.register(efd, select.EPOLLIN)
+            loop.add_reader(self.ep.fileno(), self._on_readable)
+        except BaseException:
+            self.ep.close()
+            raise
+
+    async def wait(self, also: int | None, ready) -> Ready:
+        """Until ``ready()`` after the eventfd fired (RING), or ``also`` is
+        readable (ALSO); a stale wake-up of the eventfd does not end it."""
+        if also != self.also:
+            if self.also is not None:
+                self._forget_also()
+            if also is not None:
+                self.ep.register(also, select.EPOLLIN)
+                self.also = also
+        self.ready = ready
+        self.future = future = self.loop.create_future()
+        try:
+            return await future
+        finally:
+            self.future = self.ready = None
+
+    def _on_readable(self) -> None:
+        if self.closing:
+            self._close_on_loop()
+            return
+        also_ready = False
+        for fd, _ in self.ep.poll(0):
+            if fd == self.efd:
+                _drain(fd)       # so that it is not readable again until signalled
+            else:
+                also_ready = True
+        future = self.future
+        if future is not None and not future.done():
+            if self.ready():
+                future.set_result(Ready.RING)
+            elif also_ready:
+                future.set_result(Ready.ALSO)
+        elif also_ready:
+            # Readable with nobody waiting (its owner's peer died, say): out
+            # of the epoll until the next wait, or the loop would run hot.
+            self._forget_also()
+
+    def _forget_also(self) -> None:
+        try:
+            self.ep.unregister(self.also)
+        except OSError:   # closed by its owner since: the epoll dropped it then
+            pass
+        self.also = None
+
+    def _close_on_loop(self) -> None:
+        if self.ep.closed:
+            return
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.ep.fileno())
+        self.ep.close()
+
+    def close(self) -> None:
+        """Leave the loop and close the epoll; from any thread. From another
+        thread while the loop runs, that happens on the loop's thread (its
+        reader map is not thread-safe), soon: the epoll stays until then,
+        and its reader only closes it."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or self.loop.is_closed() or not self.loop.is_running():
+            self._close_on_loop()
+            return
+        self.closing = True
+        try:
+            self.loop.call_soon_threadsafe(self._close_on_loop)
+        except RuntimeError:   # the loop closed meanwhile: so did its selector
+            self.ep.close()
 
 
 async def _wait_either(ep: select.epoll, efd: int, also: int) -> tuple[bool, bool]:

@@ -24,6 +24,8 @@ class Priority(enum.IntEnum):
 
 
 def check_priority(priority) -> Priority:
+    if priority.__class__ is Priority:
+        return priority    # (an Enum call is a slow way to say so)
     try:
         return Priority(priority)
     except ValueError:

@@ -33,6 +33,7 @@ import time
 from typing import Callable
 
 import anyio
+import anyio.lowlevel
 
 from ..errors import ErrorStatus, NnrtError
 from ..handoff import Waiter, run_soon
@@ -42,6 +43,7 @@ from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference
 from ..hal.validate import validate_model
 from ..memory import as_buffer
 from ..model.graph import HalModel
+from ..model.types import OperationType
 from ..vlog import vlog
 from .. import trace
 from .gate import ExecutionGate
@@ -55,20 +57,40 @@ _PREPARED_IDS = itertools.count(1)
 # its task before resuming its own job (a loop hop is ~0.1-0.3 ms).
 _DONOR_LINGER = 0.002
 
+# Inline runs (``ScheduledPreparedModel.execute``): a job that gets its slot
+# at once runs on the awaiting task's thread, with no hand-off to a worker
+# thread (two thread wake-ups, ~0.1 ms: most of a small model's cost), once
+# the model's last INLINE_AFTER runs, of a request laid out as this one,
+# each took at most ``inline_bound`` seconds of real time (default
+# INLINE_BOUND). That is what it may hold its event loop for: far below what
+# a loop notices (asyncio's slow-callback warning starts at 100 ms), and
+# about what the thread hand-off it replaces costs on a loaded machine.
+# Past runs only bound the next one when its work cannot depend on the
+# data: never for a model with control flow (a WHILE's trip count is the
+# data's), and only for a request with the very argument tuples of those
+# runs (shapes fixed: the runtime's steps and the burst server reuse them
+# for an unchanged layout; a driver service's EXECUTE decodes fresh ones,
+# so a service's shared event loop never runs an app's work).
+INLINE_BOUND = 0.0005
+INLINE_AFTER = 2
+
 
 class ScheduledDevice(Device):
     """``device`` behind a per-app priority scheduler with deadlines."""
 
     def __init__(self, device: Device, *, app: AppKey = None, slots: int | None = None,
                  queue_limit: int = DEFAULT_QUEUE_LIMIT, memory_limit: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, policy: Policy | None = None):
+                 clock: Callable[[], float] = time.monotonic, policy: Policy | None = None,
+                 inline_bound: float = INLINE_BOUND):
         """``app`` keys the queue of models prepared without an explicit
         ``app=`` (default: this process's pid); ``slots`` is how many
         executions run at once (default: as many as the device says it
         runs); ``memory_limit`` (bytes) refuses bigger models with
         RESOURCE_EXHAUSTED_PERSISTENT; ``policy`` gives each app its
         weight, priority cap, limits and deadline kind (default:
-        ``Policy()``, the same for every app)."""
+        ``Policy()``, the same for every app); ``inline_bound`` (seconds
+        of real time) is the longest run of a model whose executions may
+        run on the awaiting task's thread (0: never)."""
         declared = device.scheduling()
         if declared.fronted:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
@@ -86,6 +108,11 @@ class ScheduledDevice(Device):
                                    clock=clock, name=device.name,
                                    settings=self.policy.resolver())
         self.gate = ExecutionGate(self.scheduler, spawn=run_soon)
+        if isinstance(inline_bound, bool) or not isinstance(inline_bound, (int, float)) \
+                or not inline_bound >= 0:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"inline_bound must be seconds >= 0, got {inline_bound!r}")
+        self.inline_bound = float(inline_bound)
 
     # -- queries: the driver's own answers ---------------------------------------
 
@@ -171,6 +198,8 @@ class ScheduledDevice(Device):
                  priority.name, settings.max_priority.name)
             priority = settings.max_priority
         validate_model(model)   # sized below: a malformed model is refused, not measured
+        control_flow = any(op.type in (OperationType.IF, OperationType.WHILE)
+                           for op in model.main.operations)
         check_memory_limit(model_bytes(model),
                            self.scheduler.memory_limit if settings.memory_limit is None
                            else settings.memory_limit, "the model")
@@ -183,7 +212,8 @@ class ScheduledDevice(Device):
         vlog("driver", "%s: prepared %d operations behind the scheduler (app %r, %s)",
              self.name, len(model.main.operations), app, priority.name)
         return ScheduledPreparedModel(prepared, self.gate, priority, app,
-                                      self._boundaries is not Boundaries.NONE)
+                                      self._boundaries is not Boundaries.NONE,
+                                      0.0 if control_flow else self.inline_bound)
 
     def __repr__(self) -> str:
         return f"<ScheduledDevice {self.name} ({self.scheduler.slots} slot(s))>"
@@ -204,7 +234,7 @@ class ScheduledPreparedModel(PreparedModel):
 
     def __init__(self, prepared: PreparedModel, gate: ExecutionGate,
                  priority: Priority = Priority.MEDIUM, app: AppKey = None,
-                 stops: bool = True):
+                 stops: bool = True, inline_bound: float = INLINE_BOUND):
         self.prepared = prepared
         self.priority = Priority(priority)
         self.app = app
@@ -212,6 +242,11 @@ class ScheduledPreparedModel(PreparedModel):
         self._stops = stops   # the driver calls the checkpoint at its boundaries
         # The scheduler's run-time estimate is kept per prepared model.
         self.key = f"prepared-{next(_PREPARED_IDS)}"
+        # Runs in a row of one request layout (its argument tuples, by
+        # identity) that took at most the inline bound (see INLINE_BOUND).
+        self._inline_bound_ns = int(inline_bound * 1e9)
+        self._short_runs = 0
+        self._short_layout: tuple = ((), ())
 
     def release(self) -> None:
         self.prepared.release()
@@ -224,7 +259,24 @@ class ScheduledPreparedModel(PreparedModel):
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
-        started = time.perf_counter_ns()
+        job = None
+        layout = self._short_layout
+        if self._short_runs >= INLINE_AFTER and request.inputs is layout[0] \
+                and request.outputs is layout[1]:
+            # A schedule point, as any execute (the loop's other tasks run; a
+            # cancelled caller stops here, with nothing queued), then the
+            # inline run if the job gets its slot at once.
+            await anyio.lowlevel.checkpoint()
+            started = time.perf_counter_ns()
+            try:
+                job, owned = self._submit_here(deadline)
+            except NnrtError as e:
+                return ExecutionResult(e.status, message=e.message)
+            if owned:
+                return self._run_claimed(job, request, measure, loop_timeout, started,
+                                         inline=True)
+        else:
+            started = time.perf_counter_ns()
         waiter = Waiter()
 
         def work(job: Job) -> None:
@@ -247,10 +299,13 @@ class ScheduledPreparedModel(PreparedModel):
                 # compete with it for the CPU and the GIL (bounded).
                 waiter.wait_taken(_DONOR_LINGER)
 
-        try:
-            job = self._submit(deadline, work)
-        except NnrtError as e:
-            return ExecutionResult(e.status, message=e.message)
+        if job is None:
+            try:
+                job = self._submit(deadline, work)
+            except NnrtError as e:
+                return ExecutionResult(e.status, message=e.message)
+        else:
+            self._gate.give_work(job, work)   # it waits: a worker thread runs it
         try:
             return await waiter.wait()
         except BaseException:
@@ -274,32 +329,40 @@ class ScheduledPreparedModel(PreparedModel):
                             "a scheduled execution takes no outside checkpoint")
         started = time.perf_counter_ns()
         try:
-            job = self._submit(deadline)
+            job, owned = self._submit_here(deadline)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
-        try:
-            self._gate.claim(job)     # no work offered: only this thread runs it
-        except NnrtError as e:
-            return ExecutionResult(e.status, message=e.message)
-        except BaseException:
-            self._gate.cancel(job)
-            raise
+        if not owned:
+            try:
+                self._gate.claim(job)     # no work offered: only this thread runs it
+            except NnrtError as e:
+                return ExecutionResult(e.status, message=e.message)
+            except BaseException:
+                self._gate.cancel(job)
+                raise
         return self._run_claimed(job, request, measure, loop_timeout, started)
 
-    def _submit(self, deadline, work=None) -> Job:
+    def _submit_here(self, deadline) -> tuple[Job, bool]:
+        return self._gate.submit_here(self.app, self.priority, deadline=check_deadline(deadline),
+                                      model=self.key)
+
+    def _submit(self, deadline, work) -> Job:
         deadline = check_deadline(deadline)
         return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
                                  work=work)
 
     @trace.traced("scheduled run")
     def _run_claimed(self, job: Job, request: Request, measure: bool,
-                     loop_timeout: float | None, started: int) -> ExecutionResult:
+                     loop_timeout: float | None, started: int,
+                     inline: bool = False) -> ExecutionResult:
         """Run a job this thread owns on the driver, with the gate's
-        checkpoint at every boundary, and give the slot back. A failure is a
+        checkpoint at every boundary (none when ``inline``: an event loop's
+        thread must never park), and give the slot back. A failure is a
         result; only what is not an Exception (KeyboardInterrupt) propagates,
         after the slot is given back."""
         gate = self._gate
-        checkpoint = (lambda: gate.checkpoint(job)) if self._stops else None
+        checkpoint = (lambda: gate.checkpoint(job)) if self._stops and not inline else None
+        ran = time.perf_counter_ns()
         try:
             result = self.prepared.execute_synchronously(
                 request, measure, job.deadline, loop_timeout, checkpoint=checkpoint)
@@ -312,7 +375,20 @@ class ScheduledPreparedModel(PreparedModel):
             gate.finish(job, ErrorStatus.GENERAL_FAILURE, "the execution was interrupted")
             raise
         final = gate.finish(job, result.status, result.message)
-        trace.interval("queue wait", job.submitted_at, job.started_at, app=job.app, priority=job.priority.name, preemptions=job.preemptions)
+        # Real time, not the scheduler's clock: what an inline run would
+        # hold its event loop for. A preempted run is not short.
+        if job.preemptions == 0 and 0 < time.perf_counter_ns() - ran <= self._inline_bound_ns:
+            layout = self._short_layout
+            if request.inputs is layout[0] and request.outputs is layout[1]:
+                self._short_runs += 1
+            else:
+                self._short_layout = (request.inputs, request.outputs)
+                self._short_runs = 1
+        else:
+            self._short_runs = 0
+        if trace.enabled():
+            trace.interval("queue wait", job.submitted_at, job.started_at, app=job.app,
+                           priority=job.priority.name, preemptions=job.preemptions)
         if final != result.status:
             # Never report success for work that finished after its deadline.
             return ExecutionResult(final, result.output_shapes, message=job.message)

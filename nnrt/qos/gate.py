@@ -76,15 +76,34 @@ class _Ticket:
     which thread owns it (None until claimed), the ``work`` the gate runs for
     it and whether a thread was given that work yet. The ticket lives from
     ``submit`` until the owner calls ``finish``, or until a thread learns
-    that the unclaimed job ended."""
+    that the unclaimed job ended.
+
+    The event is made by the first thread that waits (``arm``), under the
+    lock: a job that gets its slot at once and is never preempted -- the
+    common case -- never needs one, and a wake-up while nobody waits needs
+    no record, since a waiter checks the job's state after arming."""
 
     __slots__ = ("event", "owner", "work", "spawned")
 
-    def __init__(self, work: Callable[[Job], None] | None):
-        self.event = threading.Event()
-        self.owner: int | None = None
+    def __init__(self, work: Callable[[Job], None] | None, owner: int | None = None):
+        self.event: threading.Event | None = None
+        self.owner = owner
         self.work = work
         self.spawned = False
+
+    def arm(self) -> threading.Event:
+        """Under the lock, before checking the job's state and sleeping."""
+        event = self.event
+        if event is None:
+            event = self.event = threading.Event()
+        else:
+            event.clear()
+        return event
+
+    def wake(self) -> None:
+        """Under the lock."""
+        if self.event is not None:
+            self.event.set()
 
 
 class ExecutionGate:
@@ -118,6 +137,43 @@ class ExecutionGate:
         self._start(starts)
         return job
 
+    def submit_here(self, app: Hashable, priority: Priority, *, deadline: float | None = None,
+                    model: Hashable = None) -> tuple[Job, bool]:
+        """``submit`` for a caller that would run the job on its own thread:
+        when the job gets a slot at once (a free slot, nothing ahead of it),
+        the calling thread owns it on return (True) and runs it now, then
+        calls ``finish`` -- one lock taken, no wake-up, no event. Otherwise
+        (False) it waits as any job: the caller then ``claim``s it, or hands
+        it ``give_work`` (a caller that must not block)."""
+        with self._lock:
+            job = self.scheduler.submit(app, priority, deadline=deadline, model=model)
+            owned = job.state is JobState.RUNNING
+            self._tickets[job] = _Ticket(None, threading.get_ident() if owned else None)
+            woken = self.scheduler.take_wakeups()
+            if owned:
+                woken.remove(job)     # its owner is right here, awake
+            starts = self._deliver(woken)
+        self._start(starts)
+        return job, owned
+
+    def give_work(self, job: Job, work: Callable[[Job], None]) -> None:
+        """Give a job that ``submit_here`` left waiting the ``work`` that
+        ``submit`` would have taken: from now on it is such a job (its thread
+        starts when it needs one; at once if it got its slot, ended or has a
+        deadline meanwhile)."""
+        if self.spawn is None:
+            raise TypeError("jobs with work need a gate made with spawn=")
+        with self._lock:
+            ticket = self._tickets.get(job)
+            if ticket is None or ticket.owner is not None:
+                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                f"job {job.seq} is owned already (bug in the gate's caller)")
+            ticket.work = work
+            start = job.deadline is not None or job.state in (JobState.RUNNING, JobState.DONE)
+            ticket.spawned = start
+        if start:
+            self._start([job])
+
     def claim(self, job: Job) -> bool:
         """Block until the job holds a slot and own it (True: the caller runs
         it and must call ``finish``), or return False when another thread
@@ -136,14 +192,14 @@ class ExecutionGate:
                 if job.state is JobState.DONE:
                     self._tickets.pop(job, None)
                     raise self._error(job)
-                ticket.event.clear()
+                event = ticket.arm()
                 if job.state is JobState.RUNNING:
                     ticket.owner = me
                     self.scheduler.resumed(job)
                     return True
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
-            if not ticket.event.wait(timeout):
+            if not event.wait(timeout):
                 self.poll()
 
     def checkpoint(self, job: Job) -> None:
@@ -244,7 +300,7 @@ class ExecutionGate:
                 ticket.spawned = True
                 starts.append(job)
             else:
-                ticket.event.set()
+                ticket.wake()
         return starts
 
     def _start(self, jobs: list[Job]) -> None:
@@ -306,13 +362,13 @@ class ExecutionGate:
                 if job.state is JobState.DONE:
                     self._tickets.pop(job, None)
                     raise self._error(job)
-                ticket.event.clear()
+                event = ticket.arm()
                 if job.state is JobState.RUNNING:
                     self.scheduler.resumed(job)
                     return
                 wake = self.scheduler.wake_time(job)
                 timeout = None if wake is None else max(wake - clock(), 0.0) + _SLACK
-            if not ticket.event.wait(timeout):
+            if not event.wait(timeout):
                 self.poll()
 
     @staticmethod

@@ -195,6 +195,10 @@ class JobState(enum.Enum):
     PREEMPTED = "preempted"    # gave its slot back at a boundary; waits to resume
     DONE = "done"              # finished, refused, aborted or cancelled; ``status`` says which
 
+    # Members are singletons: hash by identity (in C), not Enum's hash of the
+    # name (a Python call on every ``_TRANSITIONS`` lookup).
+    __hash__ = object.__hash__
+
 
 class _Event(enum.Enum):
     DISPATCH = "dispatch"
@@ -203,6 +207,8 @@ class _Event(enum.Enum):
     STOP = "stop"        # aborted or cancelled at an operation boundary
     REFUSE = "refuse"    # a waiting job that cannot make its deadline
     CANCEL = "cancel"    # a waiting job withdrawn by its owner
+
+    __hash__ = object.__hash__   # as JobState's
 
 
 _TRANSITIONS = {
@@ -255,6 +261,7 @@ class Job:
     _vstart: float = 0.0                # its app's settled service when dispatched
     _last_boundary: float = 0.0
     _charged: float = 0.0
+    _cls: "_Class | None" = None        # its (app, priority) counters, found once
 
     def _order(self) -> tuple:
         preempted = 0 if self.state is JobState.PREEMPTED else 1
@@ -428,7 +435,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._served = itertools.count()
         self._wakeups: list[Job] = []
-        self._history: deque[JobRecord] = deque(maxlen=history)
+        self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
 
     # --- the calls that drive it ------------------------------------------
 
@@ -489,9 +496,10 @@ class Scheduler:
                        priority.name, limit)
             return job
         self._enqueue(state, job)
-        self._vlog("queued job %d (app %r, %s, deadline %s, model %r%s)", job.seq, app,
-                   priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
-                   model, ", probe" if job.probe else "")
+        if vlog_on("execution"):   # (the arguments cost more than the rest of a submit)
+            self._vlog("queued job %d (app %r, %s, deadline %s, model %r%s)", job.seq, app,
+                       priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
+                       model, ", probe" if job.probe else "")
         self._fill_slots(now)
         return job
 
@@ -549,7 +557,8 @@ class Scheduler:
                             f"job {job.seq} finished while {job.state.name} "
                             f"(bug in the scheduler's caller)")
         now = self.clock()
-        status = ErrorStatus(status)
+        if status.__class__ is not ErrorStatus:
+            status = ErrorStatus(status)
         self._release(job, now)
         if status in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
                 and not job.cancel_requested:
@@ -652,7 +661,9 @@ class Scheduler:
 
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         """The most recent finished jobs (``history`` of them), oldest first."""
-        return tuple(self._history)
+        return tuple(JobRecord(j.app, j.priority, j.model, j.seq, j.submitted_at, j.started_at,
+                               j.finished_at, j.ran, j.preemptions, j.longest_step, j.status,
+                               j.message) for j in self._history)
 
     def forget_app(self, app: Hashable) -> None:
         """Drop an app's counters once it has nothing queued or running (a
@@ -670,10 +681,15 @@ class Scheduler:
     # --- internals --------------------------------------------------------
 
     def _class(self, job: Job) -> _Class:
-        key = (job.app, job.priority)
-        c = self._classes.get(key)
+        c = job._cls
         if c is None:
-            c = self._classes[key] = _Class()
+            # Kept on the job: forget_app drops an app's counters only when
+            # it has no job left, so a live job's counters are never stale.
+            key = (job.app, job.priority)
+            c = self._classes.get(key)
+            if c is None:
+                c = self._classes[key] = _Class()
+            job._cls = c
         return c
 
     def _enqueue(self, app: _App, job: Job) -> None:
@@ -874,8 +890,10 @@ class Scheduler:
         app.last_served = next(self._served)
         self._busy += 1
         self._wakeups.append(job)
-        self._vlog("%s job %d (app %r, %s) after %.4f s waiting", "resumed" if resumed
-                   else "started", job.seq, job.app, job.priority.name, now - job.submitted_at)
+        if vlog_on("execution"):
+            self._vlog("%s job %d (app %r, %s) after %.4f s waiting", "resumed" if resumed
+                       else "started", job.seq, job.app, job.priority.name,
+                       now - job.submitted_at)
 
     def _release(self, job: Job, now: float) -> None:
         # Device time is run time: from when the job's thread took the slot.
@@ -924,11 +942,13 @@ class Scheduler:
             c.deadline_misses += 1
         else:
             c.failed += 1
-        self._history.append(JobRecord(job.app, job.priority, job.model, job.seq,
-                                       job.submitted_at, job.started_at, now, job.ran,
-                                       job.preemptions, job.longest_step, status, message))
-        self._vlog("job %d (app %r, %s) done after %.4f s running: %s%s", job.seq, job.app,
-                   job.priority.name, job.ran, status.name, f" ({message})" if message else "")
+        # The job itself: a DONE job never changes again, so its record is
+        # made only when asked for (finished_jobs), not on every finish.
+        self._history.append(job)
+        if vlog_on("execution"):
+            self._vlog("job %d (app %r, %s) done after %.4f s running: %s%s", job.seq,
+                       job.app, job.priority.name, job.ran, status.name,
+                       f" ({message})" if message else "")
 
     def _vlog(self, msg: str, *args) -> None:
         if vlog_on("execution"):

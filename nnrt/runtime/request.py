@@ -51,6 +51,8 @@ def sequence(values: Any, what: str) -> Sequence | Mapping:
     """``inputs`` / ``outputs`` as given: a list, a tuple or (inputs) a dict.
     A bare array is refused: iterating it along its first axis would give
     the model its rows as inputs."""
+    if values.__class__ is list or values.__class__ is tuple:
+        return values   # the common case, before the slower checks below
     if isinstance(values, np.ndarray) or isinstance(values, Region):
         raise invalid(f"{what} must be a list (one entry per model {what[:-1]}), got a bare "
                       f"{type(values).__name__}: write [{what[:-1]}]")

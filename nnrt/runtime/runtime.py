@@ -425,6 +425,11 @@ class CompiledModel:
         self._signature = signature.Signature(model)
         self._state_tried = False   # whether device memories for the state were tried
         self._input_names = [i.name for i in signature.describe(model).inputs]
+        # Per input: (dtype, shape) an array must have to be taken as it is
+        # (a tensor of known shape), else None (see _stage_inputs).
+        self._as_is = [(o.type.dtype, tuple(o.dimensions))
+                       if o.type.is_tensor and o.is_fully_specified else None
+                       for o in self._inputs]
 
     @property
     def runtime(self) -> Runtime:
@@ -651,8 +656,8 @@ class CompiledModel:
             session = sessions.get(id(step)) if sessions and not tokens else None
             runner = session if session is not None else step.prepared
 
-            async def execute(request, runner=runner):
-                return await runner.execute(request, measure, deadline, loop_timeout)
+            def execute(request, runner=runner):   # the awaitable itself: no coroutine around it
+                return runner.execute(request, measure, deadline, loop_timeout)
             result, outs = await step.run(values, execute, user_outputs if single else None)
             if result.status != ErrorStatus.NONE:
                 error = NnrtError(result.status, result.message or "execution failed",
@@ -672,8 +677,9 @@ class CompiledModel:
         outputs = [values[i] for i in hal.main.output_indexes]
         if user_outputs is not None and not single:
             outputs = copy_into(user_outputs, outputs)
-        shapes = [tuple(o.dimensions) if isinstance(o, DeviceMemory) else tuple(np.shape(o))
-                  for o in outputs]
+        shapes = [o.shape if o.__class__ is np.ndarray
+                  else tuple(o.dimensions) if isinstance(o, DeviceMemory)
+                  else tuple(np.shape(o)) for o in outputs]
         timing = None
         if measure:
             timing = ExecutionTiming(on_device if measured else None,
@@ -714,6 +720,11 @@ class CompiledModel:
         hal = self.model.hal_model
         staged = []
         for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
+            as_is = self._as_is[k]
+            if as_is is not None and value.__class__ is np.ndarray and value.dtype == as_is[0] \
+                    and value.shape == as_is[1] and value.flags.c_contiguous:
+                staged.append(value)   # what the checks below would give, without them
+                continue
             what = f"input {k} ({self._input_name(k)})"
             if value is None:
                 request.check_omitted(hal, hal.main.input_indexes[k], what)
@@ -811,7 +822,10 @@ class Burst:
 
     def __init__(self, compiled: CompiledModel):
         self._compiled = compiled
-        self._lock = anyio.Lock()
+        # fast_acquire: a free lock is taken without a trip through the event
+        # loop (the frame's own wait is the schedule point), as the HAL
+        # session's own lock (issue 16).
+        self._lock = anyio.Lock(fast_acquire=True)
         self._sessions: dict | None = None
         self._frames = self._failures = 0
         self._fallbacks_at_open = compiled._fallbacks

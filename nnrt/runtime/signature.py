@@ -140,7 +140,7 @@ class Signature:
     def order_inputs(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list:
         """The app's inputs (a list in order, or a dict keyed by tensor or
         signature name) as the list of every model input, state included."""
-        if isinstance(inputs, Mapping):
+        if inputs.__class__ is not list and isinstance(inputs, Mapping):
             ordered: list = [_MISSING] * len(self.inputs)
             for key, value in inputs.items():
                 if key not in self._positions_by_name:

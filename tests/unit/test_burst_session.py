@@ -226,3 +226,32 @@ def test_the_request_caches_give_what_encode_and_decode_give():
         encoder.encode(wire.BurstRequest(5, (arg,), (arg,), (3,), deadline=float("nan")))
     with pytest.raises(wire.BurstProtocolError):
         decoder.decode(b"NBRQ")
+
+
+def test_the_result_caches_give_what_encode_and_decode_give():
+    encoder, decoder = wire.ResultEncoder(size=2), wire.ResultDecoder(size=2)
+    shapes = (wire.BurstOutputShape((1, 4)),)
+    kinds = [(ErrorStatus.NONE, shapes, ""), (ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
+             (wire.BurstOutputShape((2, 8), False),), "too small"),
+             (ErrorStatus.GENERAL_FAILURE, (), "driver bug")]
+    for serial in range(1, 40):
+        status, out_shapes, message = kinds[serial % 3]
+        on_device = wire.UINT64_MAX if serial % 2 else serial * 7
+        result = wire.BurstResult(serial, status, out_shapes, on_device, on_device, message)
+        data = encoder.encode(result)
+        assert data == wire.encode_result(result)
+        assert decoder.decode(data) == wire.decode_result(data) == result
+    # A hit still checks the fields it does not take from the cache.
+    encoder.encode(wire.BurstResult(1, ErrorStatus.NONE, shapes))
+    with pytest.raises(wire.BurstProtocolError, match="serial"):
+        encoder.encode(wire.BurstResult(-1, ErrorStatus.NONE, shapes))
+    with pytest.raises(wire.BurstProtocolError, match="on_device"):
+        encoder.encode(wire.BurstResult(2, ErrorStatus.NONE, shapes, on_device=2**64))
+    # A result whose cached part differs in one byte is decoded afresh.
+    data = bytearray(wire.encode_result(wire.BurstResult(3, ErrorStatus.NONE, shapes)))
+    decoder.decode(bytes(data))
+    data[6] = 1                           # the reserved field
+    with pytest.raises(wire.BurstProtocolError, match="reserved"):
+        decoder.decode(bytes(data))
+    with pytest.raises(wire.BurstProtocolError):
+        decoder.decode(b"NBRS")

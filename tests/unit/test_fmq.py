@@ -1,5 +1,6 @@
 """The fmq ring: frames, wrap-around, full/empty, limits, corruption, waits,
 async waits on asyncio and trio, and an fd handoff to a second process."""
+import asyncio
 import fcntl
 import mmap
 import os
@@ -561,3 +562,75 @@ def test_a_blocking_waiter_keeps_one_poll_object_per_fd_pair():
         assert len(ring._pollers) == 1
     finally:
         ring.close()
+
+
+# -- asyncio: a wait's epoll stays registered with the loop between waits ------------
+
+def test_asyncio_waits_register_with_the_loop_once(native):
+    async def main():
+        loop = asyncio.get_running_loop()
+        added = []
+        add_reader = loop.add_reader
+        loop.add_reader = lambda fd, cb, *args: (added.append(fd), add_reader(fd, cb, *args))
+        also = os.eventfd(0, os.EFD_NONBLOCK)
+        with make(native, 256) as ring:
+            peer = Ring.attach(*[os.dup(fd) for fd in ring.fds()], native=native)
+            try:
+                for k in range(20):
+                    threading.Timer(0.001, peer.write, (b"%d" % k,)).start()
+                    with anyio.fail_after(5):
+                        assert await ring.wait_read(also=also) is Ready.RING
+                    assert ring.read_nowait() == b"%d" % k
+            finally:
+                peer.close()
+        os.close(also)
+        return added
+
+    assert len(anyio.run(main)) == 1     # one reader, kept: no epoll_ctl per wait
+
+
+def test_an_also_fd_readable_with_nobody_waiting_does_not_run_the_loop_hot(monkeypatch):
+    from nnrt.fmq import ring as ring_module
+
+    calls = []
+    on_readable = ring_module._LoopWatch._on_readable
+    monkeypatch.setattr(ring_module._LoopWatch, "_on_readable",
+                        lambda self: (calls.append(1), on_readable(self)))
+
+    async def main():
+        also = os.eventfd(0, os.EFD_NONBLOCK)
+        with Ring.create(256) as ring:
+            os.eventfd_write(also, 1)            # readable for good: a dead peer
+            assert await ring.wait_read(also=also) is Ready.ALSO
+            before = len(calls)
+            for _ in range(200):                 # 200 turns of the loop, nobody waiting
+                await anyio.sleep(0)
+            after = len(calls)
+            # The next wait watches it again, and it still fires.
+            assert await ring.wait_read(also=also) is Ready.ALSO
+        os.close(also)
+        return after - before
+
+    assert anyio.run(main) <= 1
+
+
+def test_closing_a_ring_from_another_thread_takes_its_epoll_off_the_loop():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ring = Ring.create(256)
+        peer = Ring.attach(*[os.dup(fd) for fd in ring.fds()])
+        try:
+            threading.Timer(0.001, peer.write, (b"x",)).start()
+            with anyio.fail_after(5):
+                assert await ring.read_async() == b"x"
+            (watch,) = ring._watches.values()
+            fd = watch.ep.fileno()
+            await anyio.to_thread.run_sync(ring.close)    # while the loop runs
+            for _ in range(5):
+                await anyio.sleep(0)
+            assert watch.ep.closed
+            assert not loop.remove_reader(fd)             # not registered any more
+        finally:
+            peer.close()
+
+    anyio.run(main)
