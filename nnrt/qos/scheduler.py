@@ -69,6 +69,11 @@ The executor keeps a preempted job's context (next operation, live operand
 values) and resumes it when the scheduler dispatches it again; a preempted
 job sorts before every not-yet-started job of its priority level.
 
+A pinned job (``pin``: the gate runs it on the thread of another app's
+job it preempted) is never preempted until it ends (P1,
+``test_a_pinned_job_is_not_preempted_but_still_stops``): that thread
+holds the preempted job's context below it.
+
 Invariants (asserted where the state changes where that is cheap; each has
 a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
 ``tests/unit/test_scheduler.py``):
@@ -255,6 +260,7 @@ class Job:
     probe: bool = False                 # admitted to re-measure a model its estimate refused
     soft: bool = False                  # soft deadline: never refused or aborted, only reported
     held: bool = False                  # beyond its app's queue limit, waiting for a place
+    pinned: bool = False                # runs on another app's preempted job's thread (``pin``)
     _slot_since: float = 0.0
     _run_since: float = 0.0             # when its thread took the slot (``resumed``)
     _vstart: float = 0.0                # its app's settled service when dispatched
@@ -510,6 +516,8 @@ class Scheduler:
         if late is not None:
             self._stop(job, now, *late)
             return Verdict.STOPPED
+        if job.pinned:
+            return Verdict.CONTINUE      # P1: its thread holds another job below it
         app = self._apps[job.app]
         head = self._viable_head(app, now)
         if head is not None and head.priority > job.priority:
@@ -570,6 +578,20 @@ class Scheduler:
         and so preempted more."""
         if job.state is JobState.RUNNING:
             job._run_since = max(job._run_since, self.clock())
+
+    def pin(self, job: Job) -> None:
+        """A RUNNING job is being run on the thread of another app's job it
+        preempted (the gate's donation): it is never preempted until it ends
+        (P1), only stopped (cancelled, or hopeless). Were it preempted, the
+        job parked below it on that thread could be dispatched and hold the
+        slot with nobody to run it, while the pinned job waited for that
+        slot. (Within one app donation needs no pin: the job below has a
+        lower priority, so the app's queue never serves it first.)"""
+        if job.state is not JobState.RUNNING:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"job {job.seq} pinned while {job.state.name} "
+                            f"(bug in the scheduler's caller)")
+        job.pinned = True
 
     def cancel(self, job: Job) -> None:
         """Withdraw a waiting job at once; a RUNNING one stops at its next

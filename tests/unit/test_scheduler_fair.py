@@ -232,6 +232,27 @@ def test_an_idle_app_banks_no_credit_beyond_its_lag():
     assert 3 * (b_virtual - 0.010 / 3) - 1e-9 <= s._apps["A"].service <= 3 * b_virtual + 1e-9
 
 
+def test_a_pinned_job_is_not_preempted_but_still_stops():
+    # P1: a job running on another app's preempted job's thread keeps the
+    # slot against a more important job of its own app and against another
+    # app's short job; a cancellation still stops it at its next boundary.
+    s, clock = make()
+    s.for_test_set_estimate("long", 0.010)
+    s.for_test_set_estimate("short", 0.001)
+    a = s.submit("A", LOW, model="long")
+    s.pin(a)
+    mine = s.submit("A", HIGH, model="short")
+    other = s.submit("B", HIGH, model="short")
+    clock.advance(0.025)                           # overran, and B is far behind
+    assert s.checkpoint(a) is Verdict.CONTINUE
+    assert mine.state is other.state is JobState.QUEUED
+    s.cancel(a)
+    assert s.checkpoint(a) is Verdict.STOPPED
+    assert JobState.RUNNING in (mine.state, other.state)
+    with pytest.raises(NnrtError):
+        s.pin(mine if mine.state is JobState.QUEUED else other)
+
+
 def test_a_full_queue_holds_new_jobs_until_a_place_frees():
     # B1: beyond the queue limit jobs are held, then queued oldest first.
     s, clock = make(queue_limit=2)
