@@ -10,10 +10,10 @@ behind a flood of those (docs/qos.md, "Convolutions: the trace") showed
 where the time went on a shared 2-vCPU host: each product forked to a
 worker and joined it; the join waited until the worker got a CPU, and the
 spinning workers took the CPU the app's event loop and the HIGH job needed.
-One LOW operation took 5.3 ms of wall time instead of 0.5 ms, 4 ms of it
-waiting in the kernel's run queue, and HIGH waited 4.3 ms (p50) for a
-boundary instead of 0.4 ms. The same product takes 0.1 ms on one thread and
-0.39 ms on two there.
+A LOW operation's step took 6.8 ms of wall time (p50) instead of 0.4 ms,
+4 ms of it waiting in the kernel's run queue, and HIGH waited 4.3 ms (p50)
+for a boundary instead of 0.4 ms. The same product took 0.10 ms on one
+thread and 0.39 ms on two there.
 
 The scheduler's slots are the reference driver's parallelism (and each
 driver service is its own process), so its kernels use one BLAS thread.
