@@ -23,6 +23,7 @@ from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
 from .executor import Executor, RequestPlan
+from .blas import limit_blas_threads
 from .heap import keep_freed_memory
 
 
@@ -33,6 +34,7 @@ class ReferenceDevice(Device):
 
     def __init__(self, name: str = "nnrt-reference"):
         keep_freed_memory()   # a fresh array per operation: see nnrt/drivers/heap.py
+        limit_blas_threads()  # the slots are its parallelism: see nnrt/drivers/blas.py
         self.name = name
         self.buffers = BufferRegistry()   # memory domains: buffers kept in this process
 

@@ -44,7 +44,12 @@ the preempted job's stack, so the preempted job cannot move until it ends;
 with one slot nothing else could have run it meanwhile (its app's more
 important job holds the only slot, and the app's queue serves that
 priority first), with more slots the preempted job might be dispatched to
-another slot and hold it idle.
+another slot and hold it idle. Across apps too (a light app's frame
+preempting a flooding app's job: on a loaded host the wake-up of a thread of
+its own took 2-6 ms in a driver service, ten times the frame's run); then
+the donated job is pinned (``Scheduler.pin``): never preempted until it
+ends, because its app's queue, unlike the preempted job's own app's, gives
+no guarantee that the job parked below it is not dispatched first.
 
 A waiting job with a deadline sleeps at most until its ``wake_time``; on
 waking it polls the scheduler, which refuses it if it is hopeless by then,
@@ -326,10 +331,12 @@ class ExecutionGate:
         if self.scheduler.slots != 1:
             return None
         for job in woken:
-            if job.state is JobState.RUNNING and job.app == preempted.app:
+            if job.state is JobState.RUNNING:
                 ticket = self._tickets.get(job)
                 if ticket is None or ticket.owner is not None or ticket.work is None:
                     return None
+                if job.app != preempted.app:
+                    self.scheduler.pin(job)   # see Scheduler.pin: another app's job is below
                 ticket.owner = threading.get_ident()
                 return job, ticket
         return None

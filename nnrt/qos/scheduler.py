@@ -31,10 +31,12 @@ with work waiting and the least virtual time. A job is charged its run-time
 estimate when it gets a slot and the difference to the measured time when
 it gives the slot back, so concurrent slots are accounted while in flight.
 An app that was idle starts level with the least-served active app's
-*settled* virtual time (without charges for work still in flight): it
-cannot bank credit while idle, and levelling up to a charge made a moment
-ago would erase the small lag an app with one request outstanding always
-has when it resubmits. Ties go to the app served longest ago (round robin).
+*settled* virtual time (without charges for work still in flight), less
+the lag it had when it went idle (how far it was behind, at most one of its
+own jobs, as EEVDF keeps a sleeping task's lag): it cannot bank credit
+while idle, nor lose what it was owed because its client was a moment late
+to resubmit; and levelling up to a charge made a moment ago would erase the
+small lag an app with one request outstanding always has when it resubmits. Ties go to the app served longest ago (round robin).
 Over time backlogged apps get device time in proportion to their weights.
 
 *Preemption.* At each boundary ``checkpoint`` asks two questions, in order:
@@ -67,6 +69,11 @@ The executor keeps a preempted job's context (next operation, live operand
 values) and resumes it when the scheduler dispatches it again; a preempted
 job sorts before every not-yet-started job of its priority level.
 
+A pinned job (``pin``: the gate runs it on the thread of another app's
+job it preempted) is never preempted until it ends (P1,
+``test_a_pinned_job_is_not_preempted_but_still_stops``): that thread
+holds the preempted job's context below it.
+
 Invariants (asserted where the state changes where that is cheap; each has
 a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
 ``tests/unit/test_scheduler.py``):
@@ -84,8 +91,11 @@ a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
   times (``test_equal_floods_do_not_preempt_each_other``,
   ``test_a_job_far_over_its_estimate_is_preempted_for_a_waiting_app``);
 - F5 an app that was idle cannot bank credit: it comes back level with the
-  least-served active app (``test_an_idle_app_does_not_bank_credit``,
-  ``test_weights_level_an_idle_app_in_virtual_time``);
+  least-served active app, less the lag it had when it left, at most one
+  of its jobs (``test_an_idle_app_does_not_bank_credit``,
+  ``test_weights_level_an_idle_app_in_virtual_time``,
+  ``test_an_idle_app_keeps_the_lag_it_had_when_it_left``,
+  ``test_an_idle_app_banks_no_credit_beyond_its_lag``);
 - F6 an app is preempted across apps only by an app that is not ahead of it
   in virtual time (asserted in ``checkpoint``;
   ``test_an_app_ahead_of_its_share_does_not_preempt``).
@@ -256,6 +266,7 @@ class Job:
     probe: bool = False                 # admitted to re-measure a model its estimate refused
     soft: bool = False                  # soft deadline: never refused or aborted, only reported
     held: bool = False                  # beyond its app's queue limit, waiting for a place
+    pinned: bool = False                # runs on another app's preempted job's thread (``pin``)
     _slot_since: float = 0.0
     _run_since: float = 0.0             # when its thread took the slot (``resumed``)
     _vstart: float = 0.0                # its app's settled service when dispatched
@@ -355,6 +366,7 @@ class _App:
     service: float = 0.0                         # attained device seconds (fairness)
     inflight: float = 0.0                        # part of ``service`` charged to running jobs
     last_served: int = -1
+    lag: float = 0.0                             # virtual seconds it was owed when it went idle (F5)
     settings: AppSettings = DEFAULT_SETTINGS
     held: deque = field(default_factory=deque)   # Jobs beyond the queue limit, oldest first
 
@@ -478,16 +490,7 @@ class Scheduler:
             self._vlog("refused job %d (app %r, %s): %s", job.seq, app, priority.name, message)
             raise NnrtError(status, message)
         if not state.queue and not state.running and not state.held:
-            # Idle -> active: no credit for the idle time (F5). The floor is
-            # the least-served active app's *settled* virtual time (without
-            # charges for work still in flight): levelling up to a charge
-            # made a moment ago would erase the small lag an app with one
-            # request outstanding always has when it resubmits, and it would
-            # lose turns to a flooding app.
-            active = [a.settled / a.weight for a in self._apps.values()
-                      if a is not state and (a.queue or a.running)]
-            if active:
-                state.service = max(state.service, min(active) * state.weight)
+            self._place(state)
         if full:
             job.held = True
             state.held.append(job)
@@ -521,6 +524,8 @@ class Scheduler:
         if late is not None:
             self._stop(job, now, *late)
             return Verdict.STOPPED
+        if job.pinned:
+            return Verdict.CONTINUE      # P1: its thread holds another job below it
         app = self._apps[job.app]
         head = self._viable_head(app, now)
         if head is not None and head.priority > job.priority:
@@ -560,6 +565,7 @@ class Scheduler:
         if status.__class__ is not ErrorStatus:
             status = ErrorStatus(status)
         self._release(job, now)
+        self._leave(job)
         if status in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
                 and not job.cancel_requested:
             self._learn(job.model, job.ran)
@@ -581,6 +587,20 @@ class Scheduler:
         and so preempted more."""
         if job.state is JobState.RUNNING:
             job._run_since = max(job._run_since, self.clock())
+
+    def pin(self, job: Job) -> None:
+        """A RUNNING job is being run on the thread of another app's job it
+        preempted (the gate's donation): it is never preempted until it ends
+        (P1), only stopped (cancelled, or hopeless). Were it preempted, the
+        job parked below it on that thread could be dispatched and hold the
+        slot with nobody to run it, while the pinned job waited for that
+        slot. (Within one app donation needs no pin: the job below has a
+        lower priority, so the app's queue never serves it first.)"""
+        if job.state is not JobState.RUNNING:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"job {job.seq} pinned while {job.state.name} "
+                            f"(bug in the scheduler's caller)")
+        job.pinned = True
 
     def cancel(self, job: Job) -> None:
         """Withdraw a waiting job at once; a RUNNING one stops at its next
@@ -821,6 +841,40 @@ class Scheduler:
             self._refuse(app, job, now, *late)
         return None
 
+    def _floor(self, app: _App) -> float | None:
+        """The least *settled* virtual time of the other active apps (None
+        when there is none): where an app that was idle is placed (F5)."""
+        active = [a.settled / a.weight for a in self._apps.values()
+                  if a is not app and (a.queue or a.running)]
+        return min(active) if active else None
+
+    def _leave(self, job: Job) -> None:
+        """``job`` has ended; if its app has nothing else, it goes idle:
+        keep how far it was behind the others (its lag), at most that one
+        job in its virtual time (F5)."""
+        app = self._apps[job.app]
+        if app.queue or app.running or app.held:
+            return
+        length = job.ran
+        floor = self._floor(app)
+        behind = 0.0 if floor is None else floor - app.service / app.weight
+        app.lag = min(max(behind, 0.0), length / app.weight)
+
+    def _place(self, app: _App) -> None:
+        """Idle -> active (F5): no credit for the idle time, and no loss of
+        the lag it had when it went idle. The floor is the least-served
+        active app's *settled* virtual time (without charges for work still
+        in flight): levelling up to a charge made a moment ago would erase
+        the small lag an app with one request outstanding always has when
+        it resubmits. Without the lag (EEVDF keeps it too), an app whose
+        client is slow to resubmit (two executions in flight on a loaded
+        host) lost what it was owed at every gap: the time another app's
+        job stretched by the host had taken from it was forgotten."""
+        floor = self._floor(app)
+        if floor is not None:
+            app.service = max(app.service, (floor - app.lag) * app.weight)
+        app.lag = 0.0
+
     def _pick_app(self) -> _App | None:
         best = None
         for app in self._apps.values():
@@ -918,6 +972,7 @@ class Scheduler:
 
     def _stop(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
         self._release(job, now)
+        self._leave(job)
         job._move(_Event.STOP)
         self._end_probe(job)
         self._done(job, now, status, message)

@@ -205,3 +205,28 @@ def test_work_needs_a_gate_with_spawn():
     gate = ExecutionGate(Scheduler(clock=ManualClock()))
     with pytest.raises(TypeError, match="spawn"):
         gate.submit("app", LOW, work=lambda job: None)
+
+
+def test_another_apps_preempting_job_runs_on_the_preempted_thread_pinned():
+    # Across apps too: B's job is preempted at a boundary for A's light job
+    # (F3), whose work runs on B's thread; A's job is pinned (P1) so it
+    # cannot be preempted while B's context is parked below it.
+    gate, scheduler, clock, spawn = setup()
+    scheduler.for_test_set_estimate("heavy", 0.010)
+    scheduler.for_test_set_estimate("light", 0.001)
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    heavy_ex, light_ex = chain(10), chain(2)
+    b = gate.submit("B", LOW, model="heavy")
+    runner = Runner(gate, b, heavy_ex, [x], pause_when=lambda p: p == ((None, 4),))
+    assert runner.paused.wait(TIMEOUT)
+    light_work = Work(gate, light_ex, [x])
+    a = gate.submit("A", HIGH, model="light", work=light_work)
+    clock.advance(0.002)                    # B has run past A's virtual deadline
+    runner.resume()
+    runner.join()
+    assert light_work.done.is_set() and light_work.thread == runner.thread.ident
+    assert spawn.calls == 0 and a.pinned and not b.pinned
+    np.testing.assert_array_equal(light_work.result[0], light_ex.run([x])[0])
+    np.testing.assert_array_equal(runner.result[0], heavy_ex.run([x])[0])
+    assert [r.model for r in scheduler.finished_jobs()] == ["light", "heavy"]
+    assert b.preemptions == 1 and scheduler.statistics().busy == 0

@@ -177,6 +177,82 @@ def test_weights_level_an_idle_app_in_virtual_time():
     assert s._apps["A"].service == pytest.approx(3 * b_virtual, rel=0.01)
 
 
+def _runs_in_a_row(s, clock, jobs, other_job, seconds=1.0):
+    """Run ``jobs``' app's jobs (each ``seconds`` long), each replaced by a
+    new one just before it ends (its app stays backlogged), until
+    ``other_job`` gets the slot; how many ran first."""
+    n = 0
+    while other_job.state is not JobState.RUNNING:
+        job = next(j for j in jobs if j.state is JobState.RUNNING)
+        clock.advance(seconds)
+        jobs.append(s.submit(job.app, MEDIUM, model=job.app))
+        s.finish(job)
+        n += 1
+    return n
+
+
+def test_an_idle_app_keeps_the_lag_it_had_when_it_left():
+    # F5': A goes idle while behind B (B's 3 s job ran while A waited); when
+    # A comes back it is still owed that lag, up to one of its own jobs, so
+    # it runs two 1 s jobs in a row after B's next one. Levelling it with B
+    # instead (as before) forgot what B's long job took from it: A ran one,
+    # then the tie went to B. A client slow to resubmit goes idle like this
+    # at every gap, on a loaded host many times a second.
+    s, clock = make()
+    s.for_test_set_estimate("A", 1.0)
+    s.for_test_set_estimate("B", 1.0)
+    b0 = s.submit("B", MEDIUM, model="B")
+    a0 = s.submit("A", MEDIUM, model="A")          # levelled with B's settled 0
+    b1 = s.submit("B", MEDIUM, model="B")
+    clock.advance(3.0)                              # B's job took 3 s
+    s.finish(b0)
+    assert a0.state is JobState.RUNNING             # A: 0 < B: 3
+    clock.advance(1.0)
+    s.finish(a0)                                    # A idle, 2 s behind B: keeps 1 (one job)
+    assert b1.state is JobState.RUNNING             # A has nothing queued: B goes on
+    a1 = s.submit("A", MEDIUM, model="A")           # A's client resubmits during B's job
+    assert s._apps["A"].service == pytest.approx(2.0)
+    b2 = s.submit("B", MEDIUM, model="B")
+    clock.advance(1.0)
+    s.finish(b1)                                    # B: 4, A: 2
+    assert _runs_in_a_row(s, clock, [a1], b2) == 2
+
+
+def test_an_idle_app_banks_no_credit_beyond_its_lag():
+    # F5': however long A was idle, it comes back at most one of its jobs
+    # behind the least-served active app.
+    s, clock = make({"A": 3, "B": 1})
+    s.for_test_set_estimate("A", 0.010)
+    a0 = s.submit("A", MEDIUM, model="A")
+    clock.advance(0.010)
+    s.finish(a0)                                    # A idle, nobody else: no lag
+    run_op_by_op(s, clock, {"B": 2}, until=clock() + 5.0)
+    s.submit("A", MEDIUM, model="A")
+    b_virtual = s._apps["B"].settled
+    assert 3 * (b_virtual - 0.010 / 3) - 1e-9 <= s._apps["A"].service <= 3 * b_virtual + 1e-9
+
+
+def test_a_pinned_job_is_not_preempted_but_still_stops():
+    # P1: a job running on another app's preempted job's thread keeps the
+    # slot against a more important job of its own app and against another
+    # app's short job; a cancellation still stops it at its next boundary.
+    s, clock = make()
+    s.for_test_set_estimate("long", 0.010)
+    s.for_test_set_estimate("short", 0.001)
+    a = s.submit("A", LOW, model="long")
+    s.pin(a)
+    mine = s.submit("A", HIGH, model="short")
+    other = s.submit("B", HIGH, model="short")
+    clock.advance(0.025)                           # overran, and B is far behind
+    assert s.checkpoint(a) is Verdict.CONTINUE
+    assert mine.state is other.state is JobState.QUEUED
+    s.cancel(a)
+    assert s.checkpoint(a) is Verdict.STOPPED
+    assert JobState.RUNNING in (mine.state, other.state)
+    with pytest.raises(NnrtError):
+        s.pin(mine if mine.state is JobState.QUEUED else other)
+
+
 def test_a_full_queue_holds_new_jobs_until_a_place_frees():
     # B1: beyond the queue limit jobs are held, then queued oldest first.
     s, clock = make(queue_limit=2)
