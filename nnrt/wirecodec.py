@@ -76,6 +76,15 @@ class Reader:
         self.pos = end
         return struct.unpack_from(f"<{n}I", self.data, pos)
 
+    def f64_array(self, n: int, what: str) -> tuple[float, ...]:
+        """``n`` f64 values (``n`` already bounded by the caller's limit)."""
+        pos = self.pos
+        end = pos + 8 * n
+        if n < 0 or end > len(self.data):
+            raise self.truncated(8 * n, what)
+        self.pos = end
+        return struct.unpack_from(f"<{n}d", self.data, pos)
+
     def raw(self, n: int, what: str) -> bytes:
         pos = self.pos
         end = pos + n
@@ -111,6 +120,11 @@ class Writer:
         """The values only; a count, if the format has one, is the caller's."""
         values = tuple(values)
         self.out += struct.pack(f"<{len(values)}I", *values)
+
+    def f64_array(self, values) -> None:
+        """The values only, as :meth:`u32_array`."""
+        values = tuple(values)
+        self.out += struct.pack(f"<{len(values)}d", *values)
 
     def raw(self, data) -> None:
         self.out += data

@@ -16,11 +16,15 @@ from ..errors import ErrorStatus, NnrtError
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
+from ..hal.cache import CacheFiles, check_counts
 from ..hal.validate import RequestValidator, validate_model
 from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
+from . import cached
 from .executor import Executor, RequestPlan
+
+_PLAN = "reference-plan"   # the one model cache file: the model and its inferred dimensions
 from .heap import keep_freed_memory
 
 
@@ -61,6 +65,30 @@ class ReferenceDevice(Device):
         validated = validate_model(model)
         vlog("driver", "%s: prepared a HAL %s model with %d operations", self.name,
              validated.version.name, len(model.main.operations))
+        prepared = ReferencePreparedModel(model, Executor(model, validated))
+        if cache is not None:
+            check_counts(cache, self.number_of_cache_files_needed())
+            cached.save(self, cache, [(cache.model[0], _PLAN, cached.pack(
+                cached.dims_meta(validated), [cached.model_blob(model)]))])
+        return prepared
+
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        # The plan is the model and what validation inferred (which is most
+        # of the preparation's time); the executor is rebuilt from them.
+        return (1, 0)
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app: AppKey = None) -> "ReferencePreparedModel":
+        check_counts(cache, self.number_of_cache_files_needed())
+        meta, blobs = cached.unpack(cached.load(self, cache, cache.model[0], _PLAN))
+        if len(blobs) != 1:
+            raise cached.CacheRejected(cached.CacheReject.UNUSABLE, "the plan holds no model")
+        model = cached.model_of(blobs[0])
+        validated = cached.validated_of(meta)
+        vlog("driver", "%s: prepared a HAL %s model with %d operations from its cache",
+             self.name, validated.version.name, len(model.main.operations))
         return ReferencePreparedModel(model, Executor(model, validated))
 
     def __repr__(self) -> str:
