@@ -169,6 +169,7 @@ class Entry:
             return None
         except OSError as e:
             self.counters.reject(CacheReject.FOREIGN, self.key, f"the record: {e}")
+            self.replace = True
             return None
         try:
             payload = read_file(fd, kind=_RECORD_KIND, version=__version__,
@@ -183,6 +184,7 @@ class Entry:
             self.counters.reject(CacheReject.UNUSABLE, f"{self.key} record", str(e))
         finally:
             os.close(fd)
+        self.replace = True
         return None
 
     def open_step(self, step: int, needed: tuple[int, int]) -> CacheFiles | None:
