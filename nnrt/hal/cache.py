@@ -110,17 +110,22 @@ def _key() -> bytes:
     path = os.path.join(base, "nnrt", "cache-key")
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            fd = None
-        if fd is not None:
+        if not os.path.exists(path):
+            # Written whole under a private name, then linked: a process
+            # racing this one sees no key or the whole key, never part of one.
+            temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                # A process racing this write reads a short key and falls back
-                # to a per-process key below: never a wrong one.
                 os.write(fd, os.urandom(32))
+                os.fsync(fd)
             finally:
                 os.close(fd)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temp)
         with open(path, "rb") as f:
             info = os.fstat(f.fileno())
             key = f.read(64)
