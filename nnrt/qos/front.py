@@ -145,18 +145,8 @@ class ScheduledDevice(Device):
         except ValueError:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"execution preference {preference!r} is not valid") from None
-        priority = check_priority(priority)
-        deadline = check_deadline(deadline)
-        app = self.app if app is None else check_key(app, "app key")
+        priority, deadline, app, settings = self._admit(priority, deadline, app)
         clock = self.scheduler.clock
-        if deadline is not None and clock() > deadline:
-            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
-                            "the preparation deadline had passed before preparation began")
-        settings = self.gate.settings_of(app)
-        if priority > settings.max_priority:
-            vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
-                 priority.name, settings.max_priority.name)
-            priority = settings.max_priority
         validate_model(model)   # sized below: a malformed model is refused, not measured
         check_memory_limit(model_bytes(model),
                            self.scheduler.memory_limit if settings.memory_limit is None
@@ -172,6 +162,22 @@ class ScheduledDevice(Device):
         return ScheduledPreparedModel(prepared, self.gate, priority, app,
                                       self._boundaries is not Boundaries.NONE)
 
+    def _admit(self, priority, deadline, app):
+        """The checks every preparation starts with: ``(priority capped by
+        the app's policy, deadline, app, the app's settings)``."""
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        app = self.app if app is None else check_key(app, "app key")
+        if deadline is not None and self.scheduler.clock() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                            "the preparation deadline had passed before preparation began")
+        settings = self.gate.settings_of(app)
+        if priority > settings.max_priority:
+            vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
+                 priority.name, settings.max_priority.name)
+            priority = settings.max_priority
+        return priority, deadline, app, settings
+
     async def prepare_model_from_cache(self, cache: CacheFiles,
                                        priority: Priority = Priority.MEDIUM,
                                        deadline: float | None = None, *,
@@ -179,15 +185,8 @@ class ScheduledDevice(Device):
         """Prepare from the driver's cache files, with the checks of
         :meth:`prepare_model`. Without a model to size, the memory limit
         applies to the cache files' bytes (they hold the model's constants)."""
-        priority = check_priority(priority)
-        deadline = check_deadline(deadline)
-        app = self.app if app is None else check_key(app, "app key")
+        priority, deadline, app, settings = self._admit(priority, deadline, app)
         clock = self.scheduler.clock
-        if deadline is not None and clock() > deadline:
-            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
-                            "the preparation deadline had passed before preparation began")
-        settings = self.gate.settings_of(app)
-        priority = min(priority, settings.max_priority)
         try:
             size = sum(os.fstat(fd).st_size for fd in (*cache.model, *cache.data))
         except OSError as e:
