@@ -43,7 +43,7 @@ from ..model.types import HalVersion
 from .validate import ValidatedModel
 
 TOKEN_SIZE = 32              # NNAPI's BYTE_SIZE_OF_CACHE_TOKEN
-MAX_CACHE_FILES = 16         # per kind (model, data), what a driver may ask for
+MAX_CACHE_FILES = 32         # per kind (model, data): NNAPI's kMaxNumberOfCacheFiles
 MAX_FILE_SIZE = 1 << 31      # bytes a driver reads from one cache file
 MAGIC = b"NNRTCACH"
 FORMAT = 1

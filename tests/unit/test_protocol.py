@@ -300,9 +300,9 @@ def test_cache_calls_refuse_a_wrong_token_or_too_many_files():
     short = body.replace(b"\x20\x00\x00\x00" + b"t" * 32, b"\x1f\x00\x00\x00" + b"t" * 31)
     with pytest.raises(p.ProtocolError, match="cache token of 31 bytes"):
         p.decode_body(short, fds)
-    many = p.PrepareModelFromCache(1, Priority.MEDIUM, None, tuple(range(17)), (), b"t" * 32)
+    many = p.PrepareModelFromCache(1, Priority.MEDIUM, None, tuple(range(33)), (), b"t" * 32)
     frame, fds = p.encode(many)
-    with pytest.raises(p.ProtocolError, match="17 model cache files exceed 16"):
+    with pytest.raises(p.ProtocolError, match="33 model cache files exceed 32"):
         p.decode_body(frame_body(frame), fds)
     # A refusal's reason crosses the wire with its reply.
     refused = p.error_reply(2, p.Method.PREPARE_MODEL_FROM_CACHE, ErrorStatus.GENERAL_FAILURE,
