@@ -26,7 +26,9 @@ from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..memory import Region
 from ..model.builder import Model
 from ..model.graph import Operand
+from ..hal.allowlist import check_current_app
 from ..hal.validate import ValidatedModel, validate_model
+from ..model.extensions import uses_extensions
 from . import cache, partition, request, signature
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
@@ -374,6 +376,7 @@ class Runtime:
         validation inferred come from it, each step from its driver's files
         (or afresh when they are missing or rejected). None when the record
         does not fit (counted): the caller compiles from scratch."""
+        check_current_app(uses_extensions(hal))   # as partitioning would
         by_name = {d.name: d for d in candidates}
         try:
             validated = cache.validated_of(record["validated"])
@@ -416,9 +419,10 @@ class Runtime:
                                                     e.message)
                         entry.replace = True
                 if prepared is None:
-                    prepared = await plan.device.prepare_model(
-                        plan.model, preference, priority, deadline,
-                        self._new_cache_files(entry, k, plan.device))
+                    files = self._new_cache_files(entry, k, plan.device)
+                    entry.replace = True   # a missing or rejected file: mend the entry
+                    prepared = await plan.device.prepare_model(plan.model, preference,
+                                                               priority, deadline, files)
                 steps.append(Step(plan.device, prepared, plan, validated))
         except NnrtError as e:
             # A driver failing here (a service that died) is the uncached

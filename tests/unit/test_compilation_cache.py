@@ -268,3 +268,12 @@ def test_sync_runtime_takes_the_same_arguments(tmp_path, small):
             rt.compile(small, cache_dir=tmp_path, token=TOKEN)
             stats = rt.cache_statistics()
             assert (stats.hits, stats.misses) == expected
+
+
+def test_a_missing_file_is_a_miss_and_the_entry_is_mended(tmp_path, small):
+    _run(ReferenceDevice(), small, tmp_path)
+    (_entry(tmp_path) / "step0-model0").unlink()
+    _, stats = _run(ReferenceDevice(), small, tmp_path)
+    assert (stats.hits, stats.misses, stats.rejects, stats.written) == (0, 1, {}, 1)
+    _, stats = _run(ReferenceDevice(), small, tmp_path)
+    assert (stats.hits, stats.misses) == (1, 0)

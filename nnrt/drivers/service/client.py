@@ -526,7 +526,8 @@ class ServiceDevice(Device):
                                                 cache.data, cache.token))
         value = reply.value
         if reply.status != ErrorStatus.NONE and value is not None and value.reason is not None:
-            raise CacheRejected(value.reason, f"{self.name}: {reply.message}")
+            raise CacheRejected(value.reason, reply.message.removeprefix(
+                f"cache {value.reason.value}: "))
         return ServicePreparedModel(self, _value(reply, "prepare_model_from_cache").model_id)
 
     def for_test_prepared_model(self, model_id: int) -> "ServicePreparedModel":

@@ -75,7 +75,7 @@ from ...vlog import vlog
 from ... import trace
 from ...hal import Device, ExecutionResult, PreparedModel, Request
 from ...hal.allowlist import check_peer
-from ...hal.cache import CacheFiles, CacheRejected
+from ...hal.cache import CacheFiles, CacheReject, CacheRejected
 from ...qos import ScheduledDevice
 from . import protocol as p
 from .scm import received_fds, rights
@@ -413,6 +413,15 @@ class ServiceConnection:
                             f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
                             f"connection; release some")
         try:
+            offered = {e.name for e in service.device.supported_extensions()}
+            if offered:
+                # Without the model we cannot tell whether it uses an
+                # extension: only an allowlisted app prepares from a cache
+                # here; any other compiles afresh, through the usual check.
+                try:
+                    check_peer(self.peer.pid, offered)
+                except NnrtError as e:
+                    raise CacheRejected(CacheReject.UNUSABLE, e.message) from None
             prepared = await service.device.prepare_model_from_cache(
                 _cache_files(call), call.priority, call.deadline, app=service.app_of(self.peer))
         except CacheRejected as e:
