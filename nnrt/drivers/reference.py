@@ -9,10 +9,12 @@ calls at every operation boundary (``Scheduling.boundaries`` is OPERATION).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from .. import ops
 from .._version import __version__
 from ..errors import ErrorStatus, NnrtError
+from ..handoff import run_in_worker
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
@@ -82,6 +84,10 @@ class ReferenceDevice(Device):
                                        deadline: float | None = None, *,
                                        app: AppKey = None) -> "ReferencePreparedModel":
         check_counts(cache, self.number_of_cache_files_needed())
+        # Reading and checking the file takes a while: not on a service's loop.
+        return await run_in_worker(partial(self._prepare_from_cache, cache))
+
+    def _prepare_from_cache(self, cache: CacheFiles) -> "ReferencePreparedModel":
         meta, blobs = cached.unpack(cached.load(self, cache, cache.model[0], _PLAN))
         if len(blobs) != 1:
             raise cached.CacheRejected(cached.CacheReject.UNUSABLE, "the plan holds no model")

@@ -186,49 +186,74 @@ def write_file(fd: int, *, kind: str, version: str, token: bytes, payload) -> No
         raise
 
 
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; the bytes read (fewer at the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _stream_mac(fd: int, end: int) -> bytes:
+    """The MAC of bytes [0, end) of ``fd``, read in chunks into one small buffer."""
+    h = hmac.new(_key(), digestmod=hashlib.sha256)
+    chunk = memoryview(bytearray(1 << 20))
+    offset = 0
+    while offset < end:
+        n = _pread_into(fd, chunk[:min(len(chunk), end - offset)], offset)
+        if n == 0:
+            break
+        h.update(chunk[:n])
+        offset += n
+    return h.digest()
+
+
 def read_file(fd: int, *, kind: str, version: str, token: bytes) -> memoryview:
-    """The payload of cache file ``fd``, or :class:`CacheRejected` saying why not."""
+    """The payload of cache file ``fd``, or :class:`CacheRejected` saying why not.
+
+    Memory is allocated only for a file whose checksum holds: the file is
+    first checked in 1 MiB chunks, so a hostile app's huge file costs a
+    service time, not memory. The payload is then read and checked again,
+    since the file is the app's and may change in between."""
     info = _check_regular(fd)
     size = info.st_size
     if size > MAX_FILE_SIZE:
         raise CacheRejected(CacheReject.FOREIGN, f"a {size}-byte file is too big to be ours")
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
-    while got < size:
-        n = os.preadv(fd, [view[got:]], got)
-        if n == 0:
-            break
-        got += n
-    view = view[:got]
+    head = memoryview(bytearray(min(size, _HEAD.size + 4 + (1 << 17) + TOKEN_SIZE + 8)))
+    got = _pread_into(fd, head, 0)
+    head = head[:got]
     pos = _HEAD.size
     if got < pos:
         raise CacheRejected(CacheReject.TRUNCATED, f"{got} bytes hold no header")
-    magic, fmt = _HEAD.unpack_from(view)
+    magic, fmt = _HEAD.unpack_from(head)
     if magic != MAGIC:
         raise CacheRejected(CacheReject.FOREIGN, "not an nnrt cache file")
     fields = []
     for what in ("kind", "version"):
         if got < pos + 2:
             raise CacheRejected(CacheReject.TRUNCATED, f"the header ends before its {what}")
-        n = _U16.unpack_from(view, pos)[0]
+        n = _U16.unpack_from(head, pos)[0]
         pos += 2
-        fields.append(bytes(view[pos:pos + n]))
+        fields.append(bytes(head[pos:pos + n]))
         pos += n
-    file_token = bytes(view[pos:pos + TOKEN_SIZE])
+    file_token = bytes(head[pos:pos + TOKEN_SIZE])
     pos += TOKEN_SIZE
     if got < pos + _U64.size:
         raise CacheRejected(CacheReject.TRUNCATED, "the header ends before the payload length")
-    length = _U64.unpack_from(view, pos)[0]
+    length = _U64.unpack_from(head, pos)[0]
     pos += _U64.size
-    if got < pos + length + _MAC_SIZE:
-        raise CacheRejected(CacheReject.TRUNCATED,
-                            f"{got} bytes, the header announces {pos + length + _MAC_SIZE}")
-    if got != pos + length + _MAC_SIZE:
-        raise CacheRejected(CacheReject.CORRUPT, f"{got - pos - length - _MAC_SIZE} bytes "
-                                                 f"after the checksum")
     end = pos + length
-    if _mac((view[:end],)) != bytes(view[end:]):
+    if size < end + _MAC_SIZE:
+        raise CacheRejected(CacheReject.TRUNCATED,
+                            f"{size} bytes, the header announces {end + _MAC_SIZE}")
+    if size != end + _MAC_SIZE:
+        raise CacheRejected(CacheReject.CORRUPT, f"{size - end - _MAC_SIZE} bytes "
+                                                 f"after the checksum")
+    mac = bytearray(_MAC_SIZE)
+    if _pread_into(fd, memoryview(mac), end) != _MAC_SIZE or _stream_mac(fd, end) != mac:
         raise CacheRejected(CacheReject.CORRUPT, "the checksum does not match")
     if fmt != FORMAT or fields[1] != version.encode():
         raise CacheRejected(CacheReject.STALE,
@@ -239,7 +264,10 @@ def read_file(fd: int, *, kind: str, version: str, token: bytes) -> memoryview:
                                                  f"file where {kind!r} was expected")
     if file_token != token:
         raise CacheRejected(CacheReject.FOREIGN, "the file belongs to another model")
-    return view[pos:end]
+    data = memoryview(bytearray(end))
+    if _pread_into(fd, data, 0) != end or data[:pos] != head[:pos] or _mac((data,)) != mac:
+        raise CacheRejected(CacheReject.CORRUPT, "the file changed while it was read")
+    return data[pos:end]
 
 
 def dims_meta(validated: ValidatedModel) -> dict:

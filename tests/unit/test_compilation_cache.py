@@ -277,3 +277,23 @@ def test_a_missing_file_is_a_miss_and_the_entry_is_mended(tmp_path, small):
     assert (stats.hits, stats.misses, stats.rejects, stats.written) == (0, 1, {}, 1)
     _, stats = _run(ReferenceDevice(), small, tmp_path)
     assert (stats.hits, stats.misses) == (1, 0)
+
+
+def test_a_huge_file_is_refused_without_reading_it_into_memory(tmp_path):
+    import resource
+    fd = _file(tmp_path)
+    try:
+        data = os.pread(fd, 1 << 20, 0)
+        # A valid-looking header announcing 1 GiB, in a sparse file.
+        os.ftruncate(fd, 0)
+        head_end = len(data) - 32 - len(b"payload " * 100)
+        head = bytearray(data[:head_end])
+        head[-8:] = (1 << 30).to_bytes(8, "little")
+        os.pwrite(fd, bytes(head), 0)
+        os.ftruncate(fd, head_end + (1 << 30) + 32)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert _reason(fd) is CacheReject.CORRUPT
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert after - before < 256 * 1024   # KiB: far less than the gigabyte announced
+    finally:
+        os.close(fd)
