@@ -363,6 +363,8 @@ class Runtime:
         needed = tuple(device.number_of_cache_files_needed())
         if needed == (0, 0):
             self._cache_counters.uncached += 1
+            vlog("compilation", "cache: step %d on %s is not cached (the device keeps no "
+                 "cache files)", k, device.name)
             return None
         if not entry.replace:
             self._cache_counters.misses += 1
