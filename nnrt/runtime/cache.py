@@ -377,7 +377,11 @@ def list_entries(cache_dir: str) -> list[EntryInfo]:
         if not (_is_key(name) or name.startswith(_STAGING)) or not os.path.isdir(path) \
                 or os.path.islink(path):
             continue
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        try:
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            modified = os.path.getmtime(path)
+        except OSError:   # removed meanwhile (a writer replacing it, another clear)
+            continue
         devices, state = (), "staging"
         if _is_key(name):
             state = "bad"
@@ -395,7 +399,7 @@ def list_entries(cache_dir: str) -> list[EntryInfo]:
                 state = "stale" if e.reason is CacheReject.STALE else "bad"
             except (OSError, ValueError, KeyError, TypeError):
                 pass
-        found.append(EntryInfo(name, size, os.path.getmtime(path), devices, state))
+        found.append(EntryInfo(name, size, modified, devices, state))
     return sorted(found, key=lambda e: e.modified)
 
 
