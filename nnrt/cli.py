@@ -2,7 +2,8 @@
 finds; ``nnrt driver serve NAME`` runs a driver service; ``nnrt demo`` runs
 the simulated camera loop; ``nnrt inspect MODEL.tflite`` shows a model's
 operations and where they would run; ``nnrt run MODEL.tflite`` runs one;
-``nnrt bench MODEL.tflite ...`` benchmarks models (nnrt.bench)."""
+``nnrt bench MODEL.tflite ...`` benchmarks models (nnrt.bench); ``nnrt cache
+ls/clear`` shows and empties a compilation cache folder."""
 from __future__ import annotations
 
 import argparse
@@ -289,6 +290,30 @@ def _random_input(info, rng):
     return rng.integers(max(limits.min, -128), min(limits.max, 255) + 1, shape).astype(info.dtype)
 
 
+def _cache_ls(args) -> int:
+    """``nnrt cache ls``: one line per entry."""
+    import time
+    from .runtime.cache import list_entries
+    entries = list_entries(args.folder)
+    if not entries:
+        print(f"{args.folder}: no cache entries")
+        return 0
+    now = time.time()
+    for e in entries:
+        print(f"{e.key[:16]}  {e.bytes / 1e6:8.2f} MB  {(now - e.modified) / 60:7.1f} min ago  "
+              f"{e.state:8s}  {', '.join(e.devices) or '-'}")
+    total = sum(e.bytes for e in entries)
+    print(f"{len(entries)} entries, {total / 1e6:.2f} MB in {args.folder}")
+    return 0
+
+
+def _cache_clear(args) -> int:
+    """``nnrt cache clear``: remove the entries."""
+    from .runtime.cache import clear
+    print(f"removed {clear(args.folder)} cache entries from {args.folder}")
+    return 0
+
+
 def _run(args) -> int:
     import statistics
     import time
@@ -303,7 +328,8 @@ def _run(args) -> int:
 
     async def main():
         async with nnrt.Runtime(discover=not args.no_discover) as rt:
-            compiled = await rt.compile(model, devices=[args.device] if args.device else None)
+            compiled = await rt.compile(model, devices=[args.device] if args.device else None,
+                                        cache_dir=args.cache_dir)
             given = _parse_inputs(args.input, compiled.inputs)
             rng = np.random.default_rng(args.seed)
             inputs = []
@@ -435,7 +461,22 @@ def main(argv: list[str] | None = None) -> int:
                      help="execute N times and report timing (default: 1)")
     run.add_argument("--no-discover", action="store_true",
                      help="only the in-process reference device (skip configured services)")
+    run.add_argument("--cache-dir", metavar="DIR", default=None,
+                     help="keep the compilation in DIR and prepare from it next time "
+                          "(see 'nnrt cache')")
     run.set_defaults(func=_run)
+    cache = sub.add_parser("cache", help="list or clear a compilation cache folder").add_subparsers(
+        dest="action", required=True)
+    from .runtime.cache import default_cache_dir
+    for action, func, text in (("ls", _cache_ls, "list the cache entries: key, size, age, "
+                                "devices, state (ok, stale: another nnrt, bad, staging)"),
+                               ("clear", _cache_clear, "remove every cache entry (and staging "
+                                "folder left by a crash); nothing else in the folder")):
+        cmd = cache.add_parser(action, help=text, description=text)
+        cmd.add_argument("folder", nargs="?", default=default_cache_dir(),
+                         help=f"the cache folder given to compile(cache_dir=) "
+                              f"(default: {default_cache_dir()})")
+        cmd.set_defaults(func=func)
     from .bench.command import add_arguments as bench_arguments
     bench = sub.add_parser("bench", help="latency, accuracy and stress per model and device, "
                            "with an HTML report")

@@ -69,12 +69,19 @@ class Reader:
 
     def u32_array(self, n: int, what: str) -> tuple[int, ...]:
         """``n`` u32 values (``n`` already bounded by the caller's limit)."""
+        return self._array("I", 4, n, what)
+
+    def f64_array(self, n: int, what: str) -> tuple[float, ...]:
+        """``n`` f64 values (``n`` already bounded by the caller's limit)."""
+        return self._array("d", 8, n, what)
+
+    def _array(self, code: str, size: int, n: int, what: str) -> tuple:
         pos = self.pos
-        end = pos + 4 * n
+        end = pos + size * n
         if n < 0 or end > len(self.data):
-            raise self.truncated(4 * n, what)
+            raise self.truncated(size * n, what)
         self.pos = end
-        return struct.unpack_from(f"<{n}I", self.data, pos)
+        return struct.unpack_from(f"<{n}{code}", self.data, pos)
 
     def raw(self, n: int, what: str) -> bytes:
         pos = self.pos
@@ -111,6 +118,11 @@ class Writer:
         """The values only; a count, if the format has one, is the caller's."""
         values = tuple(values)
         self.out += struct.pack(f"<{len(values)}I", *values)
+
+    def f64_array(self, values) -> None:
+        """The values only, as :meth:`u32_array`."""
+        values = tuple(values)
+        self.out += struct.pack(f"<{len(values)}d", *values)
 
     def raw(self, data) -> None:
         self.out += data

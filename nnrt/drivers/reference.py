@@ -9,22 +9,28 @@ calls at every operation boundary (``Scheduling.boundaries`` is OPERATION).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from .. import ops
 from .._version import __version__
 from ..errors import ErrorStatus, NnrtError
+from ..handoff import run_in_worker
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
                    ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
                    PreparedModel, Priority, Request, Scheduling, Timing)
 from ..hal.buffers import BufferRegistry, uses_tokens
 from ..hal.types import BufferDesc, BufferRole
+from ..hal.cache import CacheFiles, check_counts
 from ..hal.validate import RequestValidator, validate_model
 from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
+from . import cached
 from .executor import Executor, RequestPlan
 from .blas import limit_blas_threads
 from .heap import keep_freed_memory
+
+_PLAN = "reference-plan"   # the one model cache file: the model and its inferred dimensions
 
 
 class ReferenceDevice(Device):
@@ -66,6 +72,34 @@ class ReferenceDevice(Device):
         validated = validate_model(model)
         vlog("driver", "%s: prepared a HAL %s model with %d operations", self.name,
              validated.version.name, len(model.main.operations))
+        prepared = ReferencePreparedModel(model, Executor(model, validated), self.buffers, app)
+        if cache is not None:
+            check_counts(cache, self.number_of_cache_files_needed())
+            cached.save(self, cache, [(cache.model[0], _PLAN, cached.pack(
+                cached.dims_meta(validated), [cached.model_blob(model)]))])
+        return prepared
+
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        # The plan is the model and what validation inferred (which is most
+        # of the preparation's time); the executor is rebuilt from them.
+        return (1, 0)
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app: AppKey = None) -> "ReferencePreparedModel":
+        check_counts(cache, self.number_of_cache_files_needed())
+        # Reading and checking the file takes a while: not on a service's loop.
+        return await run_in_worker(partial(self._prepare_from_cache, cache, app))
+
+    def _prepare_from_cache(self, cache: CacheFiles, app: AppKey) -> "ReferencePreparedModel":
+        meta, blobs = cached.unpack(cached.load(self, cache, cache.model[0], _PLAN))
+        if len(blobs) != 1:
+            raise cached.CacheRejected(cached.CacheReject.UNUSABLE, "the plan holds no model")
+        model = cached.model_of(blobs[0])
+        validated = cached.validated_of(meta)
+        vlog("driver", "%s: prepared a HAL %s model with %d operations from its cache",
+             self.name, validated.version.name, len(model.main.operations))
         return ReferencePreparedModel(model, Executor(model, validated), self.buffers, app)
 
     async def allocate(self, desc: BufferDesc, prepared_models, input_roles: list[BufferRole],

@@ -31,6 +31,7 @@ import anyio
 from ..errors import ErrorStatus, NnrtError
 from ..handoff import Waiter, run_soon
 from ..model.extensions import Extension
+from .cache import CacheFiles, CacheReject, CacheRejected
 from ..model.graph import HalModel
 from .types import (BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, Priority, Request, Timing)
@@ -251,7 +252,9 @@ class Device(abc.ABC):
         return []
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:
-        """(model cache files, data cache files); (0, 0) = no compilation caching."""
+        """(model cache files, data cache files); (0, 0) = no compilation
+        caching: the runtime then passes no ``cache`` and never calls
+        :meth:`prepare_model_from_cache`. At most ``MAX_CACHE_FILES`` each."""
         return (0, 0)
 
     def scheduling(self) -> Scheduling:
@@ -270,7 +273,21 @@ class Device(abc.ABC):
                             cache=None, *, app: AppKey = None) -> PreparedModel:
         """Prepare ``model``. ``app`` is the calling app (the scheduler's
         queue key; a driver may use it to own what it allocates); None means
-        the device's own process."""
+        the device's own process. ``cache`` (:class:`nnrt.hal.cache.CacheFiles`,
+        only for a driver that needs cache files) holds fds the driver writes
+        its compiled artifacts into before it returns (see docs/adding-a-driver.md);
+        failing to write them does not fail the preparation."""
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app: AppKey = None) -> PreparedModel:
+        """Prepare the model whose artifacts ``prepare_model(..., cache=)``
+        wrote into ``cache`` (HAL ``prepareModelFromCache``), without the
+        model; ``priority`` is that of its executions, as for ``prepare_model``. Raises :class:`nnrt.hal.cache.CacheRejected` for files it
+        will not use (the runtime counts the reason and compiles afresh).
+        This default, right for a driver that needs no cache files, refuses."""
+        raise CacheRejected(CacheReject.UNUSABLE, f"device {self.name} keeps no compilation cache")
 
     async def statistics(self):
         """The counters of the scheduler in front of this device

@@ -40,6 +40,7 @@ from ..handoff import Waiter, run_soon
 from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference,
                    ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
                    check_deadline, check_priority)
+from ..hal.cache import CacheFiles
 from ..hal.validate import validate_model
 from ..memory import as_buffer
 from ..model.graph import HalModel
@@ -185,18 +186,8 @@ class ScheduledDevice(Device):
         except ValueError:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"execution preference {preference!r} is not valid") from None
-        priority = check_priority(priority)
-        deadline = check_deadline(deadline)
-        app = self.app if app is None else check_key(app, "app key")
+        priority, deadline, app, settings = self._admit(priority, deadline, app)
         clock = self.scheduler.clock
-        if deadline is not None and clock() > deadline:
-            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
-                            "the preparation deadline had passed before preparation began")
-        settings = self.gate.settings_of(app)
-        if priority > settings.max_priority:
-            vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
-                 priority.name, settings.max_priority.name)
-            priority = settings.max_priority
         validate_model(model)   # sized below: a malformed model is refused, not measured
         control_flow = any(op.type in (OperationType.IF, OperationType.WHILE)
                            for op in model.main.operations)
@@ -214,6 +205,47 @@ class ScheduledDevice(Device):
         return ScheduledPreparedModel(prepared, self.gate, priority, app,
                                       self._boundaries is not Boundaries.NONE,
                                       0.0 if control_flow else self.inline_bound)
+
+    def _admit(self, priority, deadline, app):
+        """The checks every preparation starts with: ``(priority capped by
+        the app's policy, deadline, app, the app's settings)``."""
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline)
+        app = self.app if app is None else check_key(app, "app key")
+        if deadline is not None and self.scheduler.clock() > deadline:
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_PERSISTENT,
+                            "the preparation deadline had passed before preparation began")
+        settings = self.gate.settings_of(app)
+        if priority > settings.max_priority:
+            vlog("driver", "%s: app %r asked for %s, its policy caps it at %s", self.name, app,
+                 priority.name, settings.max_priority.name)
+            priority = settings.max_priority
+        return priority, deadline, app, settings
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app: AppKey = None) -> "ScheduledPreparedModel":
+        """Prepare from the driver's cache files, with the checks of
+        :meth:`prepare_model`. Without a model to size, the memory limit
+        applies to the cache files' bytes (they hold the model's constants)."""
+        priority, deadline, app, settings = self._admit(priority, deadline, app)
+        clock = self.scheduler.clock
+        try:
+            size = sum(os.fstat(fd).st_size for fd in (*cache.model, *cache.data))
+        except OSError as e:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT, f"a cache fd: {e}") from None
+        check_memory_limit(size, self.scheduler.memory_limit if settings.memory_limit is None
+                           else settings.memory_limit, "the cached model")
+        prepared = await self.device.prepare_model_from_cache(cache, priority, deadline, app=app)
+        if deadline is not None and clock() > deadline:
+            prepared.release()
+            raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                            "the model was prepared after its preparation deadline")
+        vlog("driver", "%s: prepared a model from its cache behind the scheduler (app %r, %s)",
+             self.name, app, priority.name)
+        return ScheduledPreparedModel(prepared, self.gate, priority, app,
+                                      self._boundaries is not Boundaries.NONE)
 
     def __repr__(self) -> str:
         return f"<ScheduledDevice {self.name} ({self.scheduler.slots} slot(s))>"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from ..errors import ErrorStatus, NnrtError, bad_state, invalid
 from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import Operand
+from ..hal.allowlist import check_current_app
 from ..hal.validate import ValidatedModel, validate_model
-from . import memory_domain, partition, request, signature
+from ..model.extensions import uses_extensions
+from . import cache, memory_domain, partition, request, signature
 from .memory_domain import DeviceMemory, MemoryDesc
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
@@ -73,6 +76,7 @@ class Runtime:
         self._services: list = []
         self._folder = None
         self._reconnector = None   # discovery.Reconnector of the configured services
+        self._cache_counters = cache.Counters()
 
     async def __aenter__(self) -> "Runtime":
         await self.open()
@@ -243,7 +247,8 @@ class Runtime:
                       preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                       priority: Priority | str = Priority.MEDIUM, deadline: float | None = None,
                       devices: Sequence[str | Device] | None = None,
-                      fallback: bool | None = None) -> "CompiledModel":
+                      fallback: bool | None = None, cache_dir: str | os.PathLike | None = None,
+                      token: bytes | None = None) -> "CompiledModel":
         """Validate ``model``, assign its operations to devices and prepare
         each step on its device. ``priority`` is a :class:`Priority` or its
         name (``"HIGH"``).
@@ -257,6 +262,14 @@ class Runtime:
         prepare it, or (the whole model) when its device fails an execution.
         ``compiled.placement`` says which happened. With ``fallback=False``
         each of these is an error instead.
+
+        ``cache_dir`` turns on compilation caching (docs/api.md): the
+        compiled steps are kept in that folder and a later compilation of
+        the same model for the same devices prepares from them. ``token``
+        (32 bytes) is the app's name for the model, mixed into the key with
+        a digest of the model's content; without it the content alone keys
+        the cache. Files found stale, foreign or corrupt are counted
+        (:meth:`cache_statistics`) and compiled afresh.
         """
         hal = _finished(model).hal_model
         priority = request.priority(priority)
@@ -266,7 +279,9 @@ class Runtime:
             preference = ExecutionPreference(preference)
         except ValueError:
             raise invalid(f"execution preference {preference!r} is not valid") from None
-        validated = validate_model(hal)
+        token = cache.check_token(token)
+        if token is not None and cache_dir is None:
+            raise invalid("a cache token needs a cache_dir")
         explicit = devices is not None
         if not explicit:
             await self.reconnect()
@@ -274,6 +289,30 @@ class Runtime:
         if explicit and not candidates:
             raise invalid("devices=[] names no device")
         allow = allow and not explicit
+        entry = None
+        if cache_dir is not None:
+            entry = cache.Entry(cache_dir, cache.entry_key(hal, token, candidates, preference,
+                                                           allow), self._cache_counters)
+            record = entry.read_record()
+            if record is not None:
+                compiled = await self._compile_cached(model, hal, record, candidates, entry,
+                                                      preference, priority, deadline, allow)
+                if compiled is not None:
+                    return compiled
+        try:
+            return await self._compile_fresh(model, hal, candidates, explicit, allow,
+                                             preference, priority, deadline, entry)
+        except BaseException:
+            if entry is not None:
+                entry.discard()
+            raise
+
+    async def _compile_fresh(self, model, hal, candidates, explicit: bool, allow: bool,
+                             preference, priority, deadline,
+                             entry: "cache.Entry | None") -> "CompiledModel":
+        """Validate, partition and prepare every step (writing the cache
+        ``entry``'s files when there is one)."""
+        validated = validate_model(hal)
         supported = [await d.supported_operations(hal) for d in candidates]
         assignment = partition.assign_devices(hal, candidates, supported, preference)
         placed = self._placement(hal, candidates, supported, assignment)
@@ -286,9 +325,12 @@ class Runtime:
         steps = []
         for k, plan in enumerate(plans):
             start = time.perf_counter()
+            files = None
+            if entry is not None:
+                files = self._new_cache_files(entry, k, plan.device)
             try:
                 prepared = await plan.device.prepare_model(plan.model, preference, priority,
-                                                           deadline)
+                                                           deadline, files)
                 device = plan.device
             except NnrtError as e:
                 if not allow or plan.device is self.cpu or e.status in _NOT_THE_DRIVERS_FAULT:
@@ -307,8 +349,106 @@ class Runtime:
                  len(plan.model.main.operations), device.name,
                  (time.perf_counter() - start) * 1e3)
             steps.append(Step(device, prepared, plan, validated))
+        if entry is not None:
+            if any(p.fallback is not None and p.fallback.kind != "unsupported" for p in placed):
+                vlog("compilation", "cache entry %s not written: a step fell back", entry.key)
+                entry.discard()
+            else:
+                entry.commit(_record(placed, validated))
         return CompiledModel(self, model, validated, steps, priority, preference,
                              fallback_allowed=allow, placement=Placement(tuple(placed)))
+
+    def _new_cache_files(self, entry: "cache.Entry", k: int, device: Device):
+        """Fresh cache files for step ``k`` (a miss, or after a reject), None
+        for a device that keeps no cache."""
+        needed = tuple(device.number_of_cache_files_needed())
+        if needed == (0, 0):
+            self._cache_counters.uncached += 1
+            vlog("compilation", "cache: step %d on %s is not cached (the device keeps no "
+                 "cache files)", k, device.name)
+            return None
+        if not entry.replace:
+            self._cache_counters.misses += 1
+            vlog("compilation", "cache miss: step %d on %s (entry %s)", k, device.name,
+                 entry.key)
+        return entry.create_step(k, needed)
+
+    async def _compile_cached(self, model, hal, record: dict, candidates, entry: "cache.Entry",
+                              preference, priority, deadline, allow) -> "CompiledModel | None":
+        """Compile from a cache entry's record: the placement and what
+        validation inferred come from it, each step from its driver's files
+        (or afresh when they are missing or rejected). None when the record
+        does not fit (counted): the caller compiles from scratch."""
+        check_current_app(uses_extensions(hal))   # as partitioning would
+        by_name = {d.name: d for d in candidates}
+        try:
+            validated = cache.validated_of(record["validated"])
+            placed = [PlacedStep(s["device"], tuple(s["operations"]), tuple(s["types"]),
+                                 None if s["fallback"] is None else Fallback(*s["fallback"]))
+                      for s in record["steps"]]
+            assignment: list = [None] * len(hal.main.operations)
+            for p in placed:
+                for i in p.operations:
+                    assignment[i] = by_name[p.device]
+            if any(d is None for d in assignment):
+                raise ValueError("the record leaves operations unplaced")
+            plans = partition.split(hal, assignment)
+        except cache.CacheRejected as e:
+            self._cache_counters.reject(e.reason, f"{entry.key} record", e.message)
+            entry.replace = True
+            return None
+        except (KeyError, TypeError, ValueError, IndexError, NnrtError) as e:
+            self._cache_counters.reject(cache.CacheReject.UNUSABLE, f"{entry.key} record",
+                                        repr(e))
+            entry.replace = True
+            return None
+        steps = []
+        try:
+            for k, plan in enumerate(plans):
+                start = time.perf_counter()
+                needed = tuple(plan.device.number_of_cache_files_needed())
+                prepared = None
+                files = entry.open_step(k, needed) if needed != (0, 0) else None
+                if files is not None:
+                    try:
+                        prepared = await plan.device.prepare_model_from_cache(files, priority,
+                                                                              deadline)
+                        self._cache_counters.hits += 1
+                        entry.keep_step(k, needed)
+                        vlog("compilation", "cache hit: step %d on %s from entry %s in %.1f ms",
+                             k, plan.device.name, entry.key, (time.perf_counter() - start) * 1e3)
+                    except cache.CacheRejected as e:
+                        self._cache_counters.reject(e.reason, f"step {k} on {plan.device.name}",
+                                                    e.message)
+                        entry.replace = True
+                if prepared is None:
+                    files = self._new_cache_files(entry, k, plan.device)
+                    entry.replace = True   # a missing or rejected file: mend the entry
+                    prepared = await plan.device.prepare_model(plan.model, preference,
+                                                               priority, deadline, files)
+                steps.append(Step(plan.device, prepared, plan, validated))
+        except NnrtError as e:
+            # A driver failing here (a service that died) is the uncached
+            # path's to handle, with its fallbacks.
+            vlog("compilation", "compiling from cache entry %s failed (%s); compiling afresh",
+                 entry.key, e)
+            for step in steps:
+                step.prepared.release()
+            entry.discard()
+            return None
+        except BaseException:
+            for step in steps:
+                step.prepared.release()
+            entry.discard()
+            raise
+        entry.commit(record)
+        return CompiledModel(self, model, validated, steps, priority, preference,
+                             fallback_allowed=allow, placement=Placement(tuple(placed)))
+
+    def cache_statistics(self) -> "cache.CacheStatistics":
+        """What the compilation cache decided so far: hits, misses, rejects
+        by reason (a frozen dataclass)."""
+        return self._cache_counters.snapshot()
 
     def _placement(self, hal, candidates, supported, assignment) -> list[PlacedStep]:
         """The steps as placed by partitioning; a step on the CPU whose
@@ -372,6 +512,16 @@ def in_process_devices(*, litert: bool = True) -> list[Device]:
 # the CPU would fail the same way, break the app's deadline, or (a full queue:
 # RESOURCE_EXHAUSTED) just move the app's flood onto the CPU, so they are
 # reported as they are.
+def _record(placed, validated: ValidatedModel) -> dict:
+    """The runtime's own record of a cached compilation (see nnrt/runtime/cache.py)."""
+    return {"steps": [{"device": p.device, "operations": list(p.operations),
+                       "types": list(p.operation_types),
+                       "fallback": None if p.fallback is None else
+                       [p.fallback.kind, p.fallback.device, p.fallback.detail]}
+                      for p in placed],
+            "validated": cache.dims_meta(validated)}
+
+
 _NOT_THE_DRIVERS_FAULT = frozenset({
     ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
     ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT,

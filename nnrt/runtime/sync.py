@@ -155,6 +155,11 @@ class SyncRuntime:
         self._check_open()
         return self._call(self._runtime.statistics(device))
 
+    def cache_statistics(self):
+        """As :meth:`Runtime.cache_statistics` (compile with ``cache_dir=``,
+        ``token=`` as there)."""
+        return self._runtime.cache_statistics()
+
     def _check_open(self) -> None:
         if self._closed:
             raise bad_state("the SyncRuntime is closed")

@@ -11,6 +11,7 @@ from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                       OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
+from nnrt.hal.cache import CacheReject
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import DataLocation
 
@@ -99,6 +100,13 @@ MESSAGES = [
     p.Execute(24, 7, (RequestArgument(False, DataLocation(1, 0, 0)),), (ARG,),
               (POOL, p.WireToken(3)), (), False, None, None),
     p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
+    p.PrepareModelCaching(14, _model(), ExecutionPreference.FAST_SINGLE_ANSWER, Priority.LOW,
+                          None, (5,), (6, 7), bytes(range(32))),
+    p.Reply(14, p.Method.PREPARE_MODEL_CACHING, value=13),
+    p.PrepareModelFromCache(15, Priority.HIGH, 2.5, (5,), (), b"\xff" * 32),
+    p.Reply(15, p.Method.PREPARE_MODEL_FROM_CACHE, ErrorStatus.GENERAL_FAILURE, "cache corrupt",
+            p.FromCache(ErrorStatus.GENERAL_FAILURE, "cache corrupt",
+                        reason=CacheReject.CORRUPT)),
 ]
 FRAMES = [p.encode(m) for m in MESSAGES]
 

@@ -15,6 +15,10 @@ from nnrt.drivers.service import protocol as p
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
 from nnrt.model.types import OperandLifeTime as L
+from nnrt.memory import as_buffer
+from pathlib import Path
+
+MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 
 
 def wire_model():
@@ -268,6 +272,12 @@ def all_method_messages():
         p.Reply(16, p.Method.GET_MEMORIES, value=(pool,)),
         p.BurstEnded(17, 9, "its ring is out of sync"),
         p.Reply(17, p.Method.BURST_ENDED),
+        p.PrepareModelCaching(18, wire_model(), ExecutionPreference.LOW_POWER, Priority.HIGH,
+                              3.5, (4,), (5,), b"t" * 32),
+        p.Reply(18, p.Method.PREPARE_MODEL_CACHING, value=5),
+        p.PrepareModelFromCache(19, Priority.MEDIUM, None, (4,), (5,), b"t" * 32),
+        p.Reply(19, p.Method.PREPARE_MODEL_FROM_CACHE,
+                value=p.FromCache(ErrorStatus.NONE, model_id=6)),
         p.Allocate(20, (0, 4), (7, 8), (p.BufferRole(0, 1, 0.5),),
                    (p.BufferRole(1, 0), p.BufferRole(0, 0, 1.0))),
         p.Reply(20, p.Method.ALLOCATE, value=5),
@@ -318,6 +328,39 @@ def test_every_other_method_round_trips_and_refuses_cuts(message):
             p.decode_body(body[:cut], fds)
     with pytest.raises(p.ProtocolError, match="trailing"):
         p.decode_body(body + b"\0", fds)
+
+
+def test_cache_calls_refuse_a_wrong_token_or_too_many_files():
+    good = p.PrepareModelFromCache(1, Priority.MEDIUM, None, (4,), (), b"t" * 32)
+    frame, fds = p.encode(good)
+    body = frame_body(frame)
+    short = body.replace(b"\x20\x00\x00\x00" + b"t" * 32, b"\x1f\x00\x00\x00" + b"t" * 31)
+    with pytest.raises(p.ProtocolError, match="cache token of 31 bytes"):
+        p.decode_body(short, fds)
+    many = p.PrepareModelFromCache(1, Priority.MEDIUM, None, tuple(range(33)), (), b"t" * 32)
+    frame, fds = p.encode(many)
+    with pytest.raises(p.ProtocolError, match="33 model cache files exceed 32"):
+        p.decode_body(frame_body(frame), fds)
+    # A refusal's reason crosses the wire with its reply.
+    refused = p.error_reply(2, p.Method.PREPARE_MODEL_FROM_CACHE, ErrorStatus.GENERAL_FAILURE,
+                            "no")
+    assert refused.value == p.FromCache(ErrorStatus.GENERAL_FAILURE, "no")
+    frame, fds = p.encode(refused)
+    assert p.decode_body(frame_body(frame), fds) == refused
+
+
+def test_a_model_encoded_for_a_cache_file_round_trips_with_its_pools_inline():
+    import nnrt.tflite
+    model = nnrt.tflite.load(MODELS / "generated" / "mobilenet_v1_0.25_128_int8.tflite").hal_model
+    decoded = p.decode_model(p.encode_model(model))
+    assert decoded.main == model.main and decoded.referenced == model.referenced
+    assert bytes(decoded.operand_values) == bytes(model.operand_values)
+    assert [bytes(as_buffer(a)) for a in decoded.pools] == \
+        [bytes(as_buffer(b)) for b in model.pools]
+    data = p.encode_model(model)
+    for cut in (0, 1, len(data) // 2, len(data) - 1):
+        with pytest.raises(p.ProtocolError):
+            p.decode_model(data[:cut])
 
 
 def test_error_replies_carry_what_the_codec_says():

@@ -79,6 +79,7 @@ from ...fence.sync_fence import SyncFence
 from ...handoff import Waiter, run_soon
 from ...hal import (Buffer, BufferDesc, Capabilities, Device, ExecutionPreference,
                     ExecutionResult, FencedCallback, PreparedModel, Request, Scheduling, Timing)
+from ...hal.cache import CacheFiles, CacheRejected
 from ...hal.types import Priority
 from ...memory import DeviceToken, Memory
 from ...memory.staging import ArenaPool, Staging, stage
@@ -498,12 +499,36 @@ class ServiceDevice(Device):
             raise invalid(str(e)) from None
         wire, staged = _stage_model(model)
         try:
-            reply = await self._channel.call(
-                lambda cid: p.PrepareModel(cid, wire, preference, priority, deadline))
+            if cache is None:
+                reply = await self._channel.call(
+                    lambda cid: p.PrepareModel(cid, wire, preference, priority, deadline))
+            else:   # the cache fds travel beside the call (SCM_RIGHTS)
+                reply = await self._channel.call(
+                    lambda cid: p.PrepareModelCaching(cid, wire, preference, priority, deadline,
+                                                      cache.model, cache.data, cache.token))
         finally:
             for m in staged:
                 m.close()
         return ServicePreparedModel(self, _value(reply, "prepare_model"))
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app=None) -> "ServicePreparedModel":
+        """The service's driver prepares from the cache fds sent with the
+        call; its refusal comes back as CacheRejected with its reason."""
+        try:
+            priority = Priority(priority)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        reply = await self._channel.call(
+            lambda cid: p.PrepareModelFromCache(cid, priority, deadline, cache.model,
+                                                cache.data, cache.token))
+        value = reply.value
+        if reply.status != ErrorStatus.NONE and value is not None and value.reason is not None:
+            raise CacheRejected(value.reason, reply.message.removeprefix(
+                f"cache {value.reason.value}: "))
+        return ServicePreparedModel(self, _value(reply, "prepare_model_from_cache").model_id)
 
     async def allocate(self, desc: BufferDesc, prepared_models, input_roles, output_roles, *,
                        app=None) -> tuple["ServiceBuffer", int]:

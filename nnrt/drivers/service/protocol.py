@@ -67,8 +67,9 @@ from typing import Any, Callable
 from ...errors import ErrorStatus, NnrtError
 from ...hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                     OutputShape, PerformanceInfo, RequestArgument, Timing)
+from ...hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
 from ...hal.types import BufferRole, Priority
-from ...memory import DeviceToken
+from ...memory import DeviceToken, as_buffer
 from ...memory.staging import SlotCache
 from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                             Operation, Subgraph)
@@ -130,6 +131,9 @@ class Method(enum.IntEnum):
     COPY_TO = 21              # buffer -> the shared memory whose fd comes with the call
     COPY_FROM = 22            # the shared memory whose fd comes with the call -> buffer
     RELEASE_BUFFER = 23
+    # 30-39: compilation caching (the cache files travel as SCM_RIGHTS)
+    PREPARE_MODEL_CACHING = 30     # PREPARE_MODEL that also writes the cache files
+    PREPARE_MODEL_FROM_CACHE = 31  # reply: a FromCache (the model id, or why not)
 
 
 # Calls the service makes to the client (the burst server asking the
@@ -196,6 +200,43 @@ class PrepareModel:
     priority: Priority
     deadline: float | None
     method = Method.PREPARE_MODEL
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareModelCaching(PrepareModel):
+    """PREPARE_MODEL whose driver writes its artifacts into the cache files
+    (fds opened by the app, received with the call; the service never opens
+    a path). ``token`` is the step's 32-byte cache token."""
+
+    cache_model: tuple[int, ...] = ()
+    cache_data: tuple[int, ...] = ()
+    token: bytes = b""
+    method = Method.PREPARE_MODEL_CACHING
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareModelFromCache:
+    """HAL ``prepareModelFromCache``: no model, only the cache files' fds."""
+
+    call_id: int
+    priority: Priority
+    deadline: float | None
+    cache_model: tuple[int, ...]
+    cache_data: tuple[int, ...]
+    token: bytes
+    method = Method.PREPARE_MODEL_FROM_CACHE
+
+
+@dataclass(frozen=True, slots=True)
+class FromCache:
+    """The value of a PREPARE_MODEL_FROM_CACHE reply: the prepared model's
+    id, or (status GENERAL_FAILURE) the reason the driver refused the files,
+    which the app's runtime counts (None: another failure)."""
+
+    status: ErrorStatus
+    message: str = ""
+    model_id: int = 0
+    reason: CacheReject | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +433,7 @@ class Malformed:
 
 
 Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
-        | ExecuteFenced | Cancel)
+        | ExecuteFenced | Cancel | PrepareModelCaching | PrepareModelFromCache)
 
 
 # -- statistics on the wire ---------------------------------------------------
@@ -665,8 +706,7 @@ def _put_subgraph(w: _Writer, s: Subgraph) -> None:
         if o.channel_quant is not None:
             w.u32(o.channel_quant.channel_dim)
             w.u32(len(o.channel_quant.scales))
-            for scale in o.channel_quant.scales:
-                w.f64(scale)
+            w.f64_array(o.channel_quant.scales)
         w.flag(o.extra_params is not None)
         if o.extra_params is not None:
             w.bytes_(o.extra_params)
@@ -701,7 +741,7 @@ def _get_subgraph(r: _Reader, what: str) -> Subgraph:
         if r.flag(f"{w} channel quant flag"):
             dim = r.u32(f"{w} channel dim")
             m = r.count(f"{w} channel scale count", 8)
-            cq = ChannelQuant(dim, tuple(r.f64(f"{w} channel scale") for _ in range(m)))
+            cq = ChannelQuant(dim, r.f64_array(m, f"{w} channel scales"))
         extra = r.bytes_(f"{w} extra params") if r.flag(f"{w} extra params flag") else None
         operands.append(Operand(t, dims, scale, zero_point, lifetime, loc, cq, extra))
     n = r.count(f"{what} operation count", 12)
@@ -716,13 +756,13 @@ def _get_subgraph(r: _Reader, what: str) -> Subgraph:
                     r.u32s(f"{what} outputs"))
 
 
-def _put_model(w: _Writer, m: HalModel) -> None:
+def _put_model(w: _Writer, m: HalModel, put_pools=_put_pools) -> None:
     _put_subgraph(w, m.main)
     w.u32(len(m.referenced))
     for s in m.referenced:
         _put_subgraph(w, s)
     w.bytes_(m.operand_values)
-    _put_pools(w, m.pools)
+    put_pools(w, m.pools)
     w.flag(m.relax_computation_float32_to_float16)
     w.u32(len(m.extension_prefixes))
     for e in m.extension_prefixes:
@@ -730,12 +770,12 @@ def _put_model(w: _Writer, m: HalModel) -> None:
         w.u32(e.prefix)
 
 
-def _get_model(r: _Reader) -> HalModel:
+def _get_model(r: _Reader, get_pools=lambda r: _get_pools(r, "model")) -> HalModel:
     main = _get_subgraph(r, "main subgraph")
     n = r.count("subgraph count", 16)
     referenced = tuple(_get_subgraph(r, f"subgraph {k}") for k in range(n))
-    values = r.bytes_("operand values")
-    pools = _get_pools(r, "model")
+    values = r.bytes_("operand values", r.left)
+    pools = get_pools(r)
     relax = r.flag("relax flag")
     n = r.count("extension prefix count", 8)
     prefixes = tuple(ExtensionPrefix(r.str_("extension name"), r.u32("extension prefix"))
@@ -747,6 +787,33 @@ def _get_model(r: _Reader) -> HalModel:
     except NnrtError as e:
         raise ProtocolError(e.message) from None
     return HalModel(main, referenced, values, pools, relax, prefixes)
+
+
+def _put_inline_pools(w: _Writer, pools) -> None:
+    w.u32(len(pools))
+    for pool in pools:
+        w.bytes_(as_buffer(pool))
+
+
+def _get_inline_pools(r: _Reader) -> tuple[bytes, ...]:
+    return tuple(r.bytes_(f"pool {k}", r.left) for k in range(r.count("pool count", 4)))
+
+
+def encode_model(model: HalModel) -> bytes:
+    """``model`` as bytes, its constant pools inline: what a driver keeps of
+    a model in its cache files (:func:`decode_model` reads it back)."""
+    w = _Writer(b"")
+    _put_model(w, model, _put_inline_pools)
+    return w.value()
+
+
+def decode_model(data) -> HalModel:
+    """The model :func:`encode_model` wrote, its pools as bytes; ProtocolError
+    for bytes that do not hold one."""
+    r = _Reader(data, ())
+    model = _get_model(r, _get_inline_pools)
+    r.finish("cached model")
+    return model
 
 
 def _enum(cls, v: int, what: str):
@@ -958,6 +1025,65 @@ def _get_prepare(r: _Reader, call_id: int, method: Method) -> PrepareModel:
     model = _get_model(r)
     return PrepareModel(call_id, model, r.enum(ExecutionPreference, "preference"),
                         r.enum(Priority, "priority"), r.finite("deadline"))
+
+
+def _put_cache_fds(w: _Writer, m) -> None:
+    for fds in (m.cache_model, m.cache_data):
+        w.u32(len(fds))
+        w.fds.extend(fds)
+    w.bytes_(m.token)
+
+
+def _get_cache_fds(r: _Reader) -> tuple[tuple[int, ...], tuple[int, ...], bytes]:
+    fds = []
+    for what in ("model", "data"):
+        n = r.u32(f"{what} cache file count")
+        if n > MAX_CACHE_FILES:
+            raise ProtocolError(f"{n} {what} cache files exceed {MAX_CACHE_FILES}")
+        fds.append(tuple(r.fd(f"{what} cache file {k}") for k in range(n)))
+    token = r.bytes_("cache token", TOKEN_SIZE)
+    if len(token) != TOKEN_SIZE:
+        raise ProtocolError(f"a cache token of {len(token)} bytes, not {TOKEN_SIZE}")
+    return fds[0], fds[1], token
+
+
+def _put_prepare_caching(w: _Writer, m: PrepareModelCaching) -> None:
+    _put_prepare(w, m)
+    _put_cache_fds(w, m)
+
+
+def _get_prepare_caching(r: _Reader, call_id: int, method: Method) -> PrepareModelCaching:
+    m = _get_prepare(r, call_id, method)
+    model_fds, data_fds, token = _get_cache_fds(r)
+    return PrepareModelCaching(call_id, m.model, m.preference, m.priority, m.deadline,
+                               model_fds, data_fds, token)
+
+
+def _put_from_cache(w: _Writer, m: PrepareModelFromCache) -> None:
+    w.u32(m.priority)
+    w.opt_f64(m.deadline)
+    _put_cache_fds(w, m)
+
+
+def _get_from_cache(r: _Reader, call_id: int, method: Method) -> PrepareModelFromCache:
+    priority, deadline = r.enum(Priority, "priority"), r.finite("deadline")
+    return PrepareModelFromCache(call_id, priority, deadline, *_get_cache_fds(r))
+
+
+_REJECTS = tuple(CacheReject)
+
+
+def _put_from_cache_value(w: _Writer, v: FromCache) -> None:
+    w.u64(v.model_id)
+    w.u8(0 if v.reason is None else 1 + _REJECTS.index(v.reason))
+
+
+def _get_from_cache_value(r: _Reader, status, message) -> FromCache:
+    model_id = r.u64("prepared model id")
+    code = r.u8("cache reject reason")
+    if code > len(_REJECTS):
+        raise ProtocolError(f"cache reject reason {code} is unknown")
+    return FromCache(status, message, model_id, None if code == 0 else _REJECTS[code - 1])
 
 
 def _put_execute(w: _Writer, m: Execute) -> None:
@@ -1252,6 +1378,13 @@ CODECS: dict[Method, Codec] = {
     Method.COPY_FROM: Codec(_put_copy, _get_copy, fds=lambda call: _pool_fds((call.pool,))),
     Method.RELEASE_BUFFER: Codec(lambda w, m: w.u64(m.token),
                                  _get_u64_call(ReleaseBuffer, "buffer token")),
+    Method.PREPARE_MODEL_CACHING: Codec(
+        _put_prepare_caching, _get_prepare_caching, _put_id, _get_id("prepared model id"),
+        fds=lambda call: (*_pool_fds(call.model.pools), *call.cache_model, *call.cache_data)),
+    Method.PREPARE_MODEL_FROM_CACHE: Codec(
+        _put_from_cache, _get_from_cache, _put_from_cache_value, _get_from_cache_value,
+        lambda status, message: FromCache(status, message),
+        fds=lambda call: (*call.cache_model, *call.cache_data)),
 }
 assert set(CODECS) == set(Method), "every method has its codec"
 

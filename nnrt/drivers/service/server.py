@@ -75,6 +75,7 @@ from ...vlog import vlog
 from ... import trace
 from ...hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
 from ...hal.allowlist import check_peer
+from ...hal.cache import CacheFiles, CacheReject, CacheRejected
 from ...qos import ScheduledDevice
 from . import protocol as p
 from .scm import received_fds, rights
@@ -398,6 +399,7 @@ class ServiceConnection:
             check_peer(self.peer.pid, uses_extensions(model))
             prepared = await service.device.prepare_model(
                 model, call.preference, call.priority, call.deadline,
+                _cache_files(call) if call.method is p.Method.PREPARE_MODEL_CACHING else None,
                 app=service.app_of(self.peer))
         except BaseException:
             for m in memories:
@@ -406,6 +408,32 @@ class ServiceConnection:
         model_id = service.next_id()
         self.models[model_id] = _Prepared(prepared, memories)
         return model_id
+
+    async def _prepare_model_from_cache(self, call: p.PrepareModelFromCache) -> p.FromCache:
+        """The driver reads the app's cache fds (it never opens a path); a
+        refusal says why, for the app's counters."""
+        service = self.service
+        if len(self.models) >= MAX_MODELS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
+                            f"connection; release some")
+        try:
+            offered = {e.name for e in service.device.supported_extensions()}
+            if offered:
+                # Without the model we cannot tell whether it uses an
+                # extension: only an allowlisted app prepares from a cache
+                # here; any other compiles afresh, through the usual check.
+                try:
+                    check_peer(self.peer.pid, offered)
+                except NnrtError as e:
+                    raise CacheRejected(CacheReject.UNUSABLE, e.message) from None
+            prepared = await service.device.prepare_model_from_cache(
+                _cache_files(call), call.priority, call.deadline, app=service.app_of(self.peer))
+        except CacheRejected as e:
+            return p.FromCache(e.status, e.message, reason=e.reason)
+        model_id = service.next_id()
+        self.models[model_id] = _Prepared(prepared, [])
+        return p.FromCache(ErrorStatus.NONE, model_id=model_id)
 
     async def _release_model(self, call: p.ReleaseModel) -> None:
         self._own(call.model_id).close()
@@ -668,6 +696,10 @@ class ServiceConnection:
         return entry
 
 
+def _cache_files(call) -> CacheFiles:
+    return CacheFiles(call.cache_model, call.cache_data, call.token)
+
+
 # What the service does for each call it serves: a new method is one codec
 # in protocol.CODECS and one handler here. CANCEL is answered by the read
 # loop itself (it must not wait behind the calls it cancels), and the
@@ -680,6 +712,8 @@ _HANDLERS = {
     p.Method.STATISTICS: ServiceConnection._statistics,
     p.Method.SUPPORTED_OPERATIONS: ServiceConnection._supported_operations,
     p.Method.PREPARE_MODEL: ServiceConnection._prepare_model,
+    p.Method.PREPARE_MODEL_CACHING: ServiceConnection._prepare_model,
+    p.Method.PREPARE_MODEL_FROM_CACHE: ServiceConnection._prepare_model_from_cache,
     p.Method.EXECUTE: ServiceConnection._execute,
     p.Method.EXECUTE_FENCED: ServiceConnection._execute_fenced,
     p.Method.RELEASE_MODEL: ServiceConnection._release_model,
