@@ -15,7 +15,10 @@ token, and its contents never cross into the app. When the roles span
 devices or compilations split across devices, or the driver declines, the
 memory is shared memory of the runtime's own with the same semantics (the
 roles, the dimensions, "never written" refused as an input) — then it needs
-its dimensions fully known. ``memory.on_device`` says which.
+its dimensions fully known. ``memory.on_device`` says which. When the
+driver dies, the execution naming the memory moves it into shared memory
+with the contents the driver last completed (:meth:`DeviceMemory.move_off_device`,
+from a service's mirror) and reruns on the CPU.
 
 A device memory is used whole (no regions). The same memory may not be an
 input and an output of one execution: alternate two memories (as the
