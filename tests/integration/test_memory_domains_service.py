@@ -416,3 +416,45 @@ async def test_a_buffer_of_unknown_size_dies_with_its_service():
         assert [d.name for d in compiled.devices] == [rt.cpu.name]
         np.testing.assert_array_equal(
             (await compiled.execute([np.array([-1, 1], np.float32)])).outputs[0], [0, 1])
+
+
+async def test_each_allocation_gets_its_own_sealed_mirror_that_a_client_cannot_hurt(service):
+    """A mirror is a memfd made for one allocation (never the same file for
+    two buffers or two connections), sealed so its holder cannot resize it;
+    a client scribbling over it changes nothing the service computes with
+    and hurts only its own recovery copy."""
+    from nnrt.drivers.service.mirror import read_mirror
+    one = await ServiceDevice.connect(str(service))
+    two = await ServiceDevice.connect(str(service))
+    try:
+        buffers = []
+        for device in (one, one, two):
+            prepared = await device.prepare_model(add_model((4,)))
+            buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                                  [BufferRole(0, 0)])
+            buffers.append((prepared, buffer, token))
+        inodes = {os.fstat(b._mirror_fd).st_ino for _p, b, _t in buffers}
+        assert len(inodes) == 3
+        prepared, buffer, token = buffers[0]
+        fd = buffer._mirror_fd
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with Memory.create(16) as mem, Memory.create(16) as x:
+            mem.array(np.float32, 4)[:] = [1, 2, 3, 4]
+            await buffer.copy_from(mem, (4,))
+            os.pwrite(fd, b"\xff" * os.fstat(fd).st_size, 0)   # the whole mirror, header too
+            assert read_mirror(fd, 16) is None
+            x.array(np.float32, 4)[:] = 10
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.NONE, result.message
+            await buffer.copy_to(mem)
+            np.testing.assert_array_equal(mem.array(np.float32, 4), [11, 12, 13, 14])
+            # The service writes only a half and the current byte, never
+            # the magic: a client that scribbled its header lost its own
+            # recovery copy, and only that.
+            assert read_mirror(fd, 16) is None
+        assert buffer.recover() is None          # never a live service's contents
+        assert one.alive and two.alive
+    finally:
+        one.close()
+        two.close()
