@@ -232,6 +232,14 @@ class Buffer(abc.ABC):
     def release(self) -> None:
         """Free the buffer in the driver; its token names nothing after. Idempotent."""
 
+    def recover(self) -> bytes | None:
+        """After the buffer's driver died (a call failed with DEAD_OBJECT):
+        the complete contents the buffer held last, for the runtime to
+        rerun on the CPU with; None when they died with the driver — the
+        default (a driver service mirrors buffers of known size: see
+        nnrt.drivers.service.mirror). Never contents of a live driver."""
+        return None
+
 
 class Device(abc.ABC):
     """A driver. Its queries answer the same for the driver's whole life."""

@@ -15,7 +15,10 @@ token, and its contents never cross into the app. When the roles span
 devices or compilations split across devices, or the driver declines, the
 memory is shared memory of the runtime's own with the same semantics (the
 roles, the dimensions, "never written" refused as an input) — then it needs
-its dimensions fully known. ``memory.on_device`` says which.
+its dimensions fully known. ``memory.on_device`` says which. When the
+driver dies, the execution naming the memory moves it into shared memory
+with the contents the driver last completed (:meth:`DeviceMemory.move_off_device`,
+from a service's mirror) and reruns on the CPU.
 
 A device memory is used whole (no regions). The same memory may not be an
 input and an output of one execution: alternate two memories (as the
@@ -173,6 +176,30 @@ class DeviceMemory:
                                 f"{what}: the device memory lives on {self.device.name}; the "
                                 f"compiled model now runs on "
                                 f"{', '.join(d.name for d in devices)}")
+
+    def move_off_device(self) -> bool:
+        """After the memory's driver died: make it shared memory of the
+        runtime's own holding the contents the driver kept last
+        (:meth:`Buffer.recover`), so an execution can rerun on the CPU
+        with it (NNAPI's "CPU rerun"). False, changing nothing, when the
+        contents died with the driver or the dimensions are not all known."""
+        if not self.on_device:
+            return True
+        size = self.nbytes(self.declared)
+        if not fully_specified(self.declared):
+            return False
+        data = self.buffer.recover() if self.initialized else b""
+        if data is None or (self.initialized and len(data) != size):
+            return False
+        shared = Memory.create(max(size, 1), "nnrt-device-memory")
+        shared.view()[:len(data)] = data
+        try:
+            self.buffer.release()
+        except NnrtError:   # the service is gone: nothing left to free
+            pass
+        self.declined = f"{self.device.name} died; the contents moved to shared memory"
+        self.buffer, self.device, self.token, self._shared = None, None, 0, shared
+        return True
 
     def region(self) -> Region:
         """The fallback's shared memory as an execution value."""

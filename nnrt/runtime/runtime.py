@@ -730,16 +730,19 @@ class CompiledModel:
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
                                          loop_timeout, sessions)
             except _DriverFailure as failure:
-                if any(isinstance(v, DeviceMemory) and v.on_device
-                       for v in (*arrays, *(user_outputs or ()))):
-                    # The memory's contents live in the failed driver: they
-                    # cannot follow this execution to the CPU. Later ones run
-                    # there (a stateful model's state starts afresh).
-                    self._fall_back(failure)
-                    self._steps = await self._cpu_steps()
-                    raise failure.error from None
+                memories = [v for v in (*arrays, *(user_outputs or ()))
+                            if isinstance(v, DeviceMemory) and v.on_device]
+                # The memories' contents follow the execution to the CPU when
+                # the dead driver left them readable (a service's mirrors).
+                moved = [m.move_off_device() for m in memories]
                 self._fall_back(failure)
                 self._steps = await self._cpu_steps()
+                if not all(moved):
+                    raise failure.error from None   # they died with the driver
+                if memories:
+                    self._signature.moved(memories)
+                    arrays, user_outputs, measure, deadline = self._check_request(
+                        inputs, outputs, measure_timing, deadline)
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
                                          loop_timeout)
         except BaseException:

@@ -111,6 +111,14 @@ class Signature:
         """The state's memories must be zeroed before the next execution."""
         return self._memories is not None and self._reset_pending
 
+    def moved(self, memories) -> None:
+        """``memories`` moved out of a dead driver into the runtime's shared
+        memory: when the state's are among them, its bytes crossed to the
+        app side once."""
+        mine = {id(m) for pair in self._memories or () for m in pair}
+        if any(id(m) in mine for m in memories):
+            self.transfers += 1
+
     def reset_done(self) -> None:
         self._reset_pending = False
         self.transfers += 1

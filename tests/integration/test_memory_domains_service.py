@@ -327,40 +327,134 @@ async def test_a_copy_from_an_unsealed_memfd_is_refused_and_the_service_goes_on(
         device.close()
 
 
-async def test_after_a_sigkill_the_state_starts_afresh_on_the_cpu():
-    """A device memory's contents die with its service: the execution that
-    finds the service dead fails with DEAD_OBJECT, later ones run on the
-    CPU, and a stateful model's state starts afresh there (it is not
-    recovered: see docs/api.md)."""
-    import signal
-    xs = [np.full(4, k + 1, np.float32) for k in range(6)]
+def stateful_model(n):
+    """state' = state + x; out = state' * x (state: input 1, output 1)."""
     m = nnrt.Model()
-    x = m.add_operand(T.TENSOR_FLOAT32, [4])
-    state = m.add_operand(T.TENSOR_FLOAT32, [4])
+    x = m.add_operand(T.TENSOR_FLOAT32, [n])
+    state = m.add_operand(T.TENSOR_FLOAT32, [n])
     act = m.add_operand(T.INT32)
     m.set_operand_value(act, 0)
-    new = m.add_operand(T.TENSOR_FLOAT32, [4])
-    out = m.add_operand(T.TENSOR_FLOAT32, [4])
+    new = m.add_operand(T.TENSOR_FLOAT32, [n])
+    out = m.add_operand(T.TENSOR_FLOAT32, [n])
     m.add_operation(Op.ADD, [state, x, act], [new])
     m.add_operation(Op.MUL, [new, x, act], [out])
     m.identify_inputs_and_outputs([x, state], [out, new])
     from nnrt.model.metadata import ModelMetadata, TensorInfo
-    info = lambda name: TensorInfo(name, np.dtype(np.float32), (4,))
+    info = lambda name: TensorInfo(name, np.dtype(np.float32), (n,))
     m.set_metadata(ModelMetadata((info("x"), info("state")), (info("out"), info("new")),
                                  states=((1, 1),)))
-    model = m.finish()
+    return m.finish()
+
+
+@pytest.mark.parametrize("killed_at", [1, 9, 19])
+async def test_after_a_sigkill_the_cpu_rerun_keeps_the_state(killed_at):
+    """20 runs of a stateful model whose state lives in the service's
+    buffers; the service is SIGKILLed before run ``killed_at``. That run
+    reruns on the CPU from the buffer's last written contents (its
+    mirror), and every result equals carrying the state in numpy. Before
+    the kill the state never crossed into the app (control messages stay
+    far below its size; one state transfer: the zeroing); the recovery is
+    the one crossing after."""
+    import signal
     async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False) as rt:
-        compiled = await rt.compile(model)
+        npu = rt.device("npu")
+        compiled = await rt.compile(stateful_model(N))
         assert [d.name for d in compiled.devices] == ["npu"]
-        first = [(await compiled.execute([v])).outputs[0].copy() for v in xs[:2]]
-        assert all(m_.on_device for pair in compiled._signature.memories for m_ in pair)
-        np.testing.assert_array_equal(first[1], (xs[0] + xs[1]) * xs[1])
+        rng = np.random.default_rng(killed_at)
+        xs = [rng.standard_normal(N).astype(np.float32) for _ in range(20)]
+        state = np.zeros(N, np.float32)
+        for k, x in enumerate(xs):
+            if k == 1:
+                before = npu.wire_statistics()
+            if k == killed_at:
+                after = npu.wire_statistics()
+                # runs 1 .. k-1: one frame each way, a few hundred bytes, no fd
+                assert after.frames_sent - before.frames_sent == k - 1
+                assert after.fds_sent == before.fds_sent
+                assert after.bytes_sent - before.bytes_sent <= (k - 1) * 512
+                assert after.bytes_received - before.bytes_received <= (k - 1) * 512
+                assert compiled.statistics().state_transfers == 1   # the zeroing only
+                memories = compiled._signature.memories
+                assert all(m.on_device for pair in memories for m in pair)
+                rt._services[0].process.send_signal(signal.SIGKILL)
+                rt._services[0].process.wait()
+            got = (await compiled.execute([x])).outputs[0]
+            state = state + x
+            np.testing.assert_allclose(got, state * x, rtol=1e-5, err_msg=f"run {k}")
+        stats = compiled.statistics()
+        assert stats.executions == 20 and stats.failures == 0 and stats.fallbacks == 1
+        assert stats.state_transfers == 2   # the zeroing, and the one recovery
+        assert [d.name for d in compiled.devices] == [rt.cpu.name]
+        assert compiled._signature.memories is memories   # the same memories, now shared
+        assert not any(m.on_device for pair in memories for m in pair)
+
+
+async def test_a_buffer_of_unknown_size_dies_with_its_service():
+    """No mirror for a buffer whose size is not known at allocation: the
+    execution that finds its service dead fails with DEAD_OBJECT (its
+    contents cannot follow to the CPU), and later ones run there."""
+    import signal
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [0])
+    out = m.add_operand(T.TENSOR_FLOAT32, [0])
+    m.add_operation(Op.RELU, [x], [out])
+    m.identify_inputs_and_outputs([x], [out])
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False) as rt:
+        compiled = await rt.compile(m.finish())
+        assert [d.name for d in compiled.devices] == ["npu"]
+        memory = await rt.allocate(nnrt.MemoryDesc().add_input_role(compiled, 0)
+                                   .add_output_role(compiled, 0))
+        assert memory.on_device and memory.declared == (0,)
+        await compiled.execute([np.array([-1, 2, -3], np.float32)], outputs=[memory])
+        assert memory.dimensions == (3,)
         rt._services[0].process.send_signal(signal.SIGKILL)
         rt._services[0].process.wait()
         with pytest.raises(NnrtError) as e:
-            await compiled.execute([xs[2]])
+            await compiled.execute([memory])
         assert e.value.status == ErrorStatus.DEAD_OBJECT
+        assert memory.on_device   # nothing moved
         assert [d.name for d in compiled.devices] == [rt.cpu.name]
-        again = (await compiled.execute([xs[0]])).outputs[0]
-        np.testing.assert_array_equal(again, xs[0] * xs[0])   # fresh state: 0 + x
-        assert compiled.statistics().fallbacks == 1
+        np.testing.assert_array_equal(
+            (await compiled.execute([np.array([-1, 1], np.float32)])).outputs[0], [0, 1])
+
+
+async def test_each_allocation_gets_its_own_sealed_mirror_that_a_client_cannot_hurt(service):
+    """A mirror is a memfd made for one allocation (never the same file for
+    two buffers or two connections), sealed so its holder cannot resize it;
+    a client scribbling over it changes nothing the service computes with
+    and hurts only its own recovery copy."""
+    from nnrt.drivers.service.mirror import read_mirror
+    one = await ServiceDevice.connect(str(service))
+    two = await ServiceDevice.connect(str(service))
+    try:
+        buffers = []
+        for device in (one, one, two):
+            prepared = await device.prepare_model(add_model((4,)))
+            buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                                  [BufferRole(0, 0)])
+            buffers.append((prepared, buffer, token))
+        inodes = {os.fstat(b._mirror_fd).st_ino for _p, b, _t in buffers}
+        assert len(inodes) == 3
+        prepared, buffer, token = buffers[0]
+        fd = buffer._mirror_fd
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with Memory.create(16) as mem, Memory.create(16) as x:
+            mem.array(np.float32, 4)[:] = [1, 2, 3, 4]
+            await buffer.copy_from(mem, (4,))
+            os.pwrite(fd, b"\xff" * os.fstat(fd).st_size, 0)   # the whole mirror, header too
+            assert read_mirror(fd, 16) is None
+            x.array(np.float32, 4)[:] = 10
+            result = await prepared.execute(token_request(token, x))
+            assert result.status == ErrorStatus.NONE, result.message
+            await buffer.copy_to(mem)
+            np.testing.assert_array_equal(mem.array(np.float32, 4), [11, 12, 13, 14])
+            # The service writes only a half and the current byte, never
+            # the magic: a client that scribbled its header lost its own
+            # recovery copy, and only that.
+            assert read_mirror(fd, 16) is None
+        assert buffer.recover() is None          # never a live service's contents
+        assert one.alive and two.alive
+    finally:
+        one.close()
+        two.close()

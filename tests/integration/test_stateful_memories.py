@@ -76,3 +76,32 @@ async def test_lstm_state_in_device_memories_equals_numpy(where):
                                            rtol=1e-6, atol=1e-7)
         compiled.close()
         assert all(m.closed for pair in memories for m in pair)
+
+
+async def test_lstm_state_survives_a_sigkill_of_its_service():
+    """The worked example with the service SIGKILLed before run 8: that run
+    and the rest rerun on the CPU from the state the service last wrote
+    (its buffers' mirrors), and all 20 results still equal numpy. The
+    state crossed to the app side twice: the zeroing, the recovery."""
+    import signal
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal((1, 20, 40)).astype(np.float32) for _ in range(RUNS)]
+    expected = await numpy_carried(xs)
+    async with nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False) as rt:
+        compiled = await rt.compile(nnrt.tflite.load(LSTM))
+        assert [d.name for d in compiled.devices] == ["npu"]
+        got = []
+        for k, x in enumerate(xs):
+            if k == 8:
+                memories = compiled._signature.memories
+                assert all(m.on_device for pair in memories for m in pair)
+                assert compiled.statistics().state_transfers == 1
+                rt._services[0].process.send_signal(signal.SIGKILL)
+                rt._services[0].process.wait()
+            got.append((await compiled.execute([x])).outputs[0])
+        for k, (g, e) in enumerate(zip(got, expected)):
+            np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=f"run {k}")
+        stats = compiled.statistics()
+        assert stats.executions == RUNS and stats.fallbacks == 1 and stats.failures == 0
+        assert stats.state_transfers == 2
+        assert [d.name for d in compiled.devices] == [rt.cpu.name]

@@ -280,7 +280,8 @@ def all_method_messages():
                 value=p.FromCache(ErrorStatus.NONE, model_id=6)),
         p.Allocate(20, (0, 4), (7, 8), (p.BufferRole(0, 1, 0.5),),
                    (p.BufferRole(1, 0), p.BufferRole(0, 0, 1.0))),
-        p.Reply(20, p.Method.ALLOCATE, value=5),
+        p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(5, 11, 64 + 2 * 16)),
+        p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(6)),
         p.CopyBuffer(21, p.Method.COPY_TO, 5, pool),
         p.Reply(21, p.Method.COPY_TO),
         p.CopyBuffer(22, p.Method.COPY_FROM, 5, pool, (2, 3)),
@@ -292,6 +293,23 @@ def all_method_messages():
                   (RequestArgument(False, DataLocation(0, 0, 16)),),
                   (pool, p.WireToken(5)), (), False, None, None),
     ]
+
+
+def test_an_allocate_reply_carries_its_mirror_fd_and_owns_it():
+    frame, fds = p.encode(p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(5, 11, 96)))
+    assert fds == [11]
+    reply = p.decode_body(frame_body(frame), [42])
+    assert reply.value == p.Allocated(5, 42, 96) and p.reply_fds_of(reply) == (42,)
+    with pytest.raises(p.ProtocolError, match="more fds"):
+        p.decode_body(frame_body(frame), [])
+    frame, fds = p.encode(p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(5)))
+    assert fds == [] and p.reply_fds_of(p.decode_body(frame_body(frame), [])) == ()
+    bad, _ = p.encode(p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(5, 11, 0)))
+    with pytest.raises(p.ProtocolError, match="0 bytes"):
+        p.decode_body(frame_body(bad), [42])
+    # an error reply holds no value, hence no fd
+    err = p.error_reply(20, p.Method.ALLOCATE, ErrorStatus.INVALID_ARGUMENT, "no")
+    assert p.reply_fds_of(p.decode_body(frame_body(p.encode(err)[0]), [])) == ()
 
 
 def test_a_token_pool_is_only_a_request_pool_and_never_zero():

@@ -69,6 +69,7 @@ import collections
 import os
 import socket
 import threading
+import weakref
 
 import anyio
 
@@ -87,6 +88,7 @@ from ...model.graph import HalModel
 from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ...vlog import vlog
 from . import protocol as p
+from .mirror import HEADER as MIRROR_HEADER, read_mirror
 from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
@@ -293,6 +295,9 @@ class _Channel:
         if isinstance(event, p.Answer):
             if event.token is not None:
                 event.token.deliver(event.reply)
+            else:   # nobody waits (abandoned): drop the fds that came with it
+                for fd in p.reply_fds_of(event.reply):
+                    os.close(fd)
         elif isinstance(event, p.Malformed):
             for fd in event.fds:
                 os.close(fd)
@@ -375,6 +380,11 @@ _SERVICE_CALL_HANDLERS = {
     p.Method.BURST_ENDED: _burst_ended,
 }
 assert set(_SERVICE_CALL_HANDLERS) == p.SERVICE_CALLS
+
+
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def _value(reply: p.Reply, what: str):
@@ -542,8 +552,9 @@ class ServiceDevice(Device):
             ids.append(prepared.model_id)
         reply = await self._channel.call(lambda cid: p.Allocate(
             cid, tuple(desc.dimensions), tuple(ids), tuple(input_roles), tuple(output_roles)))
-        token = _value(reply, "allocate")
-        return ServiceBuffer(self._channel, token), token
+        allocated = _value(reply, "allocate")
+        return ServiceBuffer(self._channel, allocated.token, allocated.mirror_fd,
+                             allocated.mirror_size), allocated.token
 
     def wire_statistics(self) -> p.WireStatistics:
         """What this connection framed so far (frames, bytes, fds)."""
@@ -591,12 +602,26 @@ def _stage_model(model: HalModel) -> tuple[HalModel, list[Memory]]:
 
 class ServiceBuffer(Buffer):
     """A driver buffer kept in a service, named by its token. A copy sends
-    the fd of a shared memory; the service copies into or out of it."""
+    the fd of a shared memory; the service copies into or out of it. A
+    buffer of known size comes with its mirror's fd (see mirror.py), read
+    only by :meth:`recover` once the connection is dead."""
 
-    def __init__(self, channel: "_Channel", token: int):
+    def __init__(self, channel: "_Channel", token: int, mirror_fd: int | None = None,
+                 mirror_size: int = 0):
         self._channel = channel
         self.token = token
         self._released = False
+        self._mirror_fd = mirror_fd
+        self._mirror_nbytes = (mirror_size - MIRROR_HEADER) // 2
+        self._finalizer = weakref.finalize(self, _close_fd, mirror_fd)
+
+    def recover(self) -> bytes | None:
+        # Only a dead connection's: the service tore the buffer down (or
+        # died), so nobody writes the mirror any more.
+        if self._mirror_fd is None or self._channel.dead is None \
+                or self._finalizer.alive is False or self._mirror_nbytes <= 0:
+            return None
+        return read_mirror(self._mirror_fd, self._mirror_nbytes)
 
     async def copy_to(self, memory) -> None:
         await self._copy(p.Method.COPY_TO, memory, ())
@@ -630,6 +655,7 @@ class ServiceBuffer(Buffer):
         if self._released:
             return
         self._released = True
+        self._finalizer()
         self._channel.send_only(
             lambda proto: proto.notify(lambda cid: p.ReleaseBuffer(cid, self.token)))
 

@@ -127,7 +127,7 @@ class Method(enum.IntEnum):
     STATISTICS = 16           # the scheduler's counters and its recent finished jobs
     CANCEL = 17               # stop the EXECUTE started by another call; empty reply
     # 20-29: memory domains (driver-managed buffers named by token)
-    ALLOCATE = 20             # roles over prepared model ids; reply: the buffer's token
+    ALLOCATE = 20             # roles over prepared model ids; reply: the token (+ mirror fd)
     COPY_TO = 21              # buffer -> the shared memory whose fd comes with the call
     COPY_FROM = 22            # the shared memory whose fd comes with the call -> buffer
     RELEASE_BUFFER = 23
@@ -388,6 +388,19 @@ class Allocate:
     input_roles: tuple[BufferRole, ...]
     output_roles: tuple[BufferRole, ...]
     method = Method.ALLOCATE
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated:
+    """The value of an ALLOCATE reply: the buffer's token and, for a buffer
+    of fully known size, its mirror — a sealed memfd of ``mirror_size``
+    bytes (its fd travels with the reply; the client owns it) where the
+    service keeps the buffer's last written contents, for the client to
+    read after the service died (see nnrt.drivers.service.mirror)."""
+
+    token: int
+    mirror_fd: int | None = None
+    mirror_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1289,6 +1302,24 @@ def _get_allocate(r: _Reader, call_id: int, method: Method) -> Allocate:
     return Allocate(call_id, dims, ids, _get_roles(r, "input role"), _get_roles(r, "output role"))
 
 
+def _put_allocated(w: _Writer, v: Allocated) -> None:
+    w.u64(v.token)
+    w.flag(v.mirror_fd is not None)
+    if v.mirror_fd is not None:
+        w.u64(v.mirror_size)
+        w.fds.append(v.mirror_fd)
+
+
+def _get_allocated(r: _Reader, status: ErrorStatus, message: str) -> Allocated:
+    token = r.u64("buffer token")
+    if not r.flag("mirror flag"):
+        return Allocated(token)
+    size = r.u64("mirror size")
+    if size == 0:
+        raise ProtocolError("ALLOCATE: a mirror of 0 bytes")
+    return Allocated(token, r.fd("buffer mirror"), size)
+
+
 def _put_copy(w: _Writer, m: CopyBuffer) -> None:
     w.u64(m.token)
     _put_pools(w, (m.pool,))
@@ -1323,7 +1354,8 @@ class Codec:
     the value of a successful reply (None: the reply carries no value).
     ``error_value`` is the value an error reply still carries (an execution
     reports shapes and timing even when it failed); ``fds`` lists the fds a
-    decoded call holds, which its receiver owns and closes."""
+    decoded call holds, which its receiver owns and closes; ``value_fds``
+    the same for a reply's value."""
 
     put_call: Callable[[_Writer, Any], None] | None
     get_call: Callable[[_Reader, int, Method], Any] | None
@@ -1331,6 +1363,7 @@ class Codec:
     get_value: Callable[[_Reader, ErrorStatus, str], Any] | None = None
     error_value: Callable[[ErrorStatus, str], Any] | None = None
     fds: Callable[[Any], tuple[int, ...]] = lambda call: ()
+    value_fds: Callable[[Any], tuple[int, ...]] = lambda value: ()
 
 
 def _query(r: _Reader, call_id: int, method: Method) -> Query:
@@ -1369,11 +1402,13 @@ CODECS: dict[Method, Codec] = {
                                 _get_u64_call(ReleaseBurst, "burst id")),
     Method.FREE_BURST_SLOTS: Codec(_put_burst_slots, _get_burst_slots(FreeBurstSlots)),
     Method.GET_MEMORIES: Codec(_put_burst_slots, _get_burst_slots(GetMemories),
-                               _put_pools, lambda r, status, message: _get_pools(r, "burst memory")),
+                               _put_pools, lambda r, status, message: _get_pools(r, "burst memory"),
+                               value_fds=_pool_fds),
     Method.BURST_ENDED: Codec(_put_burst_ended, _get_burst_ended),
     Method.CANCEL: Codec(lambda w, m: w.u64(m.target),
                          _get_u64_call(Cancel, "cancelled call id")),
-    Method.ALLOCATE: Codec(_put_allocate, _get_allocate, _put_id, _get_id("buffer token")),
+    Method.ALLOCATE: Codec(_put_allocate, _get_allocate, _put_allocated, _get_allocated,
+                           value_fds=lambda v: () if v.mirror_fd is None else (v.mirror_fd,)),
     Method.COPY_TO: Codec(_put_copy, _get_copy, fds=lambda call: _pool_fds((call.pool,))),
     Method.COPY_FROM: Codec(_put_copy, _get_copy, fds=lambda call: _pool_fds((call.pool,))),
     Method.RELEASE_BUFFER: Codec(lambda w, m: w.u64(m.token),
@@ -1412,6 +1447,13 @@ def reply_for(call, value) -> Reply:
 def fds_of(call) -> tuple[int, ...]:
     """The fds a decoded call holds (its receiver closes them)."""
     return tuple(CODECS[call.method].fds(call))
+
+
+def reply_fds_of(reply: Reply) -> tuple[int, ...]:
+    """The fds a decoded reply's value holds (its receiver owns them)."""
+    if reply.value is None or not _has_value(reply.method, reply.status):
+        return ()
+    return tuple(CODECS[reply.method].value_fds(reply.value))
 
 
 # -- encoding and decoding whole messages --------------------------------------------

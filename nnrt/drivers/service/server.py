@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import socket
 import stat
@@ -75,9 +76,11 @@ from ...vlog import vlog
 from ... import trace
 from ...hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
 from ...hal.allowlist import check_peer
+from ...hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
 from ...hal.cache import CacheFiles, CacheReject, CacheRejected
 from ...qos import ScheduledDevice
 from . import protocol as p
+from .mirror import MirrorWriter
 from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
@@ -154,6 +157,10 @@ class DriverService:
         self._calls = 0
         self._malformed = 0
         self.burst_counters = BurstCounters()
+        # token -> the mirror of a buffer (see mirror.py), refreshed by any
+        # connection whose execution writes the buffer; owned by the
+        # connection that allocated it.
+        self.mirrors: dict[int, MirrorWriter] = {}
 
     def app_of(self, peer: "PeerCredentials"):
         """The key of the peer's queue: its uid (default) or its pid."""
@@ -188,8 +195,9 @@ class _Prepared:
     """A prepared model of one connection, with its constant pools (its
     request pools are cached in the connection's protocol state)."""
 
-    def __init__(self, prepared: PreparedModel, model_pools: list[Memory]):
+    def __init__(self, prepared: PreparedModel, model: HalModel, model_pools: list[Memory]):
         self.prepared = prepared
+        self.model = model
         self.model_pools = model_pools
 
     def close(self) -> None:
@@ -242,9 +250,8 @@ class ServiceConnection:
                 for m in self.proto.drop_model(model_id):
                     m.close()
             self.models.clear()
-            for buffer in self.buffers.values():
-                buffer.release()
-            self.buffers.clear()
+            for token in list(self.buffers):
+                self._drop_buffer(token)
             for burst in self.bursts.values():  # their tasks were cancelled with the group
                 burst.close()
             self.bursts.clear()
@@ -406,7 +413,7 @@ class ServiceConnection:
                 m.close()
             raise
         model_id = service.next_id()
-        self.models[model_id] = _Prepared(prepared, memories)
+        self.models[model_id] = _Prepared(prepared, model, memories)
         return model_id
 
     async def _prepare_model_from_cache(self, call: p.PrepareModelFromCache) -> p.FromCache:
@@ -451,8 +458,11 @@ class ServiceConnection:
             try:
                 entry = self._own(call.model_id)
                 with self._request(entry, call) as request:
-                    return await entry.prepared.execute(request, call.measure, call.deadline,
-                                                        call.loop_timeout)
+                    result = await entry.prepared.execute(request, call.measure, call.deadline,
+                                                          call.loop_timeout)
+                if result.status == ErrorStatus.NONE:
+                    await self._refresh_mirrors(call)
+                return result
             finally:
                 self.proto.finished(call.call_id)
         # CANCEL: the driver has let go of the pools by now (the reference
@@ -500,7 +510,10 @@ class ServiceConnection:
                     call.timeout_after_fence)
                 fence.close()  # the client's fence is the one it waits on
                 _status, launched, fenced = await callback.wait_execution_info()
-                return p.FencedInfo(callback.get_result(), launched, fenced)
+                result = callback.get_result()
+                if result.status == ErrorStatus.NONE:
+                    await self._refresh_mirrors(call)
+                return p.FencedInfo(result, launched, fenced)
         finally:
             for f in fences:  # the engine waits on its own duplicates
                 f.close()
@@ -554,17 +567,47 @@ class ServiceConnection:
 
     # -- memory domains: driver buffers named by token --------------------------
 
-    async def _allocate(self, call: p.Allocate) -> int:
+    async def _allocate(self, call: p.Allocate) -> p.Allocated:
         if len(self.buffers) >= MAX_BUFFERS_PER_CONNECTION:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
                             f"more than {MAX_BUFFERS_PER_CONNECTION} buffers on one "
                             f"connection; release some")
-        prepared = [self._own(model_id).prepared for model_id in call.model_ids]
+        entries = [self._own(model_id) for model_id in call.model_ids]
         buffer, token = await self.service.device.allocate(
-            BufferDesc(call.dimensions), prepared, call.input_roles, call.output_roles,
-            app=self.service.app_of(self.peer))
+            BufferDesc(call.dimensions), [e.prepared for e in entries], call.input_roles,
+            call.output_roles, app=self.service.app_of(self.peer))
         self.buffers[token] = buffer
-        return token
+        nbytes = _known_size(call, entries)
+        if nbytes is None:
+            return p.Allocated(token)
+        try:
+            mirror = MirrorWriter(buffer, nbytes)
+        except NnrtError:
+            self._drop_buffer(token)
+            raise
+        self.service.mirrors[token] = mirror
+        return p.Allocated(token, mirror.fileno(), mirror.size)
+
+    async def _refresh_mirrors(self, call) -> None:
+        """After a successful execution: the mirrors of the buffers it wrote."""
+        for arg in call.outputs:
+            loc = arg.location
+            if arg.has_no_value or loc is None or not 0 <= loc.pool_index < len(call.pools):
+                continue
+            pool = call.pools[loc.pool_index]
+            if isinstance(pool, p.WireToken):
+                await self._refresh_mirror(pool.token)
+
+    async def _refresh_mirror(self, token: int) -> None:
+        mirror = self.service.mirrors.get(token)
+        if mirror is not None:
+            await mirror.refresh()
+
+    def _drop_buffer(self, token: int) -> None:
+        self.buffers.pop(token).release()
+        mirror = self.service.mirrors.pop(token, None)
+        if mirror is not None:
+            mirror.close()
 
     def _buffer(self, token: int) -> Buffer:
         buffer = self.buffers.get(token)
@@ -588,10 +631,12 @@ class ServiceConnection:
                     await buffer.copy_from(region, call.dimensions)
             finally:
                 region.release()
+        if not to_memory:
+            await self._refresh_mirror(call.token)
 
     async def _release_buffer(self, call: p.ReleaseBuffer) -> None:
-        self._buffer(call.token).release()
-        del self.buffers[call.token]
+        self._buffer(call.token)
+        self._drop_buffer(call.token)
 
     # -- bursts (see nnrt.burst.server) ---------------------------------------
 
@@ -746,10 +791,25 @@ class _ClientReply:
 
 
 def _close_reply_fds(reply: p.Reply) -> None:
-    if reply.method == p.Method.GET_MEMORIES and reply.value:
-        for wp in reply.value:
-            if wp.fd is not None:
-                os.close(wp.fd)
+    for fd in p.reply_fds_of(reply):
+        os.close(fd)
+
+
+def _known_size(call: p.Allocate, entries: list[_Prepared]) -> int | None:
+    """The bytes of a buffer the driver just allocated for ``call``, when
+    its dimensions (the desc's and every role operand's) are all known;
+    None otherwise, or when it is larger than a buffer may be."""
+    dims, element = tuple(call.dimensions), 0
+    for kind, roles in (("input", call.input_roles), ("output", call.output_roles)):
+        for role in roles:
+            main = entries[role.model_index].model.main
+            indexes = main.input_indexes if kind == "input" else main.output_indexes
+            operand = main.operands[indexes[role.io_index]]
+            dims = merge_dimensions(dims, operand.dimensions, f"allocate: {kind} role")
+            element = operand.type.element_size
+    if not fully_specified(dims) or element * math.prod(dims) > MAX_BUFFER_BYTES:
+        return None
+    return element * math.prod(dims)
 
 
 def _wire_statistics(statistics, jobs) -> p.StatisticsValue:
