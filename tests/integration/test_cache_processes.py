@@ -113,6 +113,37 @@ async def test_a_service_prepares_from_the_apps_fds_and_reports_why_it_refuses(
     assert np.array_equal(plain, again)
 
 
+async def test_device_memories_of_a_model_prepared_from_a_cache_on_a_service(
+        tmp_path, monkeypatch):
+    """A service that prepared a model from the app's cache files never saw
+    its graph; a device memory in that model's roles still works (it just
+    gets no recovery mirror), and gives the uncached results."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    model = nnrt.tflite.load(SMALL)
+    x = _input(model)
+    cache = tmp_path / "cache"
+
+    async def run_into_device_memory():
+        async with nnrt.Runtime(spawn=[("svc", "reference")], litert=False) as rt:
+            compiled = await rt.compile(model, devices=["svc"], cache_dir=cache)
+            memory = await rt.allocate(nnrt.MemoryDesc().add_output_role(compiled, 0))
+            assert memory.on_device
+            await compiled.execute([x], outputs=[memory])
+            out = compiled.outputs[0]
+            with nnrt.Memory.create(out.dtype.itemsize * int(np.prod(out.shape))) as m:
+                await nnrt.copy(memory, m)
+                got = np.array(m.array(out.dtype, out.shape))
+            memory.close()
+            return got, rt.cache_statistics()
+
+    cold, stats = await run_into_device_memory()
+    assert stats.written == 1
+    warm, stats = await run_into_device_memory()
+    assert stats.hits == 1
+    assert np.array_equal(cold, warm)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_cache_files_are_unreadable_to_another_user():
     import pwd

@@ -195,7 +195,9 @@ class _Prepared:
     """A prepared model of one connection, with its constant pools (its
     request pools are cached in the connection's protocol state)."""
 
-    def __init__(self, prepared: PreparedModel, model: HalModel, model_pools: list[Memory]):
+    def __init__(self, prepared: PreparedModel, model: HalModel | None, model_pools: list[Memory]):
+        # ``model`` is None for a model prepared from a cache: the service
+        # never saw its graph (its buffers then get no mirror, _known_size).
         self.prepared = prepared
         self.model = model
         self.model_pools = model_pools
@@ -439,7 +441,7 @@ class ServiceConnection:
         except CacheRejected as e:
             return p.FromCache(e.status, e.message, reason=e.reason)
         model_id = service.next_id()
-        self.models[model_id] = _Prepared(prepared, [])
+        self.models[model_id] = _Prepared(prepared, None, [])
         return p.FromCache(ErrorStatus.NONE, model_id=model_id)
 
     async def _release_model(self, call: p.ReleaseModel) -> None:
@@ -798,7 +800,11 @@ def _close_reply_fds(reply: p.Reply) -> None:
 def _known_size(call: p.Allocate, entries: list[_Prepared]) -> int | None:
     """The bytes of a buffer the driver just allocated for ``call``, when
     its dimensions (the desc's and every role operand's) are all known;
-    None otherwise, or when it is larger than a buffer may be."""
+    None otherwise, or when it is larger than a buffer may be, or when a
+    role's model came from a cache (the service has no graph to size it by)."""
+    if any(entries[role.model_index].model is None
+           for role in (*call.input_roles, *call.output_roles)):
+        return None
     dims, element = tuple(call.dimensions), 0
     for kind, roles in (("input", call.input_roles), ("output", call.output_roles)):
         for role in roles:
