@@ -11,6 +11,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A test dependency where wheels exist (Linux x86_64, see pyproject.toml).
+pytest.importorskip("atheris")
 RUNS = {"protocol": 20_000, "burst": 20_000, "service": 1_000}
 
 

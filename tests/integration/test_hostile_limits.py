@@ -348,3 +348,21 @@ async def test_statistics_show_an_app_only_its_own_work(tmp_path, extra, sees_al
         assert seen_by_me == {"classes": [me], "jobs": [me]}
         assert len(seen_by_other["jobs"]) == 1 and seen_by_other["jobs"] != [me]
         assert seen_by_other["classes"] == seen_by_other["jobs"]
+
+
+async def test_sigkill_fails_executions_bursts_and_fence_waiters_with_dead_object(tmp_path):
+    """Issue 23: every kind of pending call learns of a service's death
+    (DEAD_OBJECT), fence waiters and fenced callbacks included. One round
+    of benchmarks/dead_object.py, which measures how fast over 300 kills;
+    here the outcome only: the fenced execution waits on a fence nobody
+    signals, so it and its waiters are pending when the service dies."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "dead_object", os.path.join(ROOT, "benchmarks", "dead_object.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    latencies = {"execute": [], "burst": [], "fence": [], "fenced callback": []}
+    with anyio.fail_after(GUARD * 6):
+        await bench.one_round(str(tmp_path / "victim.sock"), bench.chain_model(), latencies)
+    assert len(latencies["fence"]) == 1 and len(latencies["fenced callback"]) == 1
+    assert latencies["execute"] or latencies["burst"]
