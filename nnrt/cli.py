@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 from functools import partial
 import os
 import signal
@@ -53,7 +54,7 @@ def _devices(args) -> int:
 
 def _driver_serve(args) -> int:
     from .drivers.sample import DRIVERS, make_driver
-    from .drivers.service.server import default_socket_path, serve
+    from .drivers.service.server import ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
@@ -65,6 +66,7 @@ def _driver_serve(args) -> int:
                                                args.segment_ms / 1e3)) if value is not None}
     try:
         policy = Policy.load(args.policy) if args.policy else None
+        limits = ServiceLimits.parse(args.limit)
         driver = make_driver(kind, args.name, **settings)
     except nnrt.NnrtError as e:
         print(f"nnrt driver serve: {e.message}", file=sys.stderr)
@@ -84,7 +86,9 @@ def _driver_serve(args) -> int:
                 if parent is not None:
                     tg.start_soon(_stop_when_readable, parent, tg.cancel_scope)
                 await tg.start(partial(serve, device, path, app_key=args.app_key,
-                                       group=args.group))
+                                       group=args.group, limits=limits,
+                                       statistics=args.statistics,
+                                       admin_uids=args.admin_uid))
                 print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
                 async for signum in signals:
                     if signum == signal.SIGHUP:    # re-read --policy, keep serving
@@ -426,6 +430,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="also let members of this group connect (socket 0660 and its "
                             "folder 0710, both given to the group; default: only this user, "
                             "socket 0600 in a 0700 folder). See docs/security.md")
+    from .drivers.service.server import ServiceLimits
+    serve.add_argument("--limit", action="append", default=[], metavar="NAME=N",
+                       help="a resource limit (repeatable): " + ", ".join(
+                           f"{f.name}={f.default}" for f in dataclasses.fields(ServiceLimits))
+                       + " (the defaults; see docs/security.md)")
+    serve.add_argument("--statistics", choices=["own", "all"], default="own",
+                       help="what STATISTICS (and nnrt driver status) shows a caller: its own "
+                            "app's work (default) or every app's")
+    serve.add_argument("--admin-uid", type=int, action="append", default=[], metavar="UID",
+                       help="a uid that sees every app's work in STATISTICS (repeatable)")
     serve.add_argument("--parent-pid", type=int, default=None, metavar="PID",
                        help="exit when process PID, the parent, exits (set by a runtime that "
                             "spawns the service)")

@@ -170,11 +170,16 @@ class BurstServer:
                     # Not abandoned on cancel: the task waits for the thread,
                     # which _stop_when_cancelled wakes, so nothing is closed
                     # under it.
-                    await anyio.to_thread.run_sync(self._serve_forever,
-                                                   limiter=anyio.CapacityLimiter(1))
-                    self._thread_done = True
-                    if self._drain_scope is not None:
-                        self._drain_scope.cancel()
+                    try:
+                        await anyio.to_thread.run_sync(self._serve_forever,
+                                                       limiter=anyio.CapacityLimiter(1))
+                    finally:
+                        # However the thread ended: the drain loop must stop,
+                        # or this task group (and the service's shutdown)
+                        # would wait for it forever (the live fuzzer's find).
+                        self._thread_done = True
+                        if self._drain_scope is not None:
+                            self._drain_scope.cancel()
                     tg.cancel_scope.cancel()
         except Exception as e:  # e.g. no thread could be started: this burst ends, not more
             self._end(f"{type(e).__name__}: {e}")
@@ -277,6 +282,12 @@ class BurstServer:
             pass
         except Exception as e:  # FrameTooLarge, an eventfd error, a bug: this burst only
             self._end(f"{type(e).__name__}: {e}")
+        except BaseException as e:
+            # The loop cancelled a GET_MEMORIES this thread waited for
+            # (anyio.from_thread.run raises the loop's CancelledError here):
+            # the burst ends; nothing may escape into run().
+            if not self._stopped:
+                self._end(f"{type(e).__name__} while waiting for the event loop")
 
     def _end(self, why: str) -> None:
         vlog("driver", "%s: ending the burst: %s", self._label, why)

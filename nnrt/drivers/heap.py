@@ -56,3 +56,17 @@ def _apply() -> bool:
     vlog("driver", "heap: mmap threshold %d, trim threshold %d: %s", MMAP_THRESHOLD,
          TRIM_THRESHOLD, "applied" if ok else "refused by mallopt")
     return ok
+
+
+def give_back_freed_memory() -> None:
+    """Return the free memory of every arena to the kernel now
+    (``malloc_trim(0)``), whatever the trim threshold above. For memory a
+    peer made us hold and then let go of -- a service's buffer of a huge
+    unfinished frame -- which must not stay in the process. No-op without
+    glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

@@ -49,7 +49,9 @@ async def _collect(rt, name, procs, seen):
 async def test_a_light_app_waits_at_most_one_operation_of_a_flooding_app(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")]) as rt:
+    # The test reads the flood's jobs too: the operator's view of the service.
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
+                                    "--statistics", "all")]) as rt:
         me = ("pid", os.getpid())
         light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
         flood = _flooder(_env(rt.device("npu").socket_path, tmp_path), seconds=5.0, inflight=3)
@@ -105,7 +107,7 @@ async def test_two_apps_flooding_share_by_their_weights(monkeypatch, tmp_path, w
     policy.write_text(f'[[app]]\nname = "heavy"\nexe = "{heavy}"\nweight = {weights[0]}\n\n'
                       f'[default]\nweight = {weights[1]}\n')
     async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
-                                    "--policy", str(policy))]) as rt:
+                                    "--statistics", "all", "--policy", str(policy))]) as rt:
         env = _env(rt.device("npu").socket_path, tmp_path)
         # The heavy-weight app keeps fewer executions in flight than the other.
         procs = [_flooder(dict(env, **extra_env), 3.0, 2, python=heavy),
@@ -144,7 +146,7 @@ async def test_serve_policy_reloads_on_sighup_and_status_shows_the_apps(tmp_path
     sock = str(tmp_path / "npu.sock")
     cli = [sys.executable, "-m", "nnrt", "driver"]
     serve = subprocess.Popen(cli + ["serve", "npu", "--socket", sock, "--app-key", "pid",
-                                    "--policy", str(policy)],
+                                    "--statistics", "all", "--policy", str(policy)],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert "listening" in serve.stdout.readline()

@@ -49,7 +49,8 @@ async def test_two_client_processes_flooding_one_service_share_it(monkeypatch, t
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")]) as rt:
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
+                                    "--statistics", "all")]) as rt:   # both apps' jobs
         npu = rt.device("npu")
         env = _env(npu.socket_path, tmp_path)
         # The first app keeps three executions in flight, the second two.

@@ -30,9 +30,9 @@ from nnrt.model.graph import DataLocation
 GUARD = 5.0  # seconds; a guard against hangs, not a timing assertion
 
 
-def start_service(path, kind="reference", name=None):
+def start_service(path, kind="reference", name=None, *extra):
     proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", name or kind,
-                             "--socket", str(path), "--driver", kind],
+                             "--socket", str(path), "--driver", kind, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     line = proc.stdout.readline() if ready else b""

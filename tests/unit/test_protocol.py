@@ -492,3 +492,64 @@ def test_server_connection_keeps_cancel_targets_its_own_calls_and_the_pool_cache
     assert server.release_pools(5, (1, 2, 999)) == ["pool 1 again", 2]
     assert len(server.drop_model(5)) == p.MAX_CACHED_POOLS - 2
     assert server.drop_model(5) == []
+
+
+def _execute(call_id, model_id=1):
+    return p.Execute(call_id, model_id, (), (), (), (), False, None, None)
+
+
+def test_cancel_before_registration_is_applied_when_the_handler_registers():
+    """Issue 23: an EXECUTE and its CANCEL read in one go reached the read
+    loop before the EXECUTE's handler task had registered its cancel scope,
+    and the CANCEL was dropped (the client then waited up to 10 s)."""
+    server = p.ServerConnection()
+    frames = [p.encode(m)[0] for m in (p.Hello(1), _execute(2), p.Cancel(3, 2), _execute(4),
+                                       p.Cancel(5, 99))]
+    server.receive_data(b"".join(frames))
+    assert server.next_event() == p.Hello(1)
+    assert server.next_event() == _execute(2)
+    assert server.cancel_target(server.next_event()) is None   # not registered yet: kept
+    assert server.next_event() == _execute(4)
+    assert server.cancel_target(server.next_event()) is None   # unknown call: ignored
+    assert server.running(2, "scope 2") is True        # the handler cancels it at once
+    assert server.running(4, "scope 4") is False
+    assert server.cancel_target(p.Cancel(6, 4)) == "scope 4"
+    for call_id in (2, 4, 99):
+        server.finished(call_id)
+    # Nothing is kept for calls that finished, refused ones included.
+    assert server.running(2, "a new call 2") is False
+    server.finished(2)
+    assert server.cancel_target(p.Cancel(7, 2)) is None
+
+
+def test_unclaimed_fds_beyond_the_limit_break_the_connection():
+    server = p.ServerConnection(max_fds=p.MAX_FDS)
+    hello = p.encode(p.Hello(1))[0]
+    server.receive_data(hello[:3], list(range(100, 100 + p.MAX_FDS)))
+    assert server.next_event() is None and server.held == (p.MAX_FDS, 3)
+    server.receive_data(b"", [7])     # one fd more, still no frame to claim any
+    with pytest.raises(p.ProtocolError, match="no frame claims") as e:
+        server.next_event()
+    assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT
+    assert server.state is p.State.CLOSED
+    assert len(server.take_fds()) == p.MAX_FDS + 1
+
+
+def test_a_frame_over_the_connection_limit_is_refused_before_its_bytes_arrive():
+    server = p.ServerConnection(max_frame=1 << 20)
+    server.receive_data(struct.pack("<IB", (1 << 20) + 1, 0) + b"x" * 10)
+    with pytest.raises(p.ProtocolError, match="limit of 1048576 bytes") as e:
+        server.next_event()
+    assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT
+    ok = p.ServerConnection(max_frame=1 << 20)
+    ok.receive_data(struct.pack("<IB", 1 << 20, 0) + b"x" * 10)
+    assert ok.next_event() is None and ok.held == (0, 15)
+
+
+def test_the_client_keeps_the_services_last_word_as_the_reason():
+    client = p.ClientConnection()
+    client.receive_data(p.encode(p.Reply(0, p.Method.ERROR,
+                                         ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                                         "too many connections"))[0])
+    assert client.next_event().token is None
+    assert client.farewell == "too many connections"

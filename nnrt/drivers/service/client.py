@@ -282,6 +282,8 @@ class _Channel:
         finally:
             with self._lock:
                 leftover = self.proto.take_fds()
+                if self.proto.farewell is not None:
+                    reason = f"the service closed the connection: {self.proto.farewell}"
             for fd in leftover:
                 os.close(fd)
             self._die(reason)

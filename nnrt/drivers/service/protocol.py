@@ -96,10 +96,12 @@ FRAME_HEADER_SIZE = _FRAME.size
 
 
 class ProtocolError(NnrtError):
-    """A message that does not decode, or a call the state machine refuses."""
+    """A message that does not decode, or a call the state machine refuses
+    (INVALID_ARGUMENT); or a peer holding more than its limits allow
+    (RESOURCE_EXHAUSTED_PERSISTENT, see :class:`ServerConnection`)."""
 
-    def __init__(self, message: str):
-        super().__init__(ErrorStatus.INVALID_ARGUMENT, message)
+    def __init__(self, message: str, status: ErrorStatus = ErrorStatus.INVALID_ARGUMENT):
+        super().__init__(status, message)
 
 
 class Kind(enum.IntEnum):
@@ -1559,7 +1561,7 @@ class Connection:
     "client" or "server". :class:`ClientConnection` and
     :class:`ServerConnection` add the state of calls in flight."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, max_fds: int | None = None, max_frame: int = MAX_FRAME):
         if role not in ("client", "server"):
             raise ValueError(role)
         self.role = role
@@ -1567,6 +1569,16 @@ class Connection:
         self._buffer = bytearray()
         self._fds: list[int] = []
         self._counts = [0, 0, 0, 0, 0]   # WireStatistics, in its field order
+        # What the peer may make us hold: fds no frame has claimed yet, and
+        # the bytes of a frame (at most MAX_FRAME, the protocol's own cap).
+        self.max_fds = max_fds
+        self.max_frame = min(max_frame, MAX_FRAME)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """``(fds, bytes)`` received and not yet handed out with a message:
+        the unclaimed fds and the bytes of an unfinished frame."""
+        return len(self._fds), len(self._buffer)
 
     # receiving
 
@@ -1587,13 +1599,19 @@ class Connection:
         if self.state is State.CLOSED and not self._buffer:
             return None
         if len(self._buffer) < _FRAME.size:
+            self._check_fds()
             return None
         length, nfds = _FRAME.unpack_from(self._buffer)
         if length > MAX_FRAME or nfds > MAX_FDS:
             self.state = State.CLOSED
             raise ProtocolError(f"frame of {length} bytes with {nfds} fds exceeds the limits "
                                 f"({MAX_FRAME} bytes, {MAX_FDS} fds)")
+        if length > self.max_frame:
+            self.state = State.CLOSED
+            raise ProtocolError(f"frame of {length} bytes exceeds this connection's limit of "
+                                f"{self.max_frame} bytes", ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT)
         if len(self._buffer) < _FRAME.size + length:
+            self._check_fds()
             return None
         if nfds > len(self._fds):
             self.state = State.CLOSED
@@ -1623,6 +1641,22 @@ class Connection:
             return Malformed(message.call_id, message.method,
                              ProtocolError("a client does not take calls"), tuple(fds))
         return message
+
+    def _check_fds(self) -> None:
+        # Checked when no complete frame is left: a well-behaved peer's fds
+        # arrive with its frames' first bytes, so only fds sent beyond what
+        # its frames claim (or ahead of a frame that never comes) pile up.
+        if self.max_fds is not None and len(self._fds) > self.max_fds:
+            self.state = State.CLOSED
+            raise ProtocolError(f"{len(self._fds)} fds received that no frame claims, more "
+                                f"than this connection's limit of {self.max_fds}",
+                                ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT)
+
+    def drop_buffer(self) -> int:
+        """Forget the bytes of an unfinished frame (the connection is
+        closing); how many there were."""
+        held, self._buffer = len(self._buffer), bytearray()
+        return held
 
     def take_fds(self) -> list[int]:
         """Fds received but not handed out with a message (close them)."""
@@ -1699,6 +1733,9 @@ class ClientConnection(Connection):
         self._pools: dict[int, _ModelPools] = {}
         self.bursts: dict[int, Any] = {}   # burst id -> the controller answering for it
         self.dead: str | None = None       # why the connection ended
+        # What the service said when it closed the connection on us (an
+        # ERROR reply to call id 0: a broken frame, a limit, a refusal).
+        self.farewell: str | None = None
 
     def call(self, build: Callable[[int], Any], token) -> tuple[int, bytes, list[int]]:
         """Number the call ``build(call_id)`` makes and keep ``token`` until
@@ -1788,6 +1825,8 @@ class ClientConnection(Connection):
         if isinstance(event, Reply):
             entry = self._pending.pop(event.call_id, None)
             if entry is None:
+                if event.call_id == 0 and event.method is Method.ERROR:
+                    self.farewell = event.message
                 return Answer(None, event)
             if entry.new_pools and event.status not in _KEEPS_POOLS:
                 self._forget_new_pools(entry)
@@ -1809,28 +1848,53 @@ class ServerConnection(Connection):
     """The service's side: the cancel targets of running executions, its
     own calls to the client (GET_MEMORIES, BURST_ENDED) awaiting a reply,
     the request pools cached for each prepared model, and the bursts open
-    on this connection."""
+    on this connection. ``max_fds`` and ``max_frame`` bound what the client
+    can make the service hold (see :meth:`Connection.next_event`).
 
-    def __init__(self):
-        super().__init__("server")
+    Cancel targets. An EXECUTE is a cancel target from the moment it is
+    decoded, before any handler runs: its handler registers its cancel
+    handle later (:meth:`running`), and a CANCEL that arrives in between is
+    recorded and applied then, never lost. Invariant: ``_running`` holds
+    exactly the EXECUTEs decoded and not yet :meth:`finished` (the
+    transport calls ``finished`` for every call it took, refused or not),
+    and ``_cancelled`` is a subset of its keys; so both are bounded by the
+    calls in flight (``test_protocol.py::test_cancel_before_registration``).
+    """
+
+    def __init__(self, max_fds: int | None = None, max_frame: int = MAX_FRAME):
+        super().__init__("server", max_fds, max_frame)
         self.bursts: dict[int, Any] = {}        # burst id -> the task serving it
-        self._running: dict[int, Any] = {}      # EXECUTE call id -> its cancel handle
+        self._running: dict[int, Any] = {}      # EXECUTE call id -> its cancel handle or None
+        self._cancelled: set[int] = set()       # cancelled before their handle was registered
         self._call_ids = itertools.count(1)     # ids of our calls to the client
         self._pending: dict[int, Any] = {}      # our call id -> the caller's token
         self._pools: dict[int, dict[int, Any]] = {}   # model id -> pool id -> mapped pool
 
     # cancel targets
 
-    def running(self, call_id: int, handle) -> None:
-        """EXECUTE ``call_id`` runs; ``handle`` is what CANCEL cancels."""
+    def running(self, call_id: int, handle) -> bool:
+        """EXECUTE ``call_id`` runs; ``handle`` is what CANCEL cancels. True
+        when a CANCEL came first: the caller cancels ``handle`` at once."""
         self._running[call_id] = handle
+        cancelled = call_id in self._cancelled
+        self._cancelled.discard(call_id)
+        return cancelled
 
     def finished(self, call_id: int) -> None:
+        """Call ``call_id`` is answered (any method; a no-op unless EXECUTE)."""
         self._running.pop(call_id, None)
+        self._cancelled.discard(call_id)
+        assert self._cancelled <= self._running.keys()
 
     def cancel_target(self, cancel: Cancel):
-        """The handle CANCEL names, or None (unknown or finished: ignored)."""
-        return self._running.get(cancel.target)
+        """The handle CANCEL names, or None: not registered yet (the CANCEL
+        is kept for :meth:`running`), or unknown or finished (ignored)."""
+        if cancel.target not in self._running:
+            return None
+        handle = self._running[cancel.target]
+        if handle is None:
+            self._cancelled.add(cancel.target)
+        return handle
 
     # our calls to the client
 
@@ -1850,6 +1914,8 @@ class ServerConnection(Connection):
         event = super().next_event()
         if isinstance(event, Reply):
             return Answer(self._pending.pop(event.call_id, None), event)
+        if isinstance(event, Execute) and event.method is Method.EXECUTE:   # not fenced
+            self._running.setdefault(event.call_id, None)
         return event
 
     def reply(self, reply: Reply) -> tuple[bytes, list[int]]:

@@ -60,11 +60,12 @@ import os
 import socket
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import anyio
 
 from ...burst.server import BurstCounters, BurstServer
+from ..heap import give_back_freed_memory
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
@@ -91,6 +92,59 @@ MAX_CALLS_IN_FLIGHT = 1024
 MAX_MODELS_PER_CONNECTION = 1024
 MAX_BUFFERS_PER_CONNECTION = 1024   # driver buffers (memory domains) alive
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
+# A connection that made us buffer this much gives it back to the kernel as
+# it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
+_GIVE_BACK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLimits:
+    """What one connection, one app and all of them together may make a
+    service hold (``nnrt driver serve --limit NAME=N``). Beyond a limit the
+    connection (or the call) is refused with RESOURCE_EXHAUSTED_* and a
+    message naming the limit; everyone else goes on being served.
+
+    *Unclaimed fds* arrived by SCM_RIGHTS ahead of (or beyond) the frames
+    that claim them; *frame bytes* are those of frames not yet complete;
+    each burst is a thread of the service."""
+
+    fds_per_connection: int = 128
+    fds: int = 1024
+    frame_bytes_per_connection: int = 16 << 20
+    frame_bytes: int = 128 << 20
+    connections_per_app: int = 64
+    connections: int = 512
+    bursts_per_connection: int = 32
+    bursts: int = 256
+
+    def __post_init__(self):
+        for name in self.names():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise invalid(f"limit {name} = {value!r} is not a positive integer")
+        if self.fds_per_connection < p.MAX_FDS:
+            raise invalid(f"limit fds_per_connection = {self.fds_per_connection} is below "
+                          f"the {p.MAX_FDS} fds one frame may carry")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, items) -> "ServiceLimits":
+        """From ``NAME=N`` strings (the CLI's ``--limit``)."""
+        values = {}
+        for item in items:
+            name, sep, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in cls.names():
+                raise invalid(f"--limit {item!r}: expected NAME=N with NAME one of "
+                              f"{', '.join(cls.names())}")
+            try:
+                values[name] = int(value.replace("_", ""), 0)
+            except ValueError:
+                raise invalid(f"--limit {item!r}: {value!r} is not an integer") from None
+        return cls(**values)
 
 
 def default_socket_path(name: str) -> str:
@@ -138,12 +192,23 @@ class DriverService:
     """A device and the connections it serves. Queries are asked of the
     device once: a device answers them the same for its whole life."""
 
-    def __init__(self, device: Device, app_key: str = "uid"):
+    def __init__(self, device: Device, app_key: str = "uid",
+                 limits: ServiceLimits = ServiceLimits(), statistics: str = "own",
+                 admin_uids=()):
         if app_key not in ("uid", "pid"):
             raise invalid(f"app key {app_key!r} is neither 'uid' nor 'pid'")
+        if statistics not in ("own", "all"):
+            raise invalid(f"statistics scope {statistics!r} is neither 'own' nor 'all'")
         # Every served driver sits behind the per-app scheduler.
         self.device = device if device.scheduling().fronted else ScheduledDevice(device)
         self.app_key = app_key
+        self.limits = limits
+        # Who sees every app's work in STATISTICS: everyone ("all"), or the
+        # operator's uids; any other app sees its own (issue 23).
+        self.statistics_scope = statistics
+        self.admin_uids = frozenset(admin_uids)
+        self._held: dict[ServiceConnection, tuple[int, int]] = {}   # (fds, bytes) per connection
+        self._held_total = [0, 0]
         self.info = p.DeviceInfo(device.name, device.type, device.version_string,
                                  device.feature_level)
         self.answers = {
@@ -169,6 +234,39 @@ class DriverService:
     def next_id(self) -> int:
         return next(self._ids)
 
+    def sees_all_apps(self, peer: "PeerCredentials") -> bool:
+        return self.statistics_scope == "all" or peer.uid in self.admin_uids
+
+    def refuse_connection(self, peer: "PeerCredentials") -> str | None:
+        """Why a new connection of ``peer`` is over a limit, or None."""
+        if len(self.connections) >= self.limits.connections:
+            return (f"the service has {len(self.connections)} connections, its limit "
+                    f"(connections={self.limits.connections})")
+        app = self.app_of(peer)
+        mine = sum(1 for c in self.connections if self.app_of(c.peer) == app)
+        if mine >= self.limits.connections_per_app:
+            return (f"app {app[0]} {app[1]} has {mine} connections open, its limit "
+                    f"(connections_per_app={self.limits.connections_per_app})")
+        return None
+
+    def hold(self, conn: "ServiceConnection", fds: int, nbytes: int) -> str | None:
+        """``conn`` holds ``fds`` unclaimed fds and ``nbytes`` bytes of
+        unfinished frames now; why that puts the service over a limit, or
+        None. (The per-connection limits are the protocol core's.)"""
+        old_fds, old_bytes = self._held.pop(conn, (0, 0))
+        self._held_total[0] += fds - old_fds
+        self._held_total[1] += nbytes - old_bytes
+        if fds or nbytes:
+            self._held[conn] = (fds, nbytes)
+        total_fds, total_bytes = self._held_total
+        if fds and total_fds > self.limits.fds:
+            return (f"the service holds {total_fds} fds no frame has claimed, over its limit "
+                    f"(fds={self.limits.fds})")
+        if nbytes and total_bytes > self.limits.frame_bytes:
+            return (f"the service holds {total_bytes} bytes of unfinished frames, over its "
+                    f"limit (frame_bytes={self.limits.frame_bytes})")
+        return None
+
     def statistics(self) -> ServiceStatistics:
         return ServiceStatistics(len(self.connections), self._connections_total, self._calls,
                                  self._malformed,
@@ -183,12 +281,18 @@ class DriverService:
 
     async def handle_connection(self, sock: socket.socket) -> None:
         conn = ServiceConnection(self, sock)
+        refusal = self.refuse_connection(conn.peer)
+        if refusal is not None:
+            vlog("driver", "%s: refusing pid %d: %s", self.info.name, conn.peer.pid, refusal)
+            await conn.refuse(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, refusal)
+            return
         self.connections.add(conn)
         self._connections_total += 1
         try:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self.hold(conn, 0, 0)
 
 
 class _Prepared:
@@ -219,12 +323,15 @@ class ServiceConnection:
         self.sock = sock
         sock.setblocking(False)
         self.peer = peer_credentials(sock)
-        self.proto = p.ServerConnection()
+        limits = service.limits
+        self.proto = p.ServerConnection(limits.fds_per_connection,
+                                        limits.frame_bytes_per_connection)
         self.models: dict[int, _Prepared] = {}
         self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
+        self._most_bytes_held = 0   # of unfinished frames, at any time
         self._tg = None  # the connection's task group, home of fenced executions and bursts
 
     @property
@@ -258,8 +365,18 @@ class ServiceConnection:
                 burst.close()
             self.bursts.clear()
             self.sock.close()
+            self.proto.drop_buffer()
+            if self._most_bytes_held >= _GIVE_BACK_BYTES:
+                give_back_freed_memory()   # the heap keeps freed memory otherwise
             vlog("driver", "%s: connection from pid %d closed", self.service.info.name,
                  self.peer.pid)
+
+    async def refuse(self, status: ErrorStatus, message: str) -> None:
+        """Tell the client why before its connection is closed (an ERROR
+        reply to call id 0, which the client keeps as the reason)."""
+        with anyio.move_on_after(1):
+            await self._reply(p.Reply(0, p.Method.ERROR, status, message))
+        self.sock.close()
 
     async def _read_loop(self, tg) -> None:
         self._tg = tg
@@ -296,6 +413,15 @@ class ServiceConnection:
                 if event is None:
                     break
                 await self._on_event(event, tg)
+            held_fds, held_bytes = self.proto.held
+            self._most_bytes_held = max(self._most_bytes_held, held_bytes)
+            over = self.service.hold(self, held_fds, held_bytes)
+            if over is not None:
+                vlog("driver", "%s: closing the connection of pid %d: %s",
+                     self.service.info.name, self.peer.pid, over)
+                await self._reply(p.Reply(0, p.Method.ERROR,
+                                          ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, over))
+                return
 
     async def _on_event(self, event, tg) -> None:
         if isinstance(event, p.Malformed):
@@ -317,6 +443,7 @@ class ServiceConnection:
             await self._reply(p.reply_for(event, None))
         elif self._in_flight >= MAX_CALLS_IN_FLIGHT:
             self.service._calls += 1
+            self.proto.finished(event.call_id)
             for fd in p.fds_of(event):
                 os.close(fd)
             await self._reply(p.error_reply(
@@ -362,6 +489,7 @@ class ServiceConnection:
                                       f"{type(e).__name__} in the driver: {e}")
         finally:
             self._in_flight -= 1
+            self.proto.finished(call.call_id)
             for fd in p.fds_of(call):
                 os.close(fd)
         await self._reply(reply)
@@ -378,9 +506,19 @@ class ServiceConnection:
         return self.service.answers[call.method]
 
     async def _statistics(self, call: p.Query) -> p.StatisticsValue:
-        # Live counters, not a fixed answer.
-        device = self.service.device
-        return _wire_statistics(await device.statistics(), await device.finished_jobs())
+        # Live counters, not a fixed answer. An app sees its own classes and
+        # jobs only (their pids, priorities and timings are its business),
+        # unless the operator opened the whole service to it.
+        service = self.service
+        statistics = await service.device.statistics()
+        jobs = await service.device.finished_jobs()
+        if not service.sees_all_apps(self.peer):
+            app = service.app_of(self.peer)
+            if statistics is not None:
+                statistics = replace(statistics, classes=tuple(
+                    c for c in statistics.classes if c.app == app))
+            jobs = [j for j in jobs if j.app == app]
+        return _wire_statistics(statistics, jobs)
 
     async def _supported_operations(self, call: p.SupportedOperations) -> list[bool]:
         model, memories = _map_model(call.model)
@@ -456,7 +594,8 @@ class ServiceConnection:
     @trace.traced("service: execute")
     async def _execute(self, call: p.Execute) -> ExecutionResult:
         with anyio.CancelScope() as scope:
-            self.proto.running(call.call_id, scope)
+            if self.proto.running(call.call_id, scope):
+                scope.cancel()   # the CANCEL came before this task ran
             try:
                 entry = self._own(call.model_id)
                 with self._request(entry, call) as request:
@@ -644,10 +783,17 @@ class ServiceConnection:
 
     async def _configure_burst(self, call: p.ConfigureBurst) -> int:
         entry = self._own(call.model_id)
-        if len(self.bursts) >= MAX_MODELS_PER_CONNECTION:
+        limits = self.service.limits
+        if len(self.bursts) >= limits.bursts_per_connection:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_MODELS_PER_CONNECTION} bursts on one connection; "
+                            f"{len(self.bursts)} bursts open on this connection, its limit "
+                            f"(bursts_per_connection={limits.bursts_per_connection}); "
                             f"release some")
+        open_bursts = sum(len(c.bursts) for c in self.service.connections)
+        if open_bursts >= limits.bursts:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                            f"the service has {open_bursts} bursts open, its limit "
+                            f"(bursts={limits.bursts})")
         rings = []
         try:
             for k in (0, 3):
@@ -975,14 +1121,18 @@ def _secure_folder(folder: str, gid: int | None) -> None:
 
 
 async def serve(device: Device, socket_path: str, *, app_key: str = "uid",
-                group: str | None = None, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                group: str | None = None, limits: ServiceLimits = ServiceLimits(),
+                statistics: str = "own", admin_uids=(),
+                task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Serve ``device`` on ``socket_path`` until cancelled; the socket file
     is removed on the way out. ``app_key`` ("uid" or "pid") says which peer
     credential keys an app's queue; ``group`` names a group whose members
-    may connect too (see :func:`listen`; default: only the service's user).
+    may connect too (see :func:`listen`; default: only the service's user);
+    ``limits`` bound what connections may hold; ``statistics`` ("own" or
+    "all") and ``admin_uids`` say who sees every app's work in STATISTICS.
     ``task_status.started`` gets the :class:`DriverService` (for
     ``statistics()``)."""
-    service = DriverService(device, app_key)
+    service = DriverService(device, app_key, limits, statistics, admin_uids)
     listener = listen(socket_path, group)
     vlog("driver", "%s: listening on %s", device.name, socket_path)
     try:
