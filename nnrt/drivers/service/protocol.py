@@ -78,7 +78,11 @@ from ...model.extensions import (Extension, ExtensionOperandTypeInfo, is_extensi
 from ...model.types import OperandLifeTime, OperandType, OperationType
 from ...wirecodec import Reader, Writer
 
-PROTOCOL_VERSION = 1
+# 2: memory domains (ALLOCATE..RELEASE_BUFFER, token pools, the mirror fd
+# of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
+# PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
+# client and a service of different versions refuse each other at HELLO.
+PROTOCOL_VERSION = 2
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
