@@ -65,7 +65,8 @@ async def frames(compiled, n):
 
 
 async def latency(args, folder):
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")],
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
+                                   "--statistics", "all")],
                             discover=False) as rt:
         socket_path = rt.device("npu").socket_path
         light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
@@ -122,7 +123,8 @@ async def shares(args, folder, weights):
     with open(policy, "w") as f:
         f.write(f'[[app]]\nname = "heavy"\nexe = "{heavy}"\nweight = {weights[0]}\n\n'
                 f'[default]\nweight = {weights[1]}\n')
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid", "--policy", policy)],
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
+                                   "--statistics", "all", "--policy", policy)],
                             discover=False) as rt:
         path = rt.device("npu").socket_path
         procs = [flooder(path, folder, args.seconds, 2, heavy, extra),

@@ -159,7 +159,8 @@ class Series:
 
 
 async def camera_loop(seconds: float, report_path: str | None) -> int:
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid")],
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
+                                   "--statistics", "all")],
                             discover=False) as rt:
         npu = rt.device("npu")
         print(f"driver service: {npu.name} ({npu.version_string}) at {npu.socket_path}")
