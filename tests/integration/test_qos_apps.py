@@ -5,6 +5,7 @@ operator's policy gives them (matched by executable); 100 concurrent
 executions of one app all complete. Every figure is read from the service
 scheduler's own records (STATISTICS), never from wall-clock luck."""
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -65,15 +66,23 @@ async def _frames(light, n: int) -> list[bool]:
     return frames
 
 
-async def test_a_light_app_waits_at_most_one_operation_of_a_flooding_app(monkeypatch, tmp_path):
+@contextlib.asynccontextmanager
+async def _light_app_on_a_service(monkeypatch, tmp_path):
+    """A service keyed by pid, this process's light HIGH model on it, and
+    the environment a flooding process needs to reach it: ``(rt, light,
+    env)``. The tests read the floods' jobs too: the operator's view."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    # The test reads the flood's jobs too: the operator's view of the service.
     async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
                                     "--statistics", "all")]) as rt:
-        me = ("pid", os.getpid())
         light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
-        flood = _flooder(_env(rt.device("npu").socket_path, tmp_path), seconds=5.0, inflight=3)
+        yield rt, light, _env(rt.device("npu").socket_path, tmp_path)
+
+
+async def test_a_light_app_waits_at_most_one_operation_of_a_flooding_app(monkeypatch, tmp_path):
+    async with _light_app_on_a_service(monkeypatch, tmp_path) as (rt, light, env):
+        me = ("pid", os.getpid())
+        flood = _flooder(env, seconds=5.0, inflight=3)
         other = ("pid", flood.pid)
         seen = {}
         async with anyio.create_task_group() as tg:
@@ -108,13 +117,8 @@ async def test_a_flood_that_starts_later_is_owed_nothing_of_what_ran_before(monk
     # light app had run, and the light app's next frame waited for it to
     # catch up (2.9 s in benchmarks/qos_apps.py). Placed at the system's
     # virtual time, every frame still waits at most one of its operations.
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
-                                    "--statistics", "all")]) as rt:
+    async with _light_app_on_a_service(monkeypatch, tmp_path) as (rt, light, env):
         me = ("pid", os.getpid())
-        light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
-        env = _env(rt.device("npu").socket_path, tmp_path)
         seen = {}
         frames = []
         floods = []
