@@ -120,7 +120,9 @@ class ExecutionGate:
         self.spawn = spawn
         self._lock = threading.Lock()
         self._tickets: dict[Job, _Ticket] = {}
-        self._donors = threading.local()   # .depth: donated jobs running on this thread
+        # Per thread: .depth, donated jobs running on it; .serving, it is a job's own
+        # thread (_serve); .following, the job it runs next (continuation).
+        self._local = threading.local()
 
     def submit(self, app: Hashable, priority: Priority, *, deadline: float | None = None,
                model: Hashable = None, work: Callable[[Job], None] | None = None) -> Job:
@@ -232,11 +234,18 @@ class ExecutionGate:
                message: str = "") -> ErrorStatus:
         """End the run of a job this thread owns (no-op when it already
         stopped); returns the status to report (a miss instead of NONE when
-        it finished late). The job's buffers must be free by now."""
+        it finished late). The job's buffers must be free by now. On a job's
+        own thread (``_serve``), the job that takes the freed slot is claimed
+        for this thread, which runs it once its ``work`` returns
+        (continuation)."""
         with self._lock:
             final = self.scheduler.finish(job, status, message)
-            starts = self._deliver(self.scheduler.take_wakeups())
+            woken = self.scheduler.take_wakeups()
+            following = self._continuation(woken)
+            starts = self._deliver(woken, skip=following)
             self._tickets.pop(job, None)
+        if following is not None:
+            self._local.following = following
         self._start(starts)
         return final
 
@@ -267,7 +276,7 @@ class ExecutionGate:
     def running_donated(self) -> bool:
         """True on a thread that is running another job's work for it
         (donation), with its own preempted job parked below."""
-        return getattr(self._donors, "depth", 0) > 0
+        return getattr(self._local, "depth", 0) > 0
 
     def set_settings(self, settings) -> None:
         with self._lock:
@@ -313,7 +322,8 @@ class ExecutionGate:
             self.spawn(self._serve, job)
 
     def _serve(self, job: Job) -> None:
-        """A job's own thread, for a job submitted with work."""
+        """A job's own thread, for a job submitted with work; then, in turn,
+        each job that took the slot its last job freed (continuation)."""
         with self._lock:
             ticket = self._tickets.get(job)
         if ticket is None:
@@ -323,7 +333,53 @@ class ExecutionGate:
                 return                  # donated: its donor calls work
         except NnrtError:
             pass                        # ended unclaimed: work reports it
-        ticket.work(job)
+        self._serve_in_turn(job, ticket)
+
+    def _serve_in_turn(self, job: Job, ticket: _Ticket, following: bool = False) -> None:
+        """Run ``work`` of a job this thread owns (claimed by ``finish`` for
+        the thread that freed its slot when ``following``), then of each job
+        that ``finish`` claims for this thread as it frees the slot."""
+        local = self._local
+        local.serving = True
+        try:
+            while True:
+                if following:
+                    with self._lock:
+                        self.scheduler.resumed(job)
+                ticket.work(job)
+                after, local.following = getattr(local, "following", None), None
+                if after is None:
+                    return
+                (job, ticket), following = after, True
+        finally:
+            local.serving = False
+            # ``work`` raised (it must not) after its job claimed the next:
+            # that one still needs a thread, or its slot is held forever.
+            after, local.following = getattr(local, "following", None), None
+            if after is not None:
+                self.spawn(self._serve_in_turn, *after, True)
+
+    def _continuation(self, woken: list[Job]) -> tuple[Job, _Ticket] | None:
+        """Under the lock, in ``finish``: the job that took the slot just
+        freed, claimed for this thread, if this is a job's own thread with
+        nothing parked below (not running donated work) and that job needs
+        a thread. Waking another thread for it while this one goes idle cost
+        a wake-up per job, and on a busy host the two woken threads (the
+        next job's and the event loop's, for this job's result) were queued
+        on one CPU, the loop behind the job for up to a scheduler tick
+        (docs/qos.md)."""
+        local = self._local
+        if not getattr(local, "serving", False) or getattr(local, "depth", 0) > 0:
+            return None
+        for job in woken:
+            if job.state is JobState.RUNNING:
+                ticket = self._tickets.get(job)
+                if ticket is not None and ticket.work is not None and not ticket.spawned \
+                        and ticket.owner is None:
+                    ticket.spawned = True
+                    ticket.owner = threading.get_ident()
+                    return job, ticket
+        return None
 
     def _donation(self, preempted: Job, woken: list[Job]) -> tuple[Job, _Ticket] | None:
         """Under the lock, just after ``preempted`` gave its slot away: the
@@ -345,7 +401,7 @@ class ExecutionGate:
         job, ticket = donated
         vlog("execution", "%s: job %d runs on the thread of preempted job %d",
              self.scheduler.name, job.seq, preempted.seq)
-        donors = self._donors
+        donors = self._local
         donors.depth = getattr(donors, "depth", 0) + 1
         try:
             ticket.work(job)

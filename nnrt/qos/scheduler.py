@@ -36,7 +36,12 @@ the lag it had when it went idle (how far it was behind, at most one of its
 own jobs, as EEVDF keeps a sleeping task's lag): it cannot bank credit
 while idle, nor lose what it was owed because its client was a moment late
 to resubmit; and levelling up to a charge made a moment ago would erase the
-small lag an app with one request outstanding always has when it resubmits. Ties go to the app served longest ago (round robin).
+small lag an app with one request outstanding always has when it resubmits.
+A new app starts there too, with no lag. When no other app is active, the
+floor is the *system's virtual time*: that of the last app that went idle
+(EEVDF's V, CFS's min_vruntime), never zero -- a newcomer placed at zero
+would be owed everything the others ever ran. Ties go to the app served
+longest ago (round robin).
 Over time backlogged apps get device time in proportion to their weights.
 
 *Preemption.* At each boundary ``checkpoint`` asks two questions, in order:
@@ -99,6 +104,11 @@ a fake-clock test in ``tests/unit/test_scheduler_fair.py`` or
 - F6 an app is preempted across apps only by an app that is not ahead of it
   in virtual time (asserted in ``checkpoint``;
   ``test_an_app_ahead_of_its_share_does_not_preempt``).
+- F7 an app that arrives (new, or back from idle) while no other app is
+  active starts at the system's virtual time, which never goes back: it is
+  not owed what other apps ran before it came
+  (``test_a_new_app_is_not_owed_what_others_ran_before_it_came``,
+  ``test_an_app_back_while_all_were_idle_banks_no_credit``).
 
 *Backpressure.* Each app may have ``queue_limit`` jobs in its queue. By
 default a job submitted beyond that is *held* (QUEUED, but not in the queue,
@@ -447,6 +457,9 @@ class Scheduler:
         self._seq = itertools.count()
         self._served = itertools.count()
         self._wakeups: list[Job] = []
+        # The system's virtual time when no app is active: the virtual time
+        # of the last app that went idle (F7; EEVDF's V, CFS's min_vruntime).
+        self._vtime = 0.0
         self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
 
     # --- the calls that drive it ------------------------------------------
@@ -841,38 +854,49 @@ class Scheduler:
             self._refuse(app, job, now, *late)
         return None
 
-    def _floor(self, app: _App) -> float | None:
-        """The least *settled* virtual time of the other active apps (None
-        when there is none): where an app that was idle is placed (F5)."""
+    def _floor(self, app: _App) -> float:
+        """Where an app that was idle, or is new, is placed (F5): the least
+        *settled* virtual time of the other active apps; when none is
+        active, the system's virtual time as the last of them left it."""
         active = [a.settled / a.weight for a in self._apps.values()
                   if a is not app and (a.queue or a.running)]
-        return min(active) if active else None
+        return min(active) if active else self._vtime
 
     def _leave(self, job: Job) -> None:
         """``job`` has ended; if its app has nothing else, it goes idle:
         keep how far it was behind the others (its lag), at most that one
-        job in its virtual time (F5)."""
+        job in its virtual time (F5). The last active app to go idle leaves
+        the system's virtual time at its own (F7)."""
         app = self._apps[job.app]
         if app.queue or app.running or app.held:
             return
-        length = job.ran
-        floor = self._floor(app)
-        behind = 0.0 if floor is None else floor - app.service / app.weight
-        app.lag = min(max(behind, 0.0), length / app.weight)
+        others = [a.settled / a.weight for a in self._apps.values()
+                  if a is not app and (a.queue or a.running)]
+        if not others:
+            self._vtime = max(self._vtime, app.service / app.weight)
+            app.lag = 0.0
+            return
+        behind = min(others) - app.service / app.weight
+        app.lag = min(max(behind, 0.0), job.ran / app.weight)
 
     def _place(self, app: _App) -> None:
-        """Idle -> active (F5): no credit for the idle time, and no loss of
-        the lag it had when it went idle. The floor is the least-served
-        active app's *settled* virtual time (without charges for work still
-        in flight): levelling up to a charge made a moment ago would erase
-        the small lag an app with one request outstanding always has when
-        it resubmits. Without the lag (EEVDF keeps it too), an app whose
-        client is slow to resubmit (two executions in flight on a loaded
-        host) lost what it was owed at every gap: the time another app's
-        job stretched by the host had taken from it was forgotten."""
+        """Idle or new -> active (F5, F7): no credit for the idle time, and
+        no loss of the lag it had when it went idle. The floor is the
+        least-served active app's *settled* virtual time (without charges
+        for work still in flight): levelling up to a charge made a moment
+        ago would erase the small lag an app with one request outstanding
+        always has when it resubmits. Without the lag (EEVDF keeps it too),
+        an app whose client is slow to resubmit (two executions in flight
+        on a loaded host) lost what it was owed at every gap: the time
+        another app's job stretched by the host had taken from it was
+        forgotten. With no other app active the floor is the system's
+        virtual time (F7): a new app starting from zero instead was owed
+        everything the others had ever run -- a light app that had run
+        alone for a while, or beside a flood that then ended, waited for
+        the newcomer to catch up with all of it (seconds: measured in
+        ``benchmarks/qos_apps.py``, docs/qos.md)."""
         floor = self._floor(app)
-        if floor is not None:
-            app.service = max(app.service, (floor - app.lag) * app.weight)
+        app.service = max(app.service, (floor - app.lag) * app.weight)
         app.lag = 0.0
 
     def _pick_app(self) -> _App | None:

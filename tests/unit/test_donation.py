@@ -230,3 +230,57 @@ def test_another_apps_preempting_job_runs_on_the_preempted_thread_pinned():
     np.testing.assert_array_equal(runner.result[0], heavy_ex.run([x])[0])
     assert [r.model for r in scheduler.finished_jobs()] == ["light", "heavy"]
     assert b.preemptions == 1 and scheduler.statistics().busy == 0
+
+
+class HeldWork(Work):
+    """Work that waits for ``go`` before running, so the test can queue
+    other jobs behind it."""
+
+    def __init__(self, gate, ex, inputs):
+        super().__init__(gate, ex, inputs)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, job):
+        self.started.set()
+        assert self.go.wait(TIMEOUT)
+        super().__call__(job)
+
+
+def test_the_thread_that_frees_the_slot_runs_the_next_job_itself():
+    # Continuation: when a job's own thread finishes, the job that takes the
+    # slot runs on that thread (after the first job's work has returned),
+    # instead of a new thread being woken while this one goes idle.
+    gate, scheduler, _, spawn = setup()
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    first = HeldWork(gate, chain(3), [x])
+    gate.submit("a", MEDIUM, model="m", work=first)
+    assert first.started.wait(TIMEOUT) and spawn.calls == 1
+    second, third = Work(gate, chain(4), [x]), Work(gate, chain(5), [x])
+    gate.submit("b", MEDIUM, model="m", work=second)
+    gate.submit("a", MEDIUM, model="m", work=third)
+    first.go.set()
+    assert third.done.wait(TIMEOUT) and second.done.wait(TIMEOUT)
+    assert spawn.calls == 1                                  # no other thread was started
+    assert first.thread == second.thread == third.thread
+    for work, n in ((first, 3), (second, 4), (third, 5)):
+        np.testing.assert_allclose(work.result[0], chain(n).run([x])[0])
+        assert work.calls == 1 and work.error is None
+    assert scheduler.statistics().busy == 0
+
+
+def test_a_synchronous_owner_does_not_run_the_next_job():
+    # Only a job's own thread continues: a caller that claimed its job on
+    # its own thread (execute_synchronously, a burst) returns to its caller,
+    # and the next job gets a thread of its own.
+    gate, scheduler, _, spawn = setup()
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    mine = gate.submit("a", MEDIUM, model="m")
+    runner = Runner(gate, mine, chain(6), [x], pause_when=lambda p: p == ((None, 3),))
+    assert runner.paused.wait(TIMEOUT)
+    queued = Work(gate, chain(2), [x])
+    gate.submit("b", MEDIUM, model="m", work=queued)
+    runner.resume()
+    runner.join()
+    assert queued.done.wait(TIMEOUT)
+    assert spawn.calls == 1 and queued.thread != runner.thread.ident
+    np.testing.assert_allclose(queued.result[0], chain(2).run([x])[0])

@@ -232,6 +232,53 @@ def test_an_idle_app_banks_no_credit_beyond_its_lag():
     assert 3 * (b_virtual - 0.010 / 3) - 1e-9 <= s._apps["A"].service <= 3 * b_virtual + 1e-9
 
 
+def test_a_new_app_is_not_owed_what_others_ran_before_it_came():
+    # F7: A has run 100 frames alone (0.1 s of device time) when B starts
+    # flooding. B starts at the system's virtual time, where A left it, so
+    # A's next frame preempts B at its next boundary. Placed at zero, B was
+    # owed A's 0.1 s first: A's frame waited for B to run all of it (in a
+    # driver service, seconds when A had run beside another flood before).
+    s, clock = make()
+    s.for_test_set_estimate("light", 0.001)
+    s.for_test_set_estimate("heavy", 0.010)
+    for _ in range(100):
+        frame = s.submit("A", HIGH, model="light")
+        clock.advance(0.001)
+        s.finish(frame)
+        clock.advance(0.032)
+    b = [s.submit("B", LOW, model="heavy") for _ in range(3)]
+    clock.advance(0.001)
+    assert s.checkpoint(b[0]) is Verdict.CONTINUE
+    frame = s.submit("A", HIGH, model="light")
+    clock.advance(0.001)
+    assert s.checkpoint(b[0]) is Verdict.PREEMPTED
+    assert frame.state is JobState.RUNNING
+    assert s._apps["B"].settled == pytest.approx(0.100 + 0.002)   # from A's 0.1 s, not 0
+
+
+def test_an_app_back_while_all_were_idle_banks_no_credit():
+    # F7 (F5 when nobody is active): A ran one job, then B ran 5 s alone
+    # and went idle too. A comes back while no app is active: at B's
+    # virtual time, not at its own 5 s behind, so when B floods again the
+    # two split the device from there instead of A taking 5 s first.
+    s, clock = make()
+    a0 = s.submit("A", MEDIUM, model="A")
+    clock.advance(0.010)
+    s.finish(a0)
+    for _ in range(50):
+        job = s.submit("B", MEDIUM, model="B")
+        clock.advance(0.1)
+        s.finish(job)
+    a1 = s.submit("A", MEDIUM, model="A")
+    assert s._apps["A"].settled == pytest.approx(s._apps["B"].settled)   # 5.01 s, not 0.01
+    clock.advance(0.010)
+    s.finish(a1)
+    before = {app: s.statistics().run_time_of(app) for app in "AB"}
+    run_op_by_op(s, clock, {"A": 2, "B": 2}, until=clock() + 1.0)
+    ran = {app: s.statistics().run_time_of(app) - before[app] for app in "AB"}
+    assert ran["A"] / (ran["A"] + ran["B"]) == pytest.approx(0.5, abs=0.02)
+
+
 def test_a_pinned_job_is_not_preempted_but_still_stops():
     # P1: a job running on another app's preempted job's thread keeps the
     # slot against a more important job of its own app and against another
