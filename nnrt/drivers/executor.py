@@ -147,67 +147,75 @@ def _same(args, others) -> bool:
 class _Output:
     """Where one output of a bound request goes."""
 
-    __slots__ = ("index", "dtype", "pool_index", "length", "bytes", "typed", "declared")
+    __slots__ = ("index", "dtype", "pool_index", "buffer", "readonly", "offset", "length",
+                 "declared", "as_declared")
 
     def __init__(self, index: int, dtype: np.dtype, dims: tuple[int, ...], pool_index: int,
-                 pool: memoryview, offset: int, length: int):
+                 buffer, readonly: bool, offset: int, length: int):
         self.index = index             # the operand
         self.dtype = dtype
         self.pool_index = pool_index
+        self.buffer = buffer           # the pool (see Binding)
+        self.readonly = readonly
+        self.offset = offset
         self.length = length           # bytes of the region
-        # The region as bytes, None in a read-only pool (refused when an
-        # output is written to it, after the size check, as
+        # The shape the output has when it comes out as declared (the usual
+        # case), and whether it is then written as it is, without a check:
+        # a tensor that fits, in a pool that is not read-only (which is
+        # refused when an output is written to it, after the size check, as
         # nnrt.hal.request.write_outputs does).
-        self.bytes = None if pool.readonly else np.frombuffer(pool, np.uint8, length, offset)
-        # The shape the output has when it comes out as declared (the
-        # usual case): its OutputShape, and the region as an array of it.
-        need = dtype.itemsize * math.prod(dims)
-        self.declared = OutputShape(dims, need <= length)
-        self.typed = None
-        if self.bytes is not None and self.declared.is_sufficient and dims:
-            self.typed = self.bytes[:need].view(dtype).reshape(dims)
+        self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
+        self.as_declared = bool(dims) and self.declared.is_sufficient and not readonly
 
 
 class Binding:
-    """One request resolved against a :class:`RequestPlan`: a view per tensor
-    input (reading the pool as it is at each execution), where each scalar
-    input is read from, and a view of each output region.
+    """One request resolved against a :class:`RequestPlan`: where each input
+    is read and each output written (pool, offset, element type, shape), and
+    the result of an execution whose outputs come out as declared.
 
-    It keeps the request's pool objects (and views into them) until the
-    next binding replaces it. A pool cannot change size under a view (numpy
-    arrays, bytearrays and mmaps refuse to resize while exported), so the
-    same pool objects with the same arguments are the same valid layout;
-    the one thing that can change is a :class:`nnrt.memory.Memory` being
-    closed, which :meth:`serves` checks. (A closed Memory's mapping lives
-    until the binding goes: ``Memory.close`` expects views that outlive it.)"""
+    It keeps the request's pool objects (a Memory as its own byte view),
+    and no view of its own into them: arrays over the pools are made per
+    execution (one call each) and die with it, because any view kept here
+    would keep a closed Memory mapped (a burst's slots are unmapped when it
+    ends, tests/integration/test_burst.py). A pool cannot change size while
+    an execution has a view into it (numpy arrays, bytearrays and mmaps
+    refuse to resize while exported) and a view into it was checked to fit
+    (the layout was validated), so the same pool objects with the same
+    arguments are the same valid layout -- except for a
+    :class:`nnrt.memory.Memory` closed since, which :meth:`serves` checks."""
 
     __slots__ = ("_request_inputs", "_request_outputs", "_pools", "_memories", "_inputs",
-                 "_scalars", "_outputs", "_declared", "_done")
+                 "_tensors", "_scalars", "_outputs", "_declared", "_done")
 
     def __init__(self, plan: RequestPlan, request, buffers: tuple[memoryview, ...]):
-        self._request_inputs = request.inputs
-        self._request_outputs = request.outputs
-        self._pools = request.pools
+        # Tuples (tuple() of a tuple is that tuple): only an immutable
+        # container may be recognised by identity in serves().
+        self._request_inputs = tuple(request.inputs)
+        self._request_outputs = tuple(request.outputs)
+        self._pools = tuple(request.pools)
         self._memories = tuple(p for p in request.pools if isinstance(p, Memory))
-        inputs, scalars = [], []
+        # What arrays are made over: the pool itself, a Memory's own view
+        # (no new view: holding it does not keep the Memory mapped).
+        sources = tuple(p.view() if isinstance(p, Memory) else p for p in request.pools)
+        tensors, scalars = [], []
         for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
                 zip(request.inputs, plan._inputs)):
-            value = None
-            if not arg.has_no_value:
-                loc = arg.location
-                if is_tensor:
-                    value = np.frombuffer(buffers[loc.pool_index], dtype,
-                                          loc.length // dtype.itemsize,
-                                          loc.offset).reshape(arg.dimensions or declared)
-                else:   # decoded at each execution: the pool's bytes may change
-                    scalars.append((k, operand,
-                                    buffers[loc.pool_index][loc.offset:loc.offset + loc.length]))
-            inputs.append(value)
-        self._inputs = tuple(inputs)
+            if arg.has_no_value:
+                continue
+            loc = arg.location
+            buffer = sources[loc.pool_index]
+            if is_tensor:
+                shape = tuple(arg.dimensions) or declared
+                tensors.append((k, shape, dtype, buffer, loc.offset))
+            else:
+                scalars.append((k, operand, buffer, loc.offset, loc.offset + loc.length))
+        self._inputs = (None,) * len(request.inputs)    # None: an omitted input
+        self._tensors = tuple(tensors)
         self._scalars = tuple(scalars)
         self._outputs = tuple(
             _Output(index, dtype, tuple(arg.dimensions) or declared, arg.location.pool_index,
-                    buffers[arg.location.pool_index], arg.location.offset, arg.location.length)
+                    sources[arg.location.pool_index], buffers[arg.location.pool_index].readonly,
+                    arg.location.offset, arg.location.length)
             for arg, (index, dtype, declared) in zip(request.outputs, plan._outputs))
         # The output shapes, and the result, of an execution whose outputs
         # all came out as declared: made once, not per execution.
@@ -222,14 +230,14 @@ class Binding:
                 and all(map(operator.is_, request.pools, self._pools))
                 and not (self._memories and any(m.closed for m in self._memories)))
 
-    def read_inputs(self) -> tuple | list:
-        """An array view per tensor input (no copy), a Python value per
-        scalar, None for an omitted input."""
-        if not self._scalars:
-            return self._inputs
+    def read_inputs(self) -> list:
+        """An array view per tensor input (no copy: the pool as it is now), a
+        Python value per scalar, None for an omitted input."""
         inputs = list(self._inputs)
-        for k, operand, raw in self._scalars:
-            inputs[k] = decode_value(operand, raw)
+        for k, shape, dtype, buffer, offset in self._tensors:
+            inputs[k] = np.ndarray(shape, dtype, buffer, offset)
+        for k, operand, buffer, start, stop in self._scalars:
+            inputs[k] = decode_value(operand, buffer[start:stop])
         return inputs
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
@@ -249,16 +257,17 @@ class Binding:
         executor checks them) into their regions, which ``output_shapes``
         said are big enough; INVALID_ARGUMENT for a read-only pool."""
         for value, out in zip(outputs, self._outputs):
-            if out.typed is not None and value.shape == out.typed.shape:
-                out.typed[...] = value
+            if out.as_declared and value.shape == out.declared.dimensions:
+                np.ndarray(value.shape, out.dtype, out.buffer, out.offset)[...] = value
                 continue
             arr = np.ascontiguousarray(value, dtype=out.dtype)
             if not arr.nbytes:
                 continue
-            if out.bytes is None:
+            if out.readonly:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                 f"output operand {out.index}: pool {out.pool_index} is read-only")
-            out.bytes[:arr.nbytes] = arr.reshape(-1).view(np.uint8)
+            np.frombuffer(out.buffer, np.uint8, arr.nbytes, out.offset)[:] = \
+                arr.reshape(-1).view(np.uint8)
 
     def succeeded(self, shapes: tuple[OutputShape, ...], timing: Timing) -> ExecutionResult:
         """The result of an execution that wrote outputs of ``shapes``."""
@@ -326,7 +335,7 @@ class ExecutionContext:
             if checkpoint is not None:
                 checkpoint(self)
             args = [ops.Arg(t, values[i], s, z, c) for i, t, s, z, c in step.args]
-            call = ops.Call(step.type, args, list(step.out_operands), relaxed, self)
+            call = ops.Call(step.type, args, step.out_operands, relaxed, self)
             start = time.perf_counter() if trace else 0.0
             try:
                 if traced:

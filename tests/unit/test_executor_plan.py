@@ -210,6 +210,26 @@ def test_a_bound_memory_closed_since_is_refused():
     assert result.status == ErrorStatus.INVALID_ARGUMENT and "closed" in result.message
 
 
+def test_a_binding_keeps_no_memory_mapped():
+    """The binding keeps the pools, not views into them: a Memory closed
+    after an execution is unmapped at once (a burst's slots must be)."""
+    import os
+    prepared = _prepared(_add_model())
+    probe = f"nnrt-binding-probe-{os.getpid()}"
+    mem = Memory.create(4096, probe)
+    req = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                   RequestArgument(False, DataLocation(0, 16, 16))),
+                  (RequestArgument(False, DataLocation(0, 32, 16)),), (mem.view(),))
+    for _ in range(2):
+        assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+    with open("/proc/self/maps") as f:
+        assert probe in f.read()
+    del req
+    mem.close()
+    with open("/proc/self/maps") as f:
+        assert probe not in f.read()
+
+
 def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
     m = nnrt.Model()
     a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
