@@ -34,7 +34,7 @@ from ..hal.types import NO_TIMING, ExecutionResult, OutputShape, Timing
 from ..model.graph import HalModel, Operand, decode_value
 from ..model.types import OperandLifeTime as L, OperationType
 from ..hal.validate import RequestValidator, ValidatedModel
-from ..memory import Memory
+from ..memory import Memory, as_buffer
 from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
@@ -106,10 +106,10 @@ class RequestPlan:
     :meth:`bind` validates a request (through the
     :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
     for a layout it has not seen valid last) and resolves it into a
-    :class:`Binding`: the input arrays as views into the pools and the
-    output regions. The last binding is kept; a request with the same
-    arguments and the same pool objects is bound already, so an execution
-    like the last one validates nothing and builds no view (issue 16).
+    :class:`Binding`: where each input is read and each output written. The
+    last binding is kept; a request with the same arguments and the same
+    pool objects is bound already, so an execution like the last one
+    validates nothing and resolves nothing again (issue 16).
     Tested by tests/unit/test_executor_plan.py."""
 
     __slots__ = ("_validator", "_inputs", "_outputs", "_last")
@@ -142,6 +142,9 @@ def _same(args, others) -> bool:
     """Whether two tuples of request arguments are equal (the same tuple, as
     a caller that reuses its request passes, is compared without a walk)."""
     return args is others or args == others
+
+
+_FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be resized
 
 
 class _Output:
@@ -177,15 +180,15 @@ class Binding:
     and no view of its own into them: arrays over the pools are made per
     execution (one call each) and die with it, because any view kept here
     would keep a closed Memory mapped (a burst's slots are unmapped when it
-    ends, tests/integration/test_burst.py). A pool cannot change size while
-    an execution has a view into it (numpy arrays, bytearrays and mmaps
-    refuse to resize while exported) and a view into it was checked to fit
-    (the layout was validated), so the same pool objects with the same
-    arguments are the same valid layout -- except for a
-    :class:`nnrt.memory.Memory` closed since, which :meth:`serves` checks."""
+    ends, tests/integration/test_burst.py). The same pool objects with the
+    same arguments are the same valid layout as long as no pool changed
+    size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
+    checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
+    any other buffer (a bytearray, an mmap) can be resized between two
+    executions, so its size is compared at each."""
 
-    __slots__ = ("_request_inputs", "_request_outputs", "_pools", "_memories", "_inputs",
-                 "_tensors", "_scalars", "_outputs", "_declared", "_done")
+    __slots__ = ("_request_inputs", "_request_outputs", "_pools", "_memories", "_resizable",
+                 "_inputs", "_tensors", "_scalars", "_outputs", "_declared", "_done")
 
     def __init__(self, plan: RequestPlan, request, buffers: tuple[memoryview, ...]):
         # Tuples (tuple() of a tuple is that tuple): only an immutable
@@ -194,6 +197,8 @@ class Binding:
         self._request_outputs = tuple(request.outputs)
         self._pools = tuple(request.pools)
         self._memories = tuple(p for p in request.pools if isinstance(p, Memory))
+        self._resizable = tuple((p, b.nbytes) for p, b in zip(request.pools, buffers)
+                                if not isinstance(p, _FIXED_SIZE))
         # What arrays are made over: the pool itself, a Memory's own view
         # (no new view: holding it does not keep the Memory mapped).
         sources = tuple(p.view() if isinstance(p, Memory) else p for p in request.pools)
@@ -228,7 +233,9 @@ class Binding:
                 and _same(request.outputs, self._request_outputs)
                 and len(request.pools) == len(self._pools)
                 and all(map(operator.is_, request.pools, self._pools))
-                and not (self._memories and any(m.closed for m in self._memories)))
+                and not (self._memories and any(m.closed for m in self._memories))
+                and not (self._resizable and any(as_buffer(p).nbytes != n
+                                                 for p, n in self._resizable)))
 
     def read_inputs(self) -> list:
         """An array view per tensor input (no copy: the pool as it is now), a

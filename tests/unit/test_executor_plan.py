@@ -279,3 +279,18 @@ def test_an_output_of_another_shape_than_declared_is_written_and_reported():
         assert got.status == ErrorStatus.NONE
         assert got.output_shapes[0].dimensions == (rows, 4) and got.output_shapes[0].is_sufficient
         np.testing.assert_array_equal(result[:rows * 4].reshape(rows, 4), 2 * x)
+
+
+def test_a_bound_pool_resized_since_is_checked_again():
+    """A bytearray can shrink between two executions of one request."""
+    prepared = _prepared(_add_model())
+    pool = bytearray(48)
+    req = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                   RequestArgument(False, DataLocation(0, 16, 16))),
+                  (RequestArgument(False, DataLocation(0, 32, 16)),), (pool,))
+    assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+    del pool[40:]
+    result = prepared.execute_synchronously(req)
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "outside pool" in result.message
+    pool.extend(bytes(8))
+    assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
