@@ -213,7 +213,7 @@ class Binding:
                 shape = tuple(arg.dimensions) or declared
                 tensors.append((k, shape, dtype, buffer, loc.offset))
             else:
-                scalars.append((k, operand, buffer, loc.offset, loc.offset + loc.length))
+                scalars.append((k, operand, buffer, loc.offset, loc.length))
         self._inputs = (None,) * len(request.inputs)    # None: an omitted input
         self._tensors = tuple(tensors)
         self._scalars = tuple(scalars)
@@ -243,8 +243,8 @@ class Binding:
         inputs = list(self._inputs)
         for k, shape, dtype, buffer, offset in self._tensors:
             inputs[k] = np.ndarray(shape, dtype, buffer, offset)
-        for k, operand, buffer, start, stop in self._scalars:
-            inputs[k] = decode_value(operand, buffer[start:stop])
+        for k, operand, buffer, offset, length in self._scalars:
+            inputs[k] = decode_value(operand, np.frombuffer(buffer, np.uint8, length, offset))
         return inputs
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:

@@ -241,19 +241,19 @@ def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
     prepared = _prepared(m.finish().hal_model)
     x = np.array([[-3, -1, 1, 3]], np.float32)
     y = np.zeros((1, 4), np.float32)
-    activation = np.zeros(1, np.int32)
+    activation = np.array([7, 0], np.int32)    # the scalar at byte 4 of an int32 pool
     result = np.zeros((1, 4), np.float32)
-    pools = tuple(v.reshape(-1).view(np.uint8) for v in (x, y, activation, result))
+    pools = (x, y, activation, result)          # pools of any element type: bytes count
     request = Request((RequestArgument(False, DataLocation(0, 0, 16)),
                        RequestArgument(False, DataLocation(1, 0, 16)),
-                       RequestArgument(False, DataLocation(2, 0, 4))),
+                       RequestArgument(False, DataLocation(2, 4, 4))),
                       (RequestArgument(False, DataLocation(3, 0, 16)),), pools)
     assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
     np.testing.assert_array_equal(result, x)
-    activation[0] = 3                     # RELU6 ... then RELU1
+    activation[1] = 3                     # RELU6 ... then RELU1
     assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
     np.testing.assert_array_equal(result, [[0, 0, 1, 3]])
-    activation[0] = 2
+    activation[1] = 2
     assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
     np.testing.assert_array_equal(result, [[-1, -1, 1, 1]])
 
