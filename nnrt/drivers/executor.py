@@ -20,6 +20,8 @@ it stopped and computes what an uninterrupted run computes.
 """
 from __future__ import annotations
 
+import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,10 +30,11 @@ import numpy as np
 
 from .. import ops
 from ..errors import ErrorStatus, NnrtError
-from ..hal.types import OutputShape
+from ..hal.types import NO_TIMING, ExecutionResult, OutputShape, Timing
 from ..model.graph import HalModel, Operand, decode_value
 from ..model.types import OperandLifeTime as L, OperationType
-from ..hal.validate import ValidatedModel
+from ..hal.validate import RequestValidator, ValidatedModel
+from ..memory import Memory, as_buffer
 from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
@@ -43,11 +46,12 @@ MAX_LOOP_TIMEOUT = 15.0
 @dataclass(frozen=True, slots=True)
 class _Step:
     type: OperationType
+    name: str                            # type.name, read once (an enum's name is a property)
     kernel: ops.registry.Kernel
-    inputs: tuple[int, ...]
+    args: tuple[tuple, ...]     # (operand index, type, scale, zero_point, channel_quant) per input
     outputs: tuple[int, ...]
-    arg_templates: tuple[tuple, ...]     # (type, scale, zero_point, channel_quant) per input
     out_operands: tuple[Operand, ...]
+    out_dtypes: tuple[np.dtype | None, ...]  # None for a scalar
     out_dims: tuple[tuple[int, ...], ...]  # declared/inferred, 0 = unknown, () = unknown rank
 
 
@@ -66,12 +70,14 @@ class _SubgraphPlan:
         steps = []
         for op in sub.operations:
             opdef = ops.definition(op.type)
-            templates = tuple((sub.operands[i].type, sub.operands[i].scale,
-                               sub.operands[i].zero_point, sub.operands[i].channel_quant)
-                              for i in op.inputs)
+            args = tuple((i, sub.operands[i].type, sub.operands[i].scale,
+                          sub.operands[i].zero_point, sub.operands[i].channel_quant)
+                         for i in op.inputs)
             out_operands = tuple(sub.operands[i] for i in op.outputs)
-            steps.append(_Step(op.type, opdef.kernel, op.inputs, op.outputs, templates,
-                               out_operands, tuple(dims.get(i, ()) for i in op.outputs)))
+            out_dtypes = tuple(None if o.type.is_scalar else o.type.dtype for o in out_operands)
+            steps.append(_Step(op.type, op.type.name, opdef.kernel, args, op.outputs,
+                               out_operands, out_dtypes,
+                               tuple(dims.get(i, ()) for i in op.outputs)))
         self.steps = tuple(steps)
 
 
@@ -97,61 +103,184 @@ class RequestPlan:
     (operand types, element types, declared shapes): what
     ``nnrt.hal.request`` does per execution, without looking anything up.
 
-    ``buffers`` are the request's pools as flat byte views, as
-    :meth:`nnrt.hal.validate.RequestValidator.check` returns them for a
-    request it has validated."""
+    :meth:`bind` validates a request (through the
+    :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
+    for a layout it has not seen valid last) and resolves it into a
+    :class:`Binding`: where each input is read and each output written. The
+    last binding is kept; a request with the same arguments and the same
+    pool objects is bound already, so an execution like the last one
+    validates nothing and resolves nothing again (issue 16).
+    Tested by tests/unit/test_executor_plan.py."""
 
-    __slots__ = ("_inputs", "_outputs")
+    __slots__ = ("_validator", "_inputs", "_outputs", "_last")
 
     def __init__(self, model: HalModel):
         sub = model.main
+        self._validator = RequestValidator(model)
         self._inputs = tuple((sub.operands[i], sub.operands[i].type.is_tensor,
                               sub.operands[i].type.dtype, sub.operands[i].dimensions)
                              for i in sub.input_indexes)
-        self._outputs = tuple((i, sub.operands[i].type.dtype) for i in sub.output_indexes)
+        self._outputs = tuple((i, sub.operands[i].type.dtype, sub.operands[i].dimensions)
+                              for i in sub.output_indexes)
+        # Replaced in one store, read once per bind: any thread may bind, and
+        # a stale read only costs a binding made again.
+        self._last: Binding | None = None
 
-    def read_inputs(self, request, buffers) -> list:
-        """An array view per tensor input (no copy), a Python value per
-        scalar, None for an omitted input."""
-        inputs = []
-        for arg, (operand, is_tensor, dtype, declared) in zip(request.inputs, self._inputs):
+    def bind(self, request) -> "Binding":
+        """``request`` validated and resolved; INVALID_ARGUMENT as
+        :func:`nnrt.hal.validate.validate_request` gives it."""
+        last = self._last
+        if last is not None and last.serves(request):
+            return last
+        buffers = self._validator.check(request)
+        binding = Binding(self, request, buffers)
+        self._last = binding
+        return binding
+
+
+def _same(args, others) -> bool:
+    """Whether two tuples of request arguments are equal (the same tuple, as
+    a caller that reuses its request passes, is compared without a walk)."""
+    return args is others or args == others
+
+
+_FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be resized
+
+
+class _Output:
+    """Where one output of a bound request goes."""
+
+    __slots__ = ("index", "dtype", "pool_index", "buffer", "readonly", "offset", "length",
+                 "declared", "as_declared")
+
+    def __init__(self, index: int, dtype: np.dtype, dims: tuple[int, ...], pool_index: int,
+                 buffer, readonly: bool, offset: int, length: int):
+        self.index = index             # the operand
+        self.dtype = dtype
+        self.pool_index = pool_index
+        self.buffer = buffer           # the pool (see Binding)
+        self.readonly = readonly
+        self.offset = offset
+        self.length = length           # bytes of the region
+        # The shape the output has when it comes out as declared (the usual
+        # case), and whether it is then written as it is, without a check:
+        # a tensor that fits, in a pool that is not read-only (which is
+        # refused when an output is written to it, after the size check, as
+        # nnrt.hal.request.write_outputs does).
+        self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
+        self.as_declared = bool(dims) and self.declared.is_sufficient and not readonly
+
+
+class Binding:
+    """One request resolved against a :class:`RequestPlan`: where each input
+    is read and each output written (pool, offset, element type, shape), and
+    the result of an execution whose outputs come out as declared.
+
+    It keeps the request's pool objects (a Memory as its own byte view),
+    and no view of its own into them: arrays over the pools are made per
+    execution (one call each) and die with it, because any view kept here
+    would keep a closed Memory mapped (a burst's slots are unmapped when it
+    ends, tests/integration/test_burst.py). The same pool objects with the
+    same arguments are the same valid layout as long as no pool changed
+    size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
+    checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
+    any other buffer (a bytearray, an mmap) can be resized between two
+    executions, so its size is compared at each."""
+
+    __slots__ = ("_request_inputs", "_request_outputs", "_pools", "_memories", "_resizable",
+                 "_inputs", "_tensors", "_scalars", "_outputs", "_declared", "_done")
+
+    def __init__(self, plan: RequestPlan, request, buffers: tuple[memoryview, ...]):
+        # Tuples (tuple() of a tuple is that tuple): only an immutable
+        # container may be recognised by identity in serves().
+        self._request_inputs = tuple(request.inputs)
+        self._request_outputs = tuple(request.outputs)
+        self._pools = tuple(request.pools)
+        self._memories = tuple(p for p in request.pools if isinstance(p, Memory))
+        self._resizable = tuple((p, b.nbytes) for p, b in zip(request.pools, buffers)
+                                if not isinstance(p, _FIXED_SIZE))
+        # What arrays are made over: the pool itself, a Memory's own view
+        # (no new view: holding it does not keep the Memory mapped).
+        sources = tuple(p.view() if isinstance(p, Memory) else p for p in request.pools)
+        tensors, scalars = [], []
+        for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
+                zip(request.inputs, plan._inputs)):
             if arg.has_no_value:
-                inputs.append(None)
                 continue
             loc = arg.location
+            buffer = sources[loc.pool_index]
             if is_tensor:
-                inputs.append(np.frombuffer(buffers[loc.pool_index], dtype,
-                                            loc.length // dtype.itemsize,
-                                            loc.offset).reshape(arg.dimensions or declared))
+                shape = tuple(arg.dimensions) or declared
+                tensors.append((k, shape, dtype, buffer, loc.offset))
             else:
-                raw = buffers[loc.pool_index][loc.offset:loc.offset + loc.length]
-                inputs.append(decode_value(operand, raw))
+                scalars.append((k, operand, buffer, loc.offset, loc.length))
+        self._inputs = (None,) * len(request.inputs)    # None: an omitted input
+        self._tensors = tuple(tensors)
+        self._scalars = tuple(scalars)
+        self._outputs = tuple(
+            _Output(index, dtype, tuple(arg.dimensions) or declared, arg.location.pool_index,
+                    sources[arg.location.pool_index], buffers[arg.location.pool_index].readonly,
+                    arg.location.offset, arg.location.length)
+            for arg, (index, dtype, declared) in zip(request.outputs, plan._outputs))
+        # The output shapes, and the result, of an execution whose outputs
+        # all came out as declared: made once, not per execution.
+        self._declared = tuple(out.declared for out in self._outputs)
+        self._done = ExecutionResult(ErrorStatus.NONE, self._declared)
+
+    def serves(self, request) -> bool:
+        """Whether ``request`` is the request this binding was made for."""
+        return (_same(request.inputs, self._request_inputs)
+                and _same(request.outputs, self._request_outputs)
+                and len(request.pools) == len(self._pools)
+                and all(map(operator.is_, request.pools, self._pools))
+                and not (self._memories and any(m.closed for m in self._memories))
+                and not (self._resizable and any(as_buffer(p).nbytes != n
+                                                 for p, n in self._resizable)))
+
+    def read_inputs(self) -> list:
+        """An array view per tensor input (no copy: the pool as it is now), a
+        Python value per scalar, None for an omitted input."""
+        inputs = list(self._inputs)
+        for k, shape, dtype, buffer, offset in self._tensors:
+            inputs[k] = np.ndarray(shape, dtype, buffer, offset)
+        for k, operand, buffer, offset, length in self._scalars:
+            inputs[k] = decode_value(operand, np.frombuffer(buffer, np.uint8, length, offset))
         return inputs
 
-    @staticmethod
-    def output_shapes(request, outputs: list) -> tuple[OutputShape, ...]:
+    def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
         """Each output's shape and whether its region holds it."""
-        shapes = []
-        for value, arg in zip(outputs, request.outputs):
+        shapes = self._declared
+        for k, (value, out) in enumerate(zip(outputs, self._outputs)):
             if value.__class__ is not np.ndarray:
                 value = np.asarray(value)
-            shapes.append(OutputShape(value.shape, value.nbytes <= arg.location.length))
-        return tuple(shapes)
+            if value.shape != out.declared.dimensions:
+                if shapes is self._declared:
+                    shapes = list(shapes)
+                shapes[k] = OutputShape(value.shape, value.nbytes <= out.length)
+        return shapes if shapes is self._declared else tuple(shapes)
 
-    def write_outputs(self, request, buffers, outputs: list) -> None:
-        """Copy ``outputs`` into their regions (which ``output_shapes`` said
-        are big enough); INVALID_ARGUMENT for a read-only pool."""
-        for arg, (index, dtype), value in zip(request.outputs, self._outputs, outputs):
-            arr = np.ascontiguousarray(value, dtype=dtype)
+    def write_outputs(self, outputs: list) -> None:
+        """Copy ``outputs`` (arrays of their operands' element types, as the
+        executor checks them) into their regions, which ``output_shapes``
+        said are big enough; INVALID_ARGUMENT for a read-only pool."""
+        for value, out in zip(outputs, self._outputs):
+            if out.as_declared and value.shape == out.declared.dimensions:
+                np.ndarray(value.shape, out.dtype, out.buffer, out.offset)[...] = value
+                continue
+            arr = np.ascontiguousarray(value, dtype=out.dtype)
             if not arr.nbytes:
                 continue
-            loc = arg.location
-            pool = buffers[loc.pool_index]
-            if pool.readonly:
+            if out.readonly:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"output operand {index}: pool {loc.pool_index} is read-only")
-            np.frombuffer(pool, np.uint8, arr.nbytes, loc.offset)[:] = \
+                                f"output operand {out.index}: pool {out.pool_index} is read-only")
+            np.frombuffer(out.buffer, np.uint8, arr.nbytes, out.offset)[:] = \
                 arr.reshape(-1).view(np.uint8)
+
+    def succeeded(self, shapes: tuple[OutputShape, ...], timing: Timing) -> ExecutionResult:
+        """The result of an execution that wrote outputs of ``shapes``."""
+        if shapes is self._declared and timing is NO_TIMING:
+            return self._done
+        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
 
 
 class ExecutionContext:
@@ -207,30 +336,39 @@ class ExecutionContext:
         checkpoint = self._checkpoint
         if checkpoint is not None and frame[0] is not None:
             checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
+        traced = tracing.enabled()
         for k, step in enumerate(plan.steps):
             frame[1] = k
             if checkpoint is not None:
                 checkpoint(self)
-            args = [ops.Arg(t, values[i], s, z, c)
-                    for i, (t, s, z, c) in zip(step.inputs, step.arg_templates)]
-            call = ops.Call(step.type, args, list(step.out_operands), relaxed, self)
+            args = [ops.Arg(t, values[i], s, z, c) for i, t, s, z, c in step.args]
+            call = ops.Call(step.type, args, step.out_operands, relaxed, self)
             start = time.perf_counter() if trace else 0.0
             try:
-                results = tracing.call(step.type.name, step.kernel, call)
+                if traced:
+                    results = tracing.call(step.name, step.kernel, call)
+                else:
+                    results = step.kernel(call)
             except NnrtError:
                 raise
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
                     MemoryError) as e:
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.type.name} failed: {type(e).__name__}: {e}") from e
+                                f"{step.name} failed: {type(e).__name__}: {e}") from e
             if trace:
-                vlog("cpuexe", "%s %.3f ms", step.type.name, (time.perf_counter() - start) * 1e3)
+                vlog("cpuexe", "%s %.3f ms", step.name, (time.perf_counter() - start) * 1e3)
             if len(results) != len(step.outputs):
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.type.name} kernel returned {len(results)} outputs, "
+                                f"{step.name} kernel returned {len(results)} outputs, "
                                 f"expected {len(step.outputs)} (bug in the kernel)")
-            for j, (i, result) in enumerate(zip(step.outputs, results)):
-                values[i] = _checked_output(step, j, result)
+            for j, i in enumerate(step.outputs):
+                result = results[j]
+                # An array of the operand's element type and declared shape
+                # is right as it is; anything else goes through the checks.
+                if result.__class__ is not np.ndarray or result.dtype != step.out_dtypes[j] \
+                        or result.shape != step.out_dims[j]:
+                    result = _checked_output(step, j, result)
+                values[i] = result
         frame[1] = len(plan.steps)
 
 
@@ -246,12 +384,12 @@ def _checked_output(step: _Step, k: int, result):
             result = result.astype(dtype)
         else:
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"{step.type.name} output {k} has element type {result.dtype}, "
+                            f"{step.name} output {k} has element type {result.dtype}, "
                             f"operand type {operand.type.name} needs {dtype} (bug in the kernel)")
     dims = step.out_dims[k]
     if dims and result.shape != dims:   # (equal: the common case, without the walk below)
         if len(dims) != result.ndim or any(d and d != r for d, r in zip(dims, result.shape)):
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"{step.type.name} output {k} has shape {list(result.shape)}, "
+                            f"{step.name} output {k} has shape {list(result.shape)}, "
                             f"but its operand is declared {list(dims)}")
     return result

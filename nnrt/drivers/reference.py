@@ -21,7 +21,7 @@ from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Devi
 from ..hal.buffers import BufferRegistry, uses_tokens
 from ..hal.types import BufferDesc, BufferRole
 from ..hal.cache import CacheFiles, check_counts
-from ..hal.validate import RequestValidator, validate_model
+from ..hal.validate import validate_model
 from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
@@ -119,9 +119,8 @@ class ReferencePreparedModel(PreparedModel):
         self.executor = executor
         self.buffers = BufferRegistry() if buffers is None else buffers
         self.app = app    # who prepared it: the only app whose buffers it may use
-        # Resolved once, used by every execution (issue 16): the request
-        # checks keep the last valid layout, the plan the operand facts.
-        self._validator = RequestValidator(model)
+        # Resolved once, used by every execution (issue 16): the operand
+        # facts, and the last request bound (see RequestPlan).
         self._plan = RequestPlan(model)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
@@ -142,18 +141,16 @@ class ReferencePreparedModel(PreparedModel):
         started = time.perf_counter_ns()
         shapes: tuple[OutputShape, ...] = ()
         try:
-            buffers = self._validator.check(request)
-            plan = self._plan
-            inputs = plan.read_inputs(request, buffers)
+            bound = self._plan.bind(request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
-            outputs = self.executor.run(inputs, loop_timeout=loop_timeout, deadline=deadline,
-                                        checkpoint=stop)
-            shapes = plan.output_shapes(request, outputs)
+            outputs = self.executor.run(bound.read_inputs(), loop_timeout=loop_timeout,
+                                        deadline=deadline, checkpoint=stop)
+            shapes = bound.output_shapes(outputs)
             for s in shapes:
                 if not s.is_sufficient:
                     return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
                                            message="an output buffer is too small")
-            plan.write_outputs(request, buffers, outputs)
+            bound.write_outputs(outputs)
         except NnrtError as e:
             return ExecutionResult(e.status, tuple(e.output_shapes or ()) or shapes,
                                    message=e.message)
@@ -164,4 +161,4 @@ class ReferencePreparedModel(PreparedModel):
         if measure:
             elapsed = (time.perf_counter_ns() - started) // 1000
             timing = Timing(elapsed, elapsed)
-        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
+        return bound.succeeded(shapes, timing)

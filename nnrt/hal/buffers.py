@@ -326,4 +326,7 @@ class BufferRegistry:
 
 def uses_tokens(request: Request) -> bool:
     """Whether any pool of ``request`` names a driver buffer."""
-    return any(isinstance(p, DeviceToken) for p in request.pools)
+    for pool in request.pools:   # (a loop, not any(): asked on every execution)
+        if isinstance(pool, DeviceToken):
+            return True
+    return False

@@ -157,7 +157,7 @@ class Call:
 
     __slots__ = ("type", "ins", "outs", "relaxed", "executor")
 
-    def __init__(self, type: OperationType, ins: list[Arg], outs: list[Operand],
+    def __init__(self, type: OperationType, ins: list[Arg], outs: Sequence[Operand],
                  relaxed: bool, executor: Any):
         self.type = type
         self.ins = ins

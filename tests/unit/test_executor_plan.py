@@ -147,3 +147,150 @@ def test_same_argument_objects_with_a_smaller_pool_are_checked_again():
     short = np.ones(2, np.float32).view(np.uint8)
     with pytest.raises(NnrtError, match="outside pool"):
         validator.check(Request(good.inputs, good.outputs, (short, *good.pools[1:])))
+
+
+def _counting(monkeypatch, module, name):
+    """Replace ``module.name`` with a wrapper that counts its calls."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_the_same_request_again_validates_nothing_and_binds_nothing(monkeypatch):
+    """Issue 16: an execution like the last one reuses its binding; neither
+    the model nor the request is validated again, and no view is made."""
+    import nnrt.drivers.executor as executor
+    import nnrt.drivers.reference as reference
+    import nnrt.hal.validate as validate
+    prepared = _prepared(_add_model())
+    model_checks = _counting(monkeypatch, reference, "validate_model")
+    request_checks = _counting(monkeypatch, validate, "_check_request")
+    bindings = _counting(monkeypatch, executor, "Binding")
+    x, y, out = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4), \
+        np.zeros((1, 4), np.float32)
+    request = _request(x, y, out)
+    first = prepared.execute_synchronously(request)
+    assert (len(model_checks), len(request_checks), len(bindings)) == (0, 1, 1)
+    for k in range(3):
+        x[:] = k                      # the pools are read anew at every execution
+        again = prepared.execute_synchronously(request)
+        assert again.status == ErrorStatus.NONE
+        np.testing.assert_array_equal(out, x + y)
+    assert (len(model_checks), len(request_checks), len(bindings)) == (0, 1, 1)
+    assert again.output_shapes == first.output_shapes
+    # Equal arguments in new tuples over the same pools: still the binding.
+    prepared.execute_synchronously(Request(tuple(request.inputs), tuple(request.outputs),
+                                           tuple(request.pools)))
+    assert len(bindings) == 1
+    # Other pools of the same layout: bound again, not validated again.
+    other = np.zeros((1, 4), np.float32)
+    assert prepared.execute_synchronously(_request(x, y, other)).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(other, x + y)
+    assert (len(request_checks), len(bindings)) == (1, 2)
+    # A new layout is validated (and refused) without replacing the binding.
+    assert prepared.execute_synchronously(_request(x, y, out, in_length=8)).status \
+        == ErrorStatus.INVALID_ARGUMENT
+    assert (len(request_checks), len(bindings)) == (2, 2)
+
+
+def test_a_bound_memory_closed_since_is_refused():
+    prepared = _prepared(_add_model())
+    mem = Memory.create(4096)
+    req = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                   RequestArgument(False, DataLocation(0, 16, 16))),
+                  (RequestArgument(False, DataLocation(0, 32, 16)),), (mem,))
+    assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+    mem.close()
+    result = prepared.execute_synchronously(req)
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "closed" in result.message
+
+
+def test_a_binding_keeps_no_memory_mapped():
+    """The binding keeps the pools, not views into them: a Memory closed
+    after an execution is unmapped at once (a burst's slots must be)."""
+    import os
+    prepared = _prepared(_add_model())
+    probe = f"nnrt-binding-probe-{os.getpid()}"
+    mem = Memory.create(4096, probe)
+    req = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                   RequestArgument(False, DataLocation(0, 16, 16))),
+                  (RequestArgument(False, DataLocation(0, 32, 16)),), (mem.view(),))
+    for _ in range(2):
+        assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+    with open("/proc/self/maps") as f:
+        assert probe in f.read()
+    del req
+    mem.close()
+    with open("/proc/self/maps") as f:
+        assert probe not in f.read()
+
+
+def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    act = m.add_operand(T.INT32)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b, act], [out])
+    prepared = _prepared(m.finish().hal_model)
+    x = np.array([[-3, -1, 1, 3]], np.float32)
+    y = np.zeros((1, 4), np.float32)
+    activation = np.array([7, 0], np.int32)    # the scalar at byte 4 of an int32 pool
+    result = np.zeros((1, 4), np.float32)
+    pools = (x, y, activation, result)          # pools of any element type: bytes count
+    request = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                       RequestArgument(False, DataLocation(1, 0, 16)),
+                       RequestArgument(False, DataLocation(2, 4, 4))),
+                      (RequestArgument(False, DataLocation(3, 0, 16)),), pools)
+    assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(result, x)
+    activation[1] = 3                     # RELU6 ... then RELU1
+    assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(result, [[0, 0, 1, 3]])
+    activation[1] = 2
+    assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(result, [[-1, -1, 1, 1]])
+
+
+def test_an_output_of_another_shape_than_declared_is_written_and_reported():
+    """An output whose operand leaves its shape open: the binding has no
+    declared shape to reuse, the executor's shape is reported and written."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    m.add_operation(Op.ADD, [a, a, act], [out])
+    m.identify_inputs_and_outputs([a], [out])
+    prepared = _prepared(m.finish().hal_model)
+    result = np.zeros(12, np.float32)
+    for rows in (2, 3, 2):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        request = Request((RequestArgument(False, DataLocation(0, 0, x.nbytes), (rows, 4)),),
+                          (RequestArgument(False, DataLocation(1, 0, result.nbytes)),),
+                          (x.reshape(-1).view(np.uint8), result.view(np.uint8)))
+        got = prepared.execute_synchronously(request)
+        assert got.status == ErrorStatus.NONE
+        assert got.output_shapes[0].dimensions == (rows, 4) and got.output_shapes[0].is_sufficient
+        np.testing.assert_array_equal(result[:rows * 4].reshape(rows, 4), 2 * x)
+
+
+def test_a_bound_pool_resized_since_is_checked_again():
+    """A bytearray can shrink between two executions of one request."""
+    prepared = _prepared(_add_model())
+    pool = bytearray(48)
+    req = Request((RequestArgument(False, DataLocation(0, 0, 16)),
+                   RequestArgument(False, DataLocation(0, 16, 16))),
+                  (RequestArgument(False, DataLocation(0, 32, 16)),), (pool,))
+    assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+    del pool[40:]
+    result = prepared.execute_synchronously(req)
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "outside pool" in result.message
+    pool.extend(bytes(8))
+    assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
