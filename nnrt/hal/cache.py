@@ -161,13 +161,17 @@ def _check_regular(fd: int) -> os.stat_result:
 
 def write_file(fd: int, *, kind: str, version: str, token: bytes, payload) -> None:
     """Replace the content of cache file ``fd`` with ``payload`` in the
-    envelope. ``payload`` is bytes-like, or a list of bytes-likes written one
-    after the other (:func:`read_parts` reads them back as they were given).
-    Raises OSError when the file cannot be written; the file is then left
-    empty, which the runtime takes as "nothing cached"."""
+    envelope. ``payload`` is bytes-like, or a list of bytes-likes: then the
+    payload is a table of their sizes followed by the parts, so the MAC
+    covers how they are split too (:func:`read_parts` reads them back as
+    they were given). Raises OSError when the file cannot be written; the
+    file is then left empty, which the runtime takes as "nothing cached"."""
     _check_regular(fd)
-    parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list)
-                                                 else [payload])]
+    if isinstance(payload, list):
+        parts = [memoryview(p).cast("B") for p in payload]
+        parts.insert(0, memoryview(_parts_table([len(p) for p in parts])))
+    else:
+        parts = [memoryview(payload).cast("B")]
     kind_b, version_b = kind.encode(), version.encode()
     head = b"".join((_HEAD.pack(MAGIC, FORMAT), _U16.pack(len(kind_b)), kind_b,
                      _U16.pack(len(version_b)), version_b, token,
@@ -188,6 +192,11 @@ def write_file(fd: int, *, kind: str, version: str, token: bytes, payload) -> No
         except OSError:
             pass
         raise
+
+
+def _parts_table(sizes: list[int]) -> bytes:
+    """How a payload written as parts begins: their count and sizes."""
+    return _U64.pack(len(sizes)) + b"".join(_U64.pack(n) for n in sizes)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -322,17 +331,20 @@ def read_parts(fd: int, *, kind: str, version: str, token: bytes,
     record of what it wrote), which bounds the memory a hostile file can
     make a service allocate: so, unlike :func:`read_file`, the file is read
     once, each part straight into its ``bytes`` and into the MAC, and the
-    MAC checks exactly the bytes returned. A file whose payload is not
-    ``sizes`` long is not read into memory: it is authenticated in chunks
-    to say why it is refused (FOREIGN if it is a good file of another
+    MAC checks exactly the bytes returned. A file whose table of sizes is
+    not ``sizes`` is not read into memory: it is authenticated in chunks to
+    say why it is refused (FOREIGN if it is a good file of another
     compilation)."""
     head = _read_head(fd)
-    if head.end - head.pos != sum(sizes):
+    table = _parts_table(sizes)
+    if (head.end - head.pos != len(table) + sum(sizes)
+            or os.pread(fd, len(table), head.pos) != table):
         _check_streamed(fd, head, kind, version, token)
-        raise CacheRejected(CacheReject.FOREIGN, f"a {head.end - head.pos}-byte payload where "
-                                                 f"the record says {sum(sizes)}")
+        raise CacheRejected(CacheReject.FOREIGN, "the file's parts are not those its record "
+                                                 "describes")
     h = hmac.new(_key(), head.raw, digestmod=hashlib.sha256)
-    parts, offset = [], head.pos
+    h.update(table)
+    parts, offset = [], head.pos + len(table)
     for size in sizes:
         # os.pread returns a fresh bytes: one copy, from the page cache.
         part = os.pread(fd, size, offset)
