@@ -119,10 +119,11 @@ class LiteRTDevice(Device):
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:
         # The model file: the HAL model, its dimensions and the segment
-        # table; the data file: each segment's flatbuffer. (XNNPACK's packed
-        # weights are not kept: LiteRT caches them only under a path, and a
-        # service never opens the app's paths; packing is part of creating
-        # an interpreter.)
+        # table with each flatbuffer's size; the data file: the flatbuffers,
+        # as parts (read in one pass, see hal.cache.read_parts). XNNPACK's
+        # packed weights are not kept: the Interpreter API has no weight
+        # cache, and CompiledModel's (which has one) is slower to create
+        # than our interpreters with packing (docs/adding-a-driver.md).
         return (1, 1)
 
     def _cache_kinds(self) -> tuple[str, str]:
