@@ -18,7 +18,7 @@ import struct
 
 from ..errors import NnrtError
 from ..hal.cache import (CacheFiles, CacheReject, CacheRejected, dims_meta, read_file,
-                         validated_of, write_file)
+                         read_parts, validated_of, write_file)
 from ..model.graph import HalModel
 from ..vlog import vlog
 from .service.protocol import decode_model, encode_model
@@ -67,8 +67,9 @@ def model_blob(model: HalModel) -> bytes:
     return encode_model(model)
 
 
-def save(device, cache: CacheFiles | None, kind_payloads: list[tuple[int, str, bytes]]) -> None:
-    """Write each ``(fd, kind, payload)`` in the envelope; a failure is
+def save(device, cache: CacheFiles | None, kind_payloads: list[tuple[int, str, object]]) -> None:
+    """Write each ``(fd, kind, payload)`` in the envelope (a payload is
+    bytes-like, or a list of them for :func:`load_parts`); a failure is
     logged, never raised (a cache that could not be written only costs the
     next compilation its speed)."""
     if cache is None:
@@ -88,3 +89,16 @@ def save(device, cache: CacheFiles | None, kind_payloads: list[tuple[int, str, b
 
 def load(device, cache: CacheFiles, fd: int, kind: str) -> memoryview:
     return read_file(fd, kind=kind, version=device.version_string, token=cache.token)
+
+
+def load_parts(device, cache: CacheFiles, fd: int, kind: str, sizes) -> list[bytes]:
+    """The parts of a file saved as a list, read in one pass; ``sizes``
+    comes from a record :func:`load` already authenticated."""
+    try:
+        sizes = [int(n) for n in sizes]
+        if any(n < 0 for n in sizes):
+            raise ValueError("a negative size")
+    except (TypeError, ValueError) as e:
+        raise CacheRejected(CacheReject.UNUSABLE, f"the record's part sizes: {e}") from None
+    return read_parts(fd, kind=kind, version=device.version_string, token=cache.token,
+                      sizes=sizes)

@@ -12,7 +12,7 @@ writes the driver's artifacts into those fds before it returns;
 files visible only after the driver returned (a crash mid-write leaves a
 staging folder nobody reads, see nnrt/runtime/cache.py).
 
-The envelope (:func:`write_file` / :func:`read_file`)::
+The envelope (:func:`write_file` / :func:`read_file`, :func:`read_parts`)::
 
     magic "NNRTCACH" | u16 format | u16 kind length | kind | u16 version length
     | version | token (32 bytes) | u64 payload length | payload | MAC (32 bytes)
@@ -161,18 +161,26 @@ def _check_regular(fd: int) -> os.stat_result:
 
 def write_file(fd: int, *, kind: str, version: str, token: bytes, payload) -> None:
     """Replace the content of cache file ``fd`` with ``payload`` in the
-    envelope. Raises OSError when the file cannot be written; the file is
-    then left empty, which the runtime takes as "nothing cached"."""
+    envelope. ``payload`` is bytes-like, or a list of bytes-likes: then the
+    payload is a table of their sizes followed by the parts, so the MAC
+    covers how they are split too (:func:`read_parts` reads them back as
+    they were given). Raises OSError when the file cannot be written; the
+    file is then left empty, which the runtime takes as "nothing cached"."""
     _check_regular(fd)
+    if isinstance(payload, list):
+        parts = [memoryview(p).cast("B") for p in payload]
+        parts.insert(0, memoryview(_parts_table([len(p) for p in parts])))
+    else:
+        parts = [memoryview(payload).cast("B")]
     kind_b, version_b = kind.encode(), version.encode()
     head = b"".join((_HEAD.pack(MAGIC, FORMAT), _U16.pack(len(kind_b)), kind_b,
                      _U16.pack(len(version_b)), version_b, token,
-                     _U64.pack(len(payload))))
-    mac = _mac((head, payload))
+                     _U64.pack(sum(len(p) for p in parts))))
+    mac = _mac((head, *parts))
     try:
         os.ftruncate(fd, 0)
         offset = 0
-        for part in (head, payload, mac):
+        for part in (head, *parts, mac):
             view = memoryview(part).cast("B")
             while view:
                 n = os.pwrite(fd, view, offset)
@@ -184,6 +192,11 @@ def write_file(fd: int, *, kind: str, version: str, token: bytes, payload) -> No
         except OSError:
             pass
         raise
+
+
+def _parts_table(sizes: list[int]) -> bytes:
+    """How a payload written as parts begins: their count and sizes."""
+    return _U64.pack(len(sizes)) + b"".join(_U64.pack(n) for n in sizes)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -211,15 +224,23 @@ def _stream_mac(fd: int, end: int) -> bytes:
     return h.digest()
 
 
-def read_file(fd: int, *, kind: str, version: str, token: bytes) -> memoryview:
-    """The payload of cache file ``fd``, or :class:`CacheRejected` saying why not.
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """A cache file's header as read (not yet authenticated)."""
 
-    Memory is allocated only for a file whose checksum holds: the file is
-    first checked in 1 MiB chunks, so a hostile app's huge file costs a
-    service time, not memory. The payload is then read and checked again,
-    since the file is the app's and may change in between."""
-    info = _check_regular(fd)
-    size = info.st_size
+    raw: memoryview          # the header's bytes, [0, pos)
+    format: int
+    kind: bytes
+    version: bytes
+    token: bytes
+    pos: int                 # where the payload starts
+    end: int                 # where it ends (the MAC follows)
+
+
+def _read_head(fd: int) -> _Head:
+    """The header of cache file ``fd``, checked against the file's size:
+    TRUNCATED, FOREIGN (no magic, too big) or CORRUPT (bytes after the MAC)."""
+    size = _check_regular(fd).st_size
     if size > MAX_FILE_SIZE:
         raise CacheRejected(CacheReject.FOREIGN, f"a {size}-byte file is too big to be ours")
     head = memoryview(bytearray(min(size, _HEAD.size + 4 + (1 << 17) + TOKEN_SIZE + 8)))
@@ -252,22 +273,90 @@ def read_file(fd: int, *, kind: str, version: str, token: bytes) -> memoryview:
     if size != end + _MAC_SIZE:
         raise CacheRejected(CacheReject.CORRUPT, f"{size - end - _MAC_SIZE} bytes "
                                                  f"after the checksum")
-    mac = bytearray(_MAC_SIZE)
-    if _pread_into(fd, memoryview(mac), end) != _MAC_SIZE or _stream_mac(fd, end) != mac:
-        raise CacheRejected(CacheReject.CORRUPT, "the checksum does not match")
-    if fmt != FORMAT or fields[1] != version.encode():
+    return _Head(head[:pos], fmt, fields[0], fields[1], file_token, pos, end)
+
+
+def _check_fields(head: _Head, kind: str, version: str, token: bytes) -> None:
+    """STALE or FOREIGN unless an authenticated header names this file."""
+    if head.format != FORMAT or head.version != version.encode():
         raise CacheRejected(CacheReject.STALE,
-                            f"written by {fields[1].decode(errors='replace')!r} (format {fmt}), "
-                            f"this is {version!r} (format {FORMAT})")
-    if fields[0] != kind.encode():
-        raise CacheRejected(CacheReject.FOREIGN, f"a {fields[0].decode(errors='replace')!r} "
+                            f"written by {head.version.decode(errors='replace')!r} "
+                            f"(format {head.format}), this is {version!r} (format {FORMAT})")
+    if head.kind != kind.encode():
+        raise CacheRejected(CacheReject.FOREIGN, f"a {head.kind.decode(errors='replace')!r} "
                                                  f"file where {kind!r} was expected")
-    if file_token != token:
+    if head.token != token:
         raise CacheRejected(CacheReject.FOREIGN, "the file belongs to another model")
-    data = memoryview(bytearray(end))
-    if _pread_into(fd, data, 0) != end or data[:pos] != head[:pos] or _mac((data,)) != mac:
+
+
+def _file_mac(fd: int, end: int) -> bytes:
+    mac = bytearray(_MAC_SIZE)
+    if _pread_into(fd, memoryview(mac), end) != _MAC_SIZE:
+        raise CacheRejected(CacheReject.TRUNCATED, "the file changed while it was read")
+    return bytes(mac)
+
+
+def _check_streamed(fd: int, head: _Head, kind: str, version: str, token: bytes) -> bytes:
+    """Authenticate the whole file without holding it in memory; its MAC."""
+    mac = _file_mac(fd, head.end)
+    if not hmac.compare_digest(_stream_mac(fd, head.end), mac):
+        raise CacheRejected(CacheReject.CORRUPT, "the checksum does not match")
+    _check_fields(head, kind, version, token)
+    return mac
+
+
+def read_file(fd: int, *, kind: str, version: str, token: bytes) -> memoryview:
+    """The payload of cache file ``fd``, or :class:`CacheRejected` saying why
+    not (the checks of the module's docstring, in its order). Memory is allocated only for a file whose checksum
+    holds: the file is first checked in 1 MiB chunks, so a hostile app's
+    huge file costs a service time, not memory. The payload is then read
+    and checked again, since the file is the app's and may change in
+    between. (:func:`read_parts` reads a file of known size in one pass.)"""
+    head = _read_head(fd)
+    mac = _check_streamed(fd, head, kind, version, token)
+    data = memoryview(bytearray(head.end))
+    if (_pread_into(fd, data, 0) != head.end or data[:head.pos] != head.raw
+            or not hmac.compare_digest(_mac((data,)), mac)):
         raise CacheRejected(CacheReject.CORRUPT, "the file changed while it was read")
-    return data[pos:end]
+    return data[head.pos:head.end]
+
+
+def read_parts(fd: int, *, kind: str, version: str, token: bytes,
+               sizes: list[int]) -> list[bytes]:
+    """The payload of cache file ``fd`` as the parts :func:`write_file` was
+    given, each its own ``bytes`` (what LiteRT takes without a copy), or
+    :class:`CacheRejected` with the reasons of :func:`read_file`.
+
+    ``sizes`` must come from a file already authenticated (the driver's
+    record of what it wrote), which bounds the memory a hostile file can
+    make a service allocate: so, unlike :func:`read_file`, the file is read
+    once, each part straight into its ``bytes`` and into the MAC, and the
+    MAC checks exactly the bytes returned. A file whose table of sizes is
+    not ``sizes`` is not read into memory: it is authenticated in chunks to
+    say why it is refused (FOREIGN if it is a good file of another
+    compilation)."""
+    head = _read_head(fd)
+    table = _parts_table(sizes)
+    if (head.end - head.pos != len(table) + sum(sizes)
+            or os.pread(fd, len(table), head.pos) != table):
+        _check_streamed(fd, head, kind, version, token)
+        raise CacheRejected(CacheReject.FOREIGN, "the file's parts are not those its record "
+                                                 "describes")
+    h = hmac.new(_key(), head.raw, digestmod=hashlib.sha256)
+    h.update(table)
+    parts, offset = [], head.pos + len(table)
+    for size in sizes:
+        # os.pread returns a fresh bytes: one copy, from the page cache.
+        part = os.pread(fd, size, offset)
+        if len(part) != size:
+            raise CacheRejected(CacheReject.TRUNCATED, "the file changed while it was read")
+        h.update(part)
+        parts.append(part)
+        offset += size
+    if not hmac.compare_digest(h.digest(), _file_mac(fd, head.end)):
+        raise CacheRejected(CacheReject.CORRUPT, "the checksum does not match")
+    _check_fields(head, kind, version, token)
+    return parts
 
 
 def dims_meta(validated: ValidatedModel) -> dict:

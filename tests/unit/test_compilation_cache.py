@@ -14,7 +14,8 @@ import nnrt.tflite
 from nnrt import ErrorStatus, NnrtError
 from nnrt.drivers.litert.driver import LiteRTDevice
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.hal.cache import (CacheFiles, CacheReject, CacheRejected, read_file, write_file)
+from nnrt.hal.cache import (CacheFiles, CacheReject, CacheRejected, read_file, read_parts,
+                            write_file)
 from nnrt.runtime import cache as rc
 
 MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
@@ -74,6 +75,69 @@ def test_a_payload_flip_is_corrupt_not_anything_else(tmp_path):
         data[len(data) // 2] ^= 1
         os.pwrite(fd, bytes(data), 0)
         assert _reason(fd) is CacheReject.CORRUPT
+    finally:
+        os.close(fd)
+
+
+PARTS = [b"a" * 1000, b"", bytes(range(256)) * 20]
+SIZES = [len(p) for p in PARTS]
+
+
+def _parts_reason(fd, sizes=SIZES, **kw):
+    args = dict(kind="k", version="v1", token=TOKEN) | kw
+    with pytest.raises(CacheRejected) as e:
+        read_parts(fd, sizes=sizes, **args)
+    return e.value.reason
+
+
+def test_parts_round_trip_in_one_pass_and_name_each_kind_of_bad_file(tmp_path):
+    fd = _file(tmp_path, payload=PARTS)
+    try:
+        parts = read_parts(fd, kind="k", version="v1", token=TOKEN, sizes=SIZES)
+        assert parts == PARTS and all(type(p) is bytes for p in parts)
+        # The same file read whole: the table of sizes, then the parts.
+        assert bytes(read_file(fd, kind="k", version="v1", token=TOKEN)).endswith(
+            b"".join(PARTS))
+        assert _parts_reason(fd, version="v2") is CacheReject.STALE
+        assert _parts_reason(fd, token=bytes(32)) is CacheReject.FOREIGN
+        assert _parts_reason(fd, kind="other") is CacheReject.FOREIGN
+        # A good file that is not the one the record describes.
+        assert _parts_reason(fd, sizes=[1000, 0, 5119]) is CacheReject.FOREIGN
+        assert _parts_reason(fd, sizes=[1000, 5120]) is CacheReject.FOREIGN
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0)
+        for cut in (0, 5, 12, 40, size // 2, size - 1):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data[:cut], 0)
+            assert _parts_reason(fd) is CacheReject.TRUNCATED, cut
+        for at in (size // 3, size // 2, size - 1):   # each part, the MAC
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:], 0)
+            assert _parts_reason(fd) is CacheReject.CORRUPT, at
+            # Damaged and not what the record says: still named corrupt.
+            assert _parts_reason(fd, sizes=[1, 2]) is CacheReject.CORRUPT, at
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data + b"\0", 0)
+        assert _parts_reason(fd) is CacheReject.CORRUPT
+    finally:
+        os.close(fd)
+
+
+def test_parts_the_record_does_not_announce_are_not_read_into_memory(tmp_path):
+    import resource
+    fd = _file(tmp_path, payload=PARTS)
+    try:
+        data = os.pread(fd, 1 << 20, 0)
+        head_end = len(data) - 32 - 8 * (1 + len(SIZES)) - sum(SIZES)
+        head = bytearray(data[:head_end])
+        head[-8:] = (1 << 30).to_bytes(8, "little")   # a header announcing 1 GiB
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, bytes(head), 0)
+        os.ftruncate(fd, head_end + (1 << 30) + 32)   # sparse
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert _parts_reason(fd) is CacheReject.CORRUPT
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert after - before < 256 * 1024   # KiB: far less than the gigabyte announced
     finally:
         os.close(fd)
 
@@ -297,3 +361,28 @@ def test_a_huge_file_is_refused_without_reading_it_into_memory(tmp_path):
         assert after - before < 256 * 1024   # KiB: far less than the gigabyte announced
     finally:
         os.close(fd)
+
+
+def test_litert_segments_cached_damaged_and_swapped_on_real_models(tmp_path, small):
+    """Several segments, so several flatbuffers in the data file: a hit
+    gives the uncached outputs, a flipped byte in the data file alone is
+    corrupt and a data file of another model is foreign, each compiled
+    afresh with the uncached outputs."""
+    other = nnrt.tflite.load(OTHER)
+    plain, _ = _run(LiteRTDevice(segments=3), small, None)
+    _run(LiteRTDevice(segments=3), small, tmp_path / "a")
+    warm, stats = _run(LiteRTDevice(segments=3), small, tmp_path / "a")
+    assert (stats.hits, stats.rejects) == (1, {})
+    assert all(np.array_equal(x, y) for x, y in zip(plain, warm))
+    data = _entry(tmp_path / "a") / "step0-data0"
+    good = data.read_bytes()
+    _damage(data, "flip")
+    outputs, stats = _run(LiteRTDevice(segments=3), small, tmp_path / "a")
+    assert stats.rejects == {"corrupt": 1} and stats.hits == 0 and stats.written == 1
+    assert all(np.array_equal(x, y) for x, y in zip(plain, outputs))
+    _run(LiteRTDevice(segments=3), other, tmp_path / "b")
+    shutil.copyfile(_entry(tmp_path / "b") / "step0-data0", data)
+    assert data.read_bytes() != good
+    outputs, stats = _run(LiteRTDevice(segments=3), small, tmp_path / "a")
+    assert stats.rejects == {"foreign": 1} and stats.hits == 0
+    assert all(np.array_equal(x, y) for x, y in zip(plain, outputs))

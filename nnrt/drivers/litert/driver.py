@@ -119,10 +119,11 @@ class LiteRTDevice(Device):
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:
         # The model file: the HAL model, its dimensions and the segment
-        # table; the data file: each segment's flatbuffer. (XNNPACK's packed
-        # weights are not kept: LiteRT caches them only under a path, and a
-        # service never opens the app's paths; packing is part of creating
-        # an interpreter.)
+        # table with each flatbuffer's size; the data file: the flatbuffers,
+        # as parts (read in one pass, see hal.cache.read_parts). XNNPACK's
+        # packed weights are not kept: the Interpreter API has no weight
+        # cache, and CompiledModel's (which has one) is slower to create
+        # than our interpreters with packing (docs/adding-a-driver.md).
         return (1, 1)
 
     def _cache_kinds(self) -> tuple[str, str]:
@@ -130,7 +131,7 @@ class LiteRTDevice(Device):
         # setting reads as a foreign file, not as a plan to trust.
         how = f"threads={self.num_threads} segment_time={self.segment_time} " \
               f"segments={self.segments}"
-        return f"litert-plan {how}", f"litert-flatbuffers {how}"
+        return f"litert-plan {how}", f"litert-segments {how}"
 
     async def prepare_model_from_cache(self, cache: CacheFiles,
                                        priority: Priority = Priority.MEDIUM,
@@ -147,12 +148,16 @@ class LiteRTDevice(Device):
         start = time.perf_counter()
         plan_kind, data_kind = self._cache_kinds()
         meta, blobs = cached.unpack(cached.load(self, cache, cache.model[0], plan_kind))
-        _, flatbuffers = cached.unpack(cached.load(self, cache, cache.data[0], data_kind))
         try:
-            table = meta["segments"]
-            if len(blobs) != 1 or len(table) != len(flatbuffers) or not table:
+            table, sizes = meta["segments"], meta["sizes"]
+            if len(blobs) != 1 or len(table) != len(sizes) or not table:
                 raise ValueError("the segment table and the flatbuffers disagree")
-            parts = [seg.Segment(tuple(ops), tuple(inputs), tuple(outputs), bytes(fb))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheRejected(CacheReject.UNUSABLE, f"the segment table: {e!r}") from None
+        # Each flatbuffer is read straight into the bytes LiteRT keeps.
+        flatbuffers = cached.load_parts(self, cache, cache.data[0], data_kind, sizes)
+        try:
+            parts = [seg.Segment(tuple(ops), tuple(inputs), tuple(outputs), fb)
                      for (ops, inputs, outputs), fb in zip(table, flatbuffers)]
             seconds = float(meta["seconds"])
             dims = {int(i): tuple(int(x) for x in d) for i, d in meta["dims"]}
@@ -184,10 +189,11 @@ class LiteRTDevice(Device):
         meta = {"dims": [[i, list(dims[old])] for i, old in
                          zip(reduced.main.input_indexes + reduced.main.output_indexes, kept)],
                 "segments": [[list(p.ops), list(p.inputs), list(p.outputs)] for p in parts],
+                "sizes": [len(p.model) for p in parts],
                 "seconds": seconds}
         cached.save(self, cache, [
             (cache.model[0], plan_kind, cached.pack(meta, [cached.model_blob(reduced)])),
-            (cache.data[0], data_kind, cached.pack({}, [p.model for p in parts]))])
+            (cache.data[0], data_kind, [p.model for p in parts])])
 
     def prepare_model_synchronously(self, model, preference: ExecutionPreference =
                                     ExecutionPreference.FAST_SINGLE_ANSWER,
