@@ -16,6 +16,8 @@ batches, under each event loop.
     Goals (issue 16): driver alone <= 15 us; in-process compiled.execute
     <= driver alone + 25 us; burst (HAL, numpy pools, default asyncio loop)
     <= 2.5x the eventfd floor and >= 3x faster than execute over the socket.
+    The burst's ratio is also printed against the awaited floor (the ~47 us
+    the issue quoted as "the floor" was that one).
 (b) where one burst frame's time goes: timestamps at each hand-off, in the
     app and in the service (a traced service: same code, with timestamps
     recorded around the burst server's waits, its decode, the QoS front, the
@@ -275,6 +277,12 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
          p50[INPROC] <= p50[DRIVER] + 25, f"driver alone + {p50[INPROC] - p50[DRIVER]:.1f} us"),
         ("burst <= 2.5x the eventfd floor", p50[BURST] <= 2.5 * p50[FLOOR],
          f"{p50[BURST] / p50[FLOOR]:.2f}x"),
+        # The same goal against the awaited floor (the app awaiting its
+        # eventfd on the loop, as a burst's app does), printed beside it:
+        # issue 16 quoted a floor of ~47 us, which is this one, not the
+        # blocking ping-pong above.
+        ("burst <= 2.5x the awaited eventfd floor", p50[BURST] <= 2.5 * p50[AWAITED],
+         f"{p50[BURST] / p50[AWAITED]:.2f}x"),
         ("burst >= 3x faster than execute over the socket", p50[SOCKET_HAL] >= 3 * p50[BURST],
          f"{p50[SOCKET_HAL] / p50[BURST]:.2f}x (compiled: "
          f"{p50[SOCKET] / p50[BURST_COMPILED]:.2f}x)"),

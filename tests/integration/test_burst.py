@@ -246,6 +246,54 @@ async def test_unknown_slots_are_fetched_once_then_cached_and_freed(tmp_path):
             tg.cancel_scope.cancel()
 
 
+async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path):
+    """Frames laid out alike (the runtime's compiled.burst() reuses its
+    argument tuples; a HAL caller passes the same request again): the
+    controller checks and places the pools once, the server turns the
+    layout into driver arguments once, however many frames run."""
+    import nnrt
+
+    path = str(tmp_path / "layouts.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        dev = await ServiceDevice.connect(path)
+        try:
+            rng = np.random.default_rng(16)
+            m = nnrt.Model()
+            a = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+            b = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+            act = m.add_operand(nnrt.OperandType.INT32)
+            m.set_operand_value(act, 0)
+            out = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
+            m.add_operation(nnrt.OperationType.ADD, [a, b, act], [out])
+            m.identify_inputs_and_outputs([a, b], [out])
+            async with nnrt.Runtime(devices=[dev], discover=False) as rt:
+                compiled = await rt.compile(m.finish())
+                async with compiled.burst() as burst:
+                    for _ in range(40):
+                        x, y = (rng.standard_normal((1, 4)).astype(np.float32) for _ in "xy")
+                        result = await burst.execute([x, y])
+                        np.testing.assert_array_equal(result.outputs[0], x + y)
+                    session, = burst.statistics().sessions
+                    assert (session.executions, session.layouts_staged) == (40, 1)
+                    assert session.bytes_staged == 40 * 48
+            assert svc.burst_statistics().layouts == 1
+            prepared = await dev.prepare_model(add_model())
+            x, y = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
+            sums = np.zeros((1, 4), np.float32)
+            request = numpy_request([x, y], [sums])
+            async with await prepared.configure_burst() as session:
+                for k in range(20):
+                    x[:], y[:] = k, 2 * k     # new contents, the same request
+                    assert (await session.execute(request)).status == ErrorStatus.NONE
+                    assert sums.tolist() == [[3.0 * k] * 4]
+                assert session.statistics().layouts_staged == 1
+            assert svc.burst_statistics().layouts == 2
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
+
+
 async def test_malformed_requests_fail_alone_and_the_burst_goes_on(service):
     path, _proc = service
     dev = await ServiceDevice.connect(str(path))
