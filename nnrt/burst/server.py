@@ -6,7 +6,8 @@ One :class:`BurstServer` per burst. Its task (started by the connection
 that configured the burst, in that connection's task group) runs a
 dedicated serving thread and stops it when cancelled. The thread's loop is::
 
-    wait for a request frame (poll on the ring's eventfd and a stop eventfd)
+    read a request frame (Ring.read_or: a poll on the ring's eventfd and a
+                                        stop eventfd, in one native call)
     decode it                        -> INVALID_ARGUMENT result if it does not
     map the slots it names           -> unknown slots: one get_memories call,
                                         made on the event loop (from_thread)
@@ -271,9 +272,9 @@ class BurstServer:
     def _serve_forever(self) -> None:
         try:
             while not self._stopped:
-                if self._requests.wait_read_blocking(also=self._stop_efd) is Ready.ALSO:
+                frame = self._requests.read_or(self._stop_efd)
+                if frame is None:   # stopped (the stop eventfd), nothing left to serve
                     return
-                frame = self._requests.read_nowait()
                 result = self._serve(frame)
                 try:
                     encoded = self._encoder.encode(result)

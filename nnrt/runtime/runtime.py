@@ -570,6 +570,7 @@ class CompiledModel:
         self._prepared_models = [s.prepared for s in steps]
         self._finalizer = weakref.finalize(self, _release, self._prepared_models)
         hal = model.hal_model
+        self._main = hal.main
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
@@ -801,8 +802,8 @@ class CompiledModel:
     async def _run(self, steps: list[Step], arrays: list, user_outputs, measure: bool,
                    deadline: float | None, loop_timeout: float | None,
                    sessions: dict | None = None) -> Result:
-        hal = self.model.hal_model
-        values = dict(zip(hal.main.input_indexes, arrays))
+        main = self._main
+        values = dict(zip(main.input_indexes, arrays))
         single = len(steps) == 1
         on_device = in_driver = 0
         measured = measure
@@ -831,7 +832,7 @@ class CompiledModel:
             else:
                 on_device += t.on_device
                 in_driver += t.in_driver
-        outputs = [values[i] for i in hal.main.output_indexes]
+        outputs = [values[i] for i in main.output_indexes]
         if user_outputs is not None and not single:
             outputs = copy_into(user_outputs, outputs)
         shapes = [o.shape if o.__class__ is np.ndarray else _shape_of(o) for o in outputs]
