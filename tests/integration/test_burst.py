@@ -20,7 +20,8 @@ from nnrt.drivers.service.server import serve
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 
-from .test_service import GUARD, add_model, chain_model, numpy_request, start_service, stop
+from .test_service import (GUARD, add_model, chain_model, numpy_request, public_add_model,
+                           start_service, stop)
 
 
 @pytest.fixture(scope="module")
@@ -259,16 +260,8 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
         dev = await ServiceDevice.connect(path)
         try:
             rng = np.random.default_rng(16)
-            m = nnrt.Model()
-            a = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
-            b = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
-            act = m.add_operand(nnrt.OperandType.INT32)
-            m.set_operand_value(act, 0)
-            out = m.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [1, 4])
-            m.add_operation(nnrt.OperationType.ADD, [a, b, act], [out])
-            m.identify_inputs_and_outputs([a, b], [out])
             async with nnrt.Runtime(devices=[dev], discover=False) as rt:
-                compiled = await rt.compile(m.finish())
+                compiled = await rt.compile(public_add_model())
                 async with compiled.burst() as burst:
                     for _ in range(40):
                         x, y = (rng.standard_normal((1, 4)).astype(np.float32) for _ in "xy")
