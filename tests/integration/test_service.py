@@ -532,7 +532,7 @@ def _one_op_model(op, type_, **quant):
     out = m.add_operand(type_, [1, 4], **quant)
     m.add_operation(op, [a, b, act], [out])
     m.identify_inputs_and_outputs([a, b], [out])
-    return m.finish()
+    return m.finish().hal_model
 
 
 @pytest.mark.parametrize("kind, float_add, quant_add, float_sub", [
