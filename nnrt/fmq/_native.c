@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <sys/uio.h>
 #include <stdint.h>
@@ -316,14 +317,14 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
 }
 
 static PyObject *Shared_take_blocking_or(Shared *self, PyObject *arg) {
-    int also = _PyLong_AsInt(arg);
+    long also = PyLong_AsLong(arg);    /* (public API: _PyLong_AsInt left in 3.13) */
     if (also == -1 && PyErr_Occurred())
         return NULL;
-    if (also < 0) {
+    if (also < 0 || also > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "also must be a file descriptor");
         return NULL;
     }
-    return take_waiting(self, also);
+    return take_waiting(self, (int)also);
 }
 
 static PyObject *Shared_announce(Shared *self, PyObject *arg) {
