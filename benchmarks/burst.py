@@ -16,6 +16,8 @@ batches, under each event loop.
     Goals (issue 16): driver alone <= 15 us; in-process compiled.execute
     <= driver alone + 25 us; burst (HAL, numpy pools, default asyncio loop)
     <= 2.5x the eventfd floor and >= 3x faster than execute over the socket.
+    The burst's ratio is also printed against the awaited floor (the ~47 us
+    the issue quoted as "the floor" was that one).
 (b) where one burst frame's time goes: timestamps at each hand-off, in the
     app and in the service (a traced service: same code, with timestamps
     recorded around the burst server's waits, its decode, the QoS front, the
@@ -275,6 +277,12 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
          p50[INPROC] <= p50[DRIVER] + 25, f"driver alone + {p50[INPROC] - p50[DRIVER]:.1f} us"),
         ("burst <= 2.5x the eventfd floor", p50[BURST] <= 2.5 * p50[FLOOR],
          f"{p50[BURST] / p50[FLOOR]:.2f}x"),
+        # The same goal against the awaited floor (the app awaiting its
+        # eventfd on the loop, as a burst's app does), printed beside it:
+        # issue 16 quoted a floor of ~47 us, which is this one, not the
+        # blocking ping-pong above.
+        ("burst <= 2.5x the awaited eventfd floor", p50[BURST] <= 2.5 * p50[AWAITED],
+         f"{p50[BURST] / p50[AWAITED]:.2f}x"),
         ("burst >= 3x faster than execute over the socket", p50[SOCKET_HAL] >= 3 * p50[BURST],
          f"{p50[SOCKET_HAL] / p50[BURST]:.2f}x (compiled: "
          f"{p50[SOCKET] / p50[BURST_COMPILED]:.2f}x)"),
@@ -331,8 +339,9 @@ async def bench_frame(dev, rounds: int, batches: int) -> None:
 # when the writer ran again, not when the frame arrived.
 STAGES = [
     ("app: stage pools, encode the request", "app_start", "app_encoded"),
-    ("hand-off app -> service: publish, signal, thread wakes", "app_encoded", "srv_woke"),
-    ("service: read + decode the frame", "srv_woke", "srv_decoded"),
+    ("hand-off app -> service: publish, signal, thread wakes + reads", "app_encoded",
+     "srv_woke"),
+    ("service: decode the frame", "srv_woke", "srv_decoded"),
     ("service: slots -> request, call the front", "srv_decoded", "front_in"),
     ("QoS front: submit + claim (gate lock)", "front_in", "driver_in"),
     ("driver: validate, run, write outputs", "driver_in", "driver_out"),
@@ -350,7 +359,7 @@ def install_service_trace(trace_path: str) -> None:
 
     from nnrt.burst import server as burst_server, wire
     from nnrt.drivers import reference
-    from nnrt.fmq import Ready, Ring
+    from nnrt.fmq import Ring
     from nnrt.qos import front, gate
 
     frames: list[dict] = []
@@ -373,14 +382,14 @@ def install_service_trace(trace_path: str) -> None:
                     frames[-1][after] = now()
         setattr(cls, name, traced)
 
-    original_wait = Ring.wait_read_blocking
+    original_read_or = Ring.read_or
 
-    def wait_read_blocking(self, *args, **kwargs):
-        ready = original_wait(self, *args, **kwargs)
-        if ready is Ready.RING:     # not the stop eventfd: a frame to serve
+    def read_or(self, *args, **kwargs):
+        frame = original_read_or(self, *args, **kwargs)
+        if frame is not None:       # not the stop eventfd: a frame to serve
             frames.append({"srv_woke": now()})
-        return ready
-    Ring.wait_read_blocking = wait_read_blocking
+        return frame
+    Ring.read_or = read_or
     wrap(wire.RequestDecoder, "decode", after="srv_decoded")
     wrap(front.ScheduledPreparedModel, "execute_synchronously", before="front_in",
          after="front_out")
@@ -444,14 +453,14 @@ async def bench_breakdown(folder: str, frames: int) -> None:
     rows = [r for r in rows if all(r.get(k) for _, a, b in STAGES for k in (a, b))]
     print(f"\n(b) one burst frame, stage by stage: medians of {len(rows)} traced frames "
           f"(ADD 1x4, numpy pools), load average {os.getloadavg()[0]:.2f}")
-    print(f"{'stage':52} {'p50 us':>8} {'share':>6}")
+    print(f"{'stage':62} {'p50 us':>8} {'share':>6}")
     total = statistics.median((r["app_end"] - r["app_start"]) / 1e3 for r in rows)
     for label, a, b in STAGES:
         d = statistics.median((r[b] - r[a]) / 1e3 for r in rows)
-        print(f"{label:52} {d:8.1f} {d / total:6.0%}")
+        print(f"{label:62} {d:8.1f} {d / total:6.0%}")
     gate_us = statistics.median(r.get("gate_checkpoints", 0) / 1e3 for r in rows)
-    print(f"{'  of which in the gate checkpoint (in the driver)':52} {gate_us:8.1f}")
-    print(f"{'whole frame (app: execute called -> returned)':52} {total:8.1f}")
+    print(f"{'  of which in the gate checkpoint (in the driver)':62} {gate_us:8.1f}")
+    print(f"{'whole frame (app: execute called -> returned)':62} {total:8.1f}")
     await driver_warm_and_cold()
 
 
@@ -472,7 +481,7 @@ async def driver_warm_and_cold(rounds: int = 2000) -> None:
             samples.append(time.perf_counter() - t)
         label = (f"driver alone, {gap * 1e6:.0f} us asleep between calls" if gap
                  else "driver alone, back to back")
-        print(f"{label:52} {statistics.median(samples) * 1e6:8.1f}")
+        print(f"{label:62} {statistics.median(samples) * 1e6:8.1f}")
 
 
 async def wait_for_file(path: str) -> None:

@@ -193,15 +193,21 @@ def traced(name: str):
     for a coroutine function (coroutines of one loop interleave)."""
     def wrap(fn):
         if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def run_async(*a, **kw):
-                if _state.path is None:
-                    return await fn(*a, **kw)
+            async def traced_async(*a, **kw):
                 t0 = time.monotonic()
                 try:
                     return await fn(*a, **kw)
                 finally:
                     interval(name, t0, time.monotonic())
+
+            # A plain function returning the coroutine to await: untraced,
+            # that is ``fn``'s own, with no second frame around it on every
+            # resume (a per-frame cost on the hot path, issue 16).
+            @functools.wraps(fn)
+            def run_async(*a, **kw):
+                if _state.path is None:
+                    return fn(*a, **kw)
+                return traced_async(*a, **kw)
             return run_async
 
         @functools.wraps(fn)

@@ -61,7 +61,7 @@ from ..hal import (BurstSession, ExecutionResult, OutputShape, Request, Timing)
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import DeviceToken
-from ..memory.staging import ArenaPool, SlotCache, Staging, stage
+from ..memory.staging import ArenaPool, SlotCache, Staging, Stager
 from .. import trace
 from .wire import (BurstArgument, BurstProtocolError, BurstRequest, RequestEncoder,
                    ResultDecoder)
@@ -76,6 +76,9 @@ class BurstControllerStatistics:
     slots: int               # slots the controller has given out and not freed
     slots_freed: int
     bytes_staged: int        # bytes copied through the arena (in and out), in total
+    layouts_staged: int = 0  # requests whose pools and regions were checked in full
+                             # (once per layout: a request laid out as the last
+                             # one only has its bytes copied)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,9 @@ class BurstController(BurstSession):
         self._slots = SlotCache()        # read by the connection's reader thread too
         # One execution at a time: one arena, reused while nothing else may write it.
         self._arenas = ArenaPool("nnrt-burst-arena", max_free=1)
+        self._stager = Stager(self._arenas)
+        # (OutputShapes of the last result, the burst shapes they came from).
+        self._last_shapes: tuple = ((), ())
         self._dead: str | None = None        # why the session cannot go on
         self._dead_status = ErrorStatus.DEAD_OBJECT
         self._busy = False
@@ -167,7 +173,8 @@ class BurstController(BurstSession):
 
     def statistics(self) -> BurstControllerStatistics:
         return BurstControllerStatistics(self._executions, len(self._slots),
-                                         self._slots_freed, self._bytes_staged)
+                                         self._slots_freed, self._bytes_staged,
+                                         self._stager.layouts)
 
     # -- execution ------------------------------------------------------------
 
@@ -261,7 +268,14 @@ class BurstController(BurstSession):
                 # write this execution's outputs into the arena, so the next
                 # execution must not share it (its slot is freed next time).
                 plan.staging.finish(reuse=not outstanding)
-        shapes = tuple(OutputShape(s.dimensions, s.is_sufficient) for s in result.output_shapes)
+        shapes = self._last_shapes
+        if result.output_shapes is not shapes[1]:
+            # The decoder hands back the same tuple for every result of one
+            # layout: converted once (issue 16).
+            shapes = self._last_shapes = (tuple(OutputShape(s.dimensions, s.is_sufficient)
+                                                for s in result.output_shapes),
+                                          result.output_shapes)
+        shapes = shapes[0]
         self._executions += 1
         return ExecutionResult(result.status, shapes, Timing(result.on_device, result.in_driver),
                                result.message)
@@ -312,9 +326,16 @@ class BurstController(BurstSession):
     def _plan(self, request: Request) -> "_Plan":
         """The request in slots: its pools placed by nnrt.memory.staging, each
         memory named by its slot, arguments offset into their place."""
-        staging = stage(request.pools, request.inputs, request.outputs, self._arenas)
+        staging = self._stager.stage(request.pools, request.inputs, request.outputs)
         try:
             self._bytes_staged += staging.bytes_in
+            last = self._last_layout
+            if last is not None and last[5] is staging.places and last[0] is request.inputs \
+                    and last[1] is request.outputs:
+                # Staged as the last request, into the same places (only our
+                # arena: the stager keeps no app Memory): the same slots and
+                # burst arguments, without looking them up again.
+                return _Plan(last[3], last[4], last[6], staging)
             slots: list[int] = []
             index_of_slot: dict[int, int] = {}
             where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
@@ -333,7 +354,11 @@ class BurstController(BurstSession):
             if last is not None and last[0] is request.inputs and last[1] is request.outputs \
                     and last[2] == where:
                 # The arguments of the last request, placed alike: the same.
-                return _Plan(last[3], last[4], tuple(slots), staging)
+                slots = tuple(slots)
+                kept = staging.places if staging.places is self._stager.kept_places else None
+                self._last_layout = (*last[:5], kept, slots)
+                return _Plan(last[3], last[4], slots, staging)
+            slots = tuple(slots)
 
             def argument(a, what: str) -> BurstArgument:
                 if a.has_no_value:
@@ -353,11 +378,13 @@ class BurstController(BurstSession):
 
             inputs = tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs))
             outputs = tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs))
-            self._last_layout = (request.inputs, request.outputs, where, inputs, outputs)
+            kept = staging.places if staging.places is self._stager.kept_places else None
+            self._last_layout = (request.inputs, request.outputs, where, inputs, outputs, kept,
+                                 slots)
         except BaseException:
             staging.finish()
             raise
-        return _Plan(inputs, outputs, tuple(slots), staging)
+        return _Plan(inputs, outputs, slots, staging)
 
     def _flush_frees(self) -> None:
         """Tell the service about slots whose Memory was closed or collected."""

@@ -6,7 +6,8 @@ One :class:`BurstServer` per burst. Its task (started by the connection
 that configured the burst, in that connection's task group) runs a
 dedicated serving thread and stops it when cancelled. The thread's loop is::
 
-    wait for a request frame (poll on the ring's eventfd and a stop eventfd)
+    read a request frame (Ring.read_or: a poll on the ring's eventfd and a
+                                        stop eventfd, in one native call)
     decode it                        -> INVALID_ARGUMENT result if it does not
     map the slots it names           -> unknown slots: one get_memories call,
                                         made on the event loop (from_thread)
@@ -92,6 +93,8 @@ class BurstServerStatistics:
     slots_fetched: int         # slots mapped after such a call
     slots_mapped: int          # slots mapped now
     slots_freed: int
+    layouts: int = 0           # request layouts turned into the driver's arguments: once
+                               # per layout (its frames reuse them), not once per frame
 
 
 class BurstCounters:
@@ -103,6 +106,7 @@ class BurstCounters:
         self.executions = 0
         self.get_memories_calls = 0
         self.slots_fetched = 0
+        self.layouts = 0
 
 
 class _Stopped(Exception):
@@ -151,10 +155,18 @@ class BurstServer:
         self._executions = self._malformed = 0
         self._get_memories_calls = self._slots_fetched = self._slots_freed = 0
         self._args: tuple | None = None   # (burst inputs, outputs, HAL inputs, outputs)
+        self._layouts = 0
+        # (slot ids, their mapped memories' views) of the last frame: the
+        # decoder hands back the same slots tuple for every frame of one
+        # layout. Dropped whenever the slot table changes (under the lock).
+        self._last_pools: tuple | None = None
+        # (the driver's output shapes, as burst shapes) of the last result.
+        self._last_shapes: tuple = ((), ())
 
     def statistics(self) -> BurstServerStatistics:
         return BurstServerStatistics(self._executions, self._malformed, self._get_memories_calls,
-                                     self._slots_fetched, len(self._memories), self._slots_freed)
+                                     self._slots_fetched, len(self._memories), self._slots_freed,
+                                     self._layouts)
 
     # -- lifetime (event loop) ------------------------------------------------
 
@@ -229,6 +241,7 @@ class BurstServer:
                 return
             self.closed = True
             memories, self._memories = self._memories, {}
+            self._last_pools = None
         for closeable in (*memories.values(), self._requests, self._results):
             try:
                 closeable.close()
@@ -248,6 +261,7 @@ class BurstServer:
             mem.close()
 
     def _take_frees(self) -> list[Memory]:
+        self._last_pools = None
         freed = [m for m in (self._memories.pop(s, None) for s in self._to_free) if m is not None]
         self._slots_freed += len(freed)
         self._to_free.clear()
@@ -258,9 +272,9 @@ class BurstServer:
     def _serve_forever(self) -> None:
         try:
             while not self._stopped:
-                if self._requests.wait_read_blocking(also=self._stop_efd) is Ready.ALSO:
+                frame = self._requests.read_or(self._stop_efd)
+                if frame is None:   # stopped (the stop eventfd), nothing left to serve
                     return
-                frame = self._requests.read_nowait()
                 result = self._serve(frame)
                 try:
                     encoded = self._encoder.encode(result)
@@ -306,8 +320,9 @@ class BurstServer:
                                message=_clip(e.message))
         with self._lock:
             self._executing = True
+            pools = self._pools_of(request.slots)
         try:
-            return self._execute(request)
+            return self._execute(request, pools)
         except NnrtError as e:
             return BurstResult(request.serial, e.status, message=_clip(e.message))
         except _Stopped:
@@ -322,9 +337,26 @@ class BurstServer:
             for mem in freed:
                 mem.close()
 
-    def _execute(self, req) -> BurstResult:
-        with self._lock:
-            unknown = tuple(dict.fromkeys(s for s in req.slots if s not in self._memories))
+    def _pools_of(self, slots: tuple[int, ...]) -> tuple | None:
+        """Under the lock: the views of the memories of ``slots``, None while
+        one is not mapped yet."""
+        last = self._last_pools
+        if last is not None and last[0] is slots:
+            return last[1]
+        memories = self._memories
+        for s in slots:
+            m = memories.get(s)
+            if m is None or m.closed:
+                return None      # (_execute maps it, or says why it cannot)
+        pools = tuple(memories[s].view() for s in slots)
+        self._last_pools = (slots, pools)
+        return pools
+
+    def _execute(self, req, pools: tuple | None) -> BurstResult:
+        unknown = ()
+        if pools is None:
+            with self._lock:
+                unknown = tuple(dict.fromkeys(s for s in req.slots if s not in self._memories))
         if unknown:
             self._get_memories_calls += 1
             self._counters.get_memories_calls += 1
@@ -339,10 +371,12 @@ class BurstServer:
                                 f"the controller did not give burst slots {missing}")
             with self._lock:
                 self._memories.update(fetched)
+                self._last_pools = None
             self._slots_fetched += len(unknown)
             self._counters.slots_fetched += len(unknown)
-        with self._lock:
-            pools = tuple(self._memories[s].view() for s in req.slots)
+        if pools is None:
+            with self._lock:
+                pools = tuple(self._memories[s].view() for s in req.slots)
         args = self._args
         if args is None or args[0] is not req.inputs or args[1] is not req.outputs:
             # The decoder hands back the same argument tuples for every frame
@@ -350,14 +384,18 @@ class BurstServer:
             args = self._args = (req.inputs, req.outputs,
                                  tuple(_argument(a) for a in req.inputs),
                                  tuple(_argument(a) for a in req.outputs))
+            self._layouts += 1
+            self._counters.layouts += 1
         request = Request(args[2], args[3], pools)
         result = self.prepared.execute_synchronously(request, req.measure_timing, req.deadline,
                                                      req.loop_timeout)
-        return BurstResult(req.serial, result.status,
-                           tuple(BurstOutputShape(tuple(s.dimensions), bool(s.is_sufficient))
-                                 for s in result.output_shapes),
-                           result.timing.on_device, result.timing.in_driver,
-                           _clip(result.message))
+        shapes, last = result.output_shapes, self._last_shapes
+        if shapes is not last[0] and shapes != last[0]:
+            last = self._last_shapes = (shapes, tuple(
+                BurstOutputShape(tuple(s.dimensions), bool(s.is_sufficient)) for s in shapes))
+        timing = result.timing
+        return BurstResult(req.serial, result.status, last[1], timing.on_device,
+                           timing.in_driver, _clip(result.message) if result.message else "")
 
     async def _fetch_on_loop(self, slots) -> dict[int, Memory] | None:
         """``fetch`` on the event loop; None when the burst was stopped meanwhile."""

@@ -431,17 +431,29 @@ class ResultEncoder:
 
     def __init__(self, size: int = 16):
         self._cache = _Cache(size)
+        # (status, output shapes, message, template) of the last encoding: a
+        # result with that very shapes tuple (a burst server hands the same
+        # one back while shapes hold) is found without hashing it.
+        self._last: tuple | None = None
 
     def encode(self, result: BurstResult) -> bytes:
         if not isinstance(result, BurstResult):
             raise BurstProtocolError(f"{type(result).__name__} is not a BurstResult")
-        try:
-            key = (result.status, result.output_shapes, result.message)
-            template = self._cache.get(key)
-        except TypeError:      # an unhashable field (a list): no caching
-            return encode_result(result)
-        if template is None:
-            return self._cache.put(key, encode_result(result))
+        last = self._last
+        if last is not None and last[1] is result.output_shapes and last[0] is result.status \
+                and last[2] == result.message:
+            template = last[3]
+        else:
+            try:
+                key = (result.status, result.output_shapes, result.message)
+                template = self._cache.get(key)
+            except TypeError:      # an unhashable field (a list): no caching
+                return encode_result(result)
+            if template is None:
+                template = self._cache.put(key, encode_result(result))
+                self._last = (*key, template)
+                return template
+            self._last = (*key, template)
         buf = bytearray(template)
         _RES_SERIAL.pack_into(buf, 8, _check_uint(result.serial, 64, "serial"))
         _RES_TIMES.pack_into(buf, 24, _check_uint(result.on_device, 64, "on_device time"),
@@ -460,11 +472,13 @@ class _CachedDecoder:
         self._cache = _Cache(size)
 
     def decode(self, data):
-        view = _view(data)
-        if len(view) < self._HEAD.size:
-            return self._decode(view)
-        # The ring hands over bytes already: no second copy of the frame.
-        raw = data if data.__class__ is bytes else bytes(view)
+        if data.__class__ is bytes and len(data) >= self._HEAD.size:
+            raw = data     # what the ring hands over: no view, no second copy
+        else:
+            view = _view(data)
+            if len(view) < self._HEAD.size:
+                return self._decode(view)
+            raw = bytes(view)
         key = self._key(raw)
         hit = self._cache.get(key)
         if hit is None:

@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <sys/uio.h>
 #include <stdint.h>
@@ -39,7 +40,8 @@ typedef struct {
 
 #define PREFIX 8u
 #define CHECK 0xFFFFFFFFu
-enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, TOO_LARGE = -5, RELEASED = -6 };
+enum { FULL = -1, CORRUPT_COUNTER = -2, CORRUPT_PREFIX = -3, TOO_LARGE = -5, RELEASED = -6,
+       ALSO = -7 };
 
 static inline uint64_t pad(uint64_t n) { return PREFIX + ((n + 7u) & ~(uint64_t)7u); }
 
@@ -253,8 +255,12 @@ static PyObject *Shared_take(Shared *self, PyObject *unused) {
  * in poll(2) on the data eventfd with the GIL released, drain it, retire,
  * repeat. The eventfd is non-blocking (ring.py creates it so and attach
  * refuses anything else), so the drain cannot block even if another holder
- * emptied the counter after poll returned: EAGAIN there means "already 0". */
-static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
+ * emptied the counter after poll returned: EAGAIN there means "already 0".
+ * With ``also`` >= 0 the poll watches that fd too, and ALSO is returned once
+ * it is readable while no frame is ready (a frame wins): the whole wait of a
+ * burst's serving thread (its stop eventfd) in one call, with no Python
+ * between the wake-up and the frame. */
+static PyObject *take_waiting(Shared *self, int also) {
     for (;;) {
         if (!self->base)
             return PyLong_FromLong(RELEASED);
@@ -271,11 +277,13 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
         Py_DECREF(frame);
         uint64_t count;
         int n, err;
-        struct pollfd pfd = {.fd = self->data_efd, .events = POLLIN};
+        struct pollfd pfd[2] = {{.fd = self->data_efd, .events = POLLIN},
+                                {.fd = also, .events = POLLIN}};
         Py_BEGIN_ALLOW_THREADS
-        n = poll(&pfd, 1, -1);
+        n = poll(pfd, also >= 0 ? 2 : 1, -1);
         err = errno;
-        if (n > 0 && (pfd.revents & POLLIN) && drain(pfd.fd, &count) < 0 && errno != EAGAIN)
+        if (n > 0 && (pfd[0].revents & POLLIN) && drain(pfd[0].fd, &count) < 0
+                && errno != EAGAIN)
             n = -1, err = errno;
         Py_END_ALLOW_THREADS
         if (!self->base)     /* released by close() in another thread meanwhile */
@@ -290,11 +298,33 @@ static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
             errno = err;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        if (pfd.revents & (POLLNVAL | POLLERR)) {
+        if ((pfd[0].revents | (also >= 0 ? pfd[1].revents : 0)) & (POLLNVAL | POLLERR)) {
             errno = EBADF;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
+        if (also >= 0 && (pfd[1].revents & (POLLIN | POLLHUP))) {
+            frame = take(self);           /* a ready frame wins over ``also`` */
+            if (frame != Py_None)
+                return frame;
+            Py_DECREF(frame);
+            return PyLong_FromLong(ALSO);
+        }
     }
+}
+
+static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
+    return take_waiting(self, -1);
+}
+
+static PyObject *Shared_take_blocking_or(Shared *self, PyObject *arg) {
+    long also = PyLong_AsLong(arg);    /* (public API: _PyLong_AsInt left in 3.13) */
+    if (also == -1 && PyErr_Occurred())
+        return NULL;
+    if (also < 0 || also > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "also must be a file descriptor");
+        return NULL;
+    }
+    return take_waiting(self, (int)also);
 }
 
 static PyObject *Shared_announce(Shared *self, PyObject *arg) {
@@ -341,6 +371,8 @@ static PyMethodDef Shared_methods[] = {
     {"put", (PyCFunction)Shared_put, METH_O, "publish a frame"},
     {"take", (PyCFunction)Shared_take, METH_NOARGS, "take a frame"},
     {"take_blocking", (PyCFunction)Shared_take_blocking, METH_NOARGS, "take a frame, sleeping"},
+    {"take_blocking_or", (PyCFunction)Shared_take_blocking_or, METH_O,
+     "take a frame, sleeping until one comes or the fd given is readable (-7)"},
     {"announce", (PyCFunction)Shared_announce, METH_O, "announce a waiter (True: for space)"},
     {"retire", (PyCFunction)Shared_retire, METH_O, "withdraw the announcement"},
     {"frame_ready", (PyCFunction)Shared_frame_ready, METH_NOARGS, "a frame is published"},

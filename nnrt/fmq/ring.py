@@ -233,6 +233,10 @@ except ImportError:
     _native = None
 
 NATIVE_AVAILABLE = _native is not None
+# The whole wait of read_or in C (a helper built from an older _native.c
+# lacks it: the Python loop then does the same).
+_NATIVE_READ_OR = _native is not None and hasattr(_native.Shared, "take_blocking_or")
+_ALSO = -7    # take_blocking_or: ``also`` became readable, no frame
 
 
 class RingError(Exception):
@@ -786,6 +790,28 @@ class Ring:
                 return frame
             self._sleep_blocking(self._data_efd, False, None, deadline,
                              self._frame_ready)
+
+    def read_or(self, also: int) -> bytes | None:
+        """The next frame, blocking until one is published; None once the fd
+        ``also`` is readable while the ring holds none (a ready frame wins).
+        A serving thread's whole wait: with the native helper (and no spin)
+        the check, announce, sleep, drain and copy are one C call, the GIL
+        released while asleep -- no Python between the wake-up and the frame."""
+        if _NATIVE_READ_OR and self._native is not None and not self._spin:
+            frame = self._native.take_blocking_or(also)
+            if frame.__class__ is bytes:
+                return frame
+            if frame == _ALSO:
+                return None
+            self._took(frame)
+        self._check_open()
+        while True:
+            frame = self._try_read()
+            if frame is not None:
+                return frame
+            if self._sleep_blocking(self._data_efd, False, also, None,
+                                    self._frame_ready) is Ready.ALSO:
+                return None
 
     async def read_async(self) -> bytes:
         """The next frame, awaited without blocking the event loop."""

@@ -109,6 +109,8 @@ class SlotCache:
 
     def take_freed(self) -> list[int]:
         """Forget and return the slots whose Memory was closed or collected."""
+        if not self._collected:
+            return []        # (every execution asks: most find nothing)
         freed = set()
         while self._collected:
             freed.add(self._collected.popleft())
@@ -254,4 +256,80 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
     return Staging(tuple(places), arena, staged, output_pools, arenas, bytes_in)
 
 
-__all__ = ["ALIGN", "ArenaPool", "Place", "SlotCache", "Staging", "stage"]
+class Stager:
+    """:func:`stage` for the requests of one session, cheap when a request
+    is laid out like the last one whose pools were all staged: the very
+    argument tuples (the runtime's steps reuse them while shapes hold, and
+    a caller passing one request again has them too) and buffers as large
+    and as writable as before. The arguments' regions then passed their
+    checks already, so only the bytes move; and while the arena is the same
+    the places are the very tuple handed out last time (``kept_places``: a
+    caller that sees it again knows nothing moved). A request with a Memory
+    among its pools is staged in full every time (nothing to copy there;
+    and the stager never holds an app's Memory, whose slot is freed when
+    it is collected). ``layouts`` counts full stagings (every check run).
+    One caller at a time (a burst session's lock orders them)."""
+
+    __slots__ = ("_arenas", "_last", "layouts")
+
+    def __init__(self, arenas: ArenaPool):
+        self._arenas = arenas
+        # (inputs, outputs, per pool (size, writable, base in the arena),
+        # arena size, input pools, output pools, arena, places) of the last
+        # request whose pools were all staged.
+        self._last: tuple | None = None
+        self.layouts = 0
+
+    @property
+    def kept_places(self) -> tuple | None:
+        return None if self._last is None else self._last[7]
+
+    def stage(self, pools, inputs, outputs) -> Staging:
+        last = self._last
+        if last is not None and last[0] is inputs and last[1] is outputs \
+                and len(pools) == len(last[2]):
+            staging = self._again(pools, last)
+            if staging is not None:
+                return staging
+        staging = stage(pools, inputs, outputs, self._arenas)
+        self.layouts += 1
+        staged = staging._staged
+        if staging.arena is None or len(staged) != len(pools):
+            self._last = None
+            return staging
+        kinds = tuple((raw.nbytes, not raw.readonly, base)
+                      for raw, base in (staged[k] for k in range(len(pools))))
+        self._last = (inputs, outputs, kinds, staging.arena.size, _pool_indexes(inputs),
+                      staging._outputs, staging.arena, staging.places)
+        return staging
+
+    def _again(self, pools, last) -> Staging | None:
+        """``stage`` of a request laid out as ``last``; None when it is not."""
+        kinds = last[2]
+        staged: dict[int, tuple[memoryview, int]] = {}
+        for k, pool in enumerate(pools):
+            if isinstance(pool, (Memory, DeviceToken)):
+                return None
+            try:
+                raw = memoryview(pool).cast("B")
+            except (TypeError, ValueError):
+                return None              # stage() says what is wrong with it
+            size, writable, base = kinds[k]
+            if raw.nbytes != size or (writable and raw.readonly):
+                return None
+            staged[k] = (raw, base)
+        arena, places = self._arenas.take(last[3]), last[7]
+        if arena is not last[6]:         # (the last one was closed: a cancellation)
+            places = tuple(Place(arena, base, size) for size, _w, base in kinds)
+            self._last = last = (*last[:6], arena, places)
+        view, bytes_in = arena.view(), 0
+        for k in last[4]:
+            raw, base = staged[k]
+            n = raw.nbytes
+            if n:
+                view[base:base + n] = raw
+                bytes_in += n
+        return Staging(places, arena, staged, last[5], self._arenas, bytes_in)
+
+
+__all__ = ["ALIGN", "ArenaPool", "Place", "SlotCache", "Staging", "Stager", "stage"]

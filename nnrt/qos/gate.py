@@ -213,6 +213,8 @@ class ExecutionGate:
         """An operation boundary of a job this thread owns: return to go on
         (possibly after being parked by a preemption and resumed, and after
         running the preempting job meanwhile), or raise NnrtError to unwind."""
+        if self.scheduler.continues(job):
+            return      # nobody waits, nothing asked of it: no lock (issue 16)
         donated = None
         with self._lock:
             verdict = self.scheduler.checkpoint(job)

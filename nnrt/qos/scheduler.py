@@ -252,7 +252,7 @@ class Verdict(enum.Enum):
     STOPPED = "stopped"        # unwind: ``job.status`` / ``job.message`` say why
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One execution as the scheduler sees it. Callers read its fields; only
     the scheduler changes them. Times are in the scheduler's clock."""
@@ -451,6 +451,9 @@ class Scheduler:
         self.name = name
         self._settings = settings
         self._busy = 0
+        # Jobs in the apps' queues (not held ones): 0 means nobody waits for
+        # a slot, so filling slots has nothing to look at (O(1), issue 16).
+        self._queued = 0
         self._apps: dict[Hashable, _App] = {}
         self._classes: dict[tuple[Hashable, Priority], _Class] = {}
         self._estimates: OrderedDict[Hashable, _Estimate] = OrderedDict()
@@ -511,11 +514,19 @@ class Scheduler:
             self._vlog("held job %d (app %r, %s): its queue is full (%d)", job.seq, app,
                        priority.name, limit)
             return job
-        self._enqueue(state, job)
         if vlog_on("execution"):   # (the arguments cost more than the rest of a submit)
             self._vlog("queued job %d (app %r, %s, deadline %s, model %r%s)", job.seq, app,
                        priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
                        model, ", probe" if job.probe else "")
+        if not self._queued and self._busy < self.slots:
+            # Nobody waits and a slot is free: enqueueing it and filling the
+            # slots would pick its app (the only one with a queue) and it (its
+            # head, viable: checked above at this same ``now``). Dispatched
+            # directly, with the same accounting (issue 16: the common case
+            # of every execution on an idle device, without the queue walk).
+            self._dispatch(state, job, now, queued=False)
+            return job
+        self._enqueue(state, job)
         self._fill_slots(now)
         return job
 
@@ -562,6 +573,31 @@ class Scheduler:
         self._dispatch(target, head, now)
         self._fill_slots(now)
         return Verdict.PREEMPTED
+
+    def continues(self, job: Job) -> bool:
+        """An operation boundary of a RUNNING job that ``checkpoint`` would
+        answer CONTINUE without changing anything but the job's step times:
+        nobody waits for a slot (no job to preempt it for, none to refuse),
+        it has no hard deadline and no cancellation was asked. Then the step
+        times are recorded, as ``checkpoint`` does, and True returned; False
+        means "call ``checkpoint``".
+
+        The one call its caller may make without the lock that serializes
+        every other (``ExecutionGate.checkpoint``), from the thread running
+        the job: it writes only fields of that job that nothing else writes
+        while it runs, and each field it reads is one load. A submission or a
+        cancellation racing with it is then seen at the next boundary, as if
+        it had come just after this one (test_scheduler.py,
+        ``test_continues_is_checkpoint_when_nobody_waits``)."""
+        if self._queued or job.cancel_requested or job.state is not JobState.RUNNING \
+                or (job.deadline is not None and not job.soft):
+            return False
+        now = self.clock()
+        step = now - job._last_boundary
+        if step > job.longest_step:
+            job.longest_step = step
+        job._last_boundary = now
+        return True
 
     def finish(self, job: Job, status: ErrorStatus = ErrorStatus.NONE,
                message: str = "") -> ErrorStatus:
@@ -726,8 +762,13 @@ class Scheduler:
         return c
 
     def _enqueue(self, app: _App, job: Job) -> None:
-        keys = [j._order() for j in app.queue]
-        app.queue.insert(bisect.bisect(keys, job._order()), job)
+        queue = app.queue
+        if queue:
+            keys = [j._order() for j in queue]
+            queue.insert(bisect.bisect(keys, job._order()), job)
+        else:
+            queue.append(job)
+        self._queued += 1
         self._class(job).queued += 1
 
     def _dequeue(self, app: _App, job: Job) -> None:
@@ -737,6 +778,7 @@ class Scheduler:
             self._class(job).queued -= 1
             return
         app.queue.remove(job)
+        self._queued -= 1
         self._class(job).queued -= 1
         self._promote(app)
 
@@ -833,16 +875,17 @@ class Scheduler:
     def _learn(self, model: Hashable, seconds: float) -> None:
         if model is None:
             return
-        e = self._estimates.pop(model, None)
+        estimates = self._estimates
+        e = estimates.get(model)
         if e is None:
-            e = _Estimate(seconds, seconds)
-        else:
-            e.average += _ESTIMATE_WEIGHT * (seconds - e.average)
-            e.last = seconds
-            e.refused = 0
-        self._estimates[model] = e
-        while len(self._estimates) > _MAX_ESTIMATES:
-            self._estimates.popitem(last=False)
+            estimates[model] = _Estimate(seconds, seconds)
+            while len(estimates) > _MAX_ESTIMATES:
+                estimates.popitem(last=False)
+            return
+        e.average += _ESTIMATE_WEIGHT * (seconds - e.average)
+        e.last = seconds
+        e.refused = 0
+        estimates.move_to_end(model)   # the most recently used, kept longest
 
     def _viable_head(self, app: _App, now: float) -> Job | None:
         """The app's next job, refusing hopeless ones in front of it."""
@@ -940,7 +983,7 @@ class Scheduler:
         return best
 
     def _fill_slots(self, now: float) -> None:
-        while self._busy < self.slots:
+        while self._queued and self._busy < self.slots:
             app = self._pick_app()
             if app is None:
                 return
@@ -948,11 +991,14 @@ class Scheduler:
             if job is not None:
                 self._dispatch(app, job, now)
 
-    def _dispatch(self, app: _App, job: Job, now: float) -> None:
+    def _dispatch(self, app: _App, job: Job, now: float, queued: bool = True) -> None:
+        """Give ``job`` (its app's queue head; ``queued=False``: a job just
+        submitted that would have been, see ``submit``) a free slot."""
         # test_slots_bound_concurrency
         assert self._busy < self.slots, "dispatch without a free slot"
         resumed = job.state is JobState.PREEMPTED
-        self._dequeue(app, job)
+        if queued:
+            self._dequeue(app, job)
         job._move(_Event.DISPATCH)
         c = self._class(job)
         c.running += 1

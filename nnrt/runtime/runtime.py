@@ -570,6 +570,7 @@ class CompiledModel:
         self._prepared_models = [s.prepared for s in steps]
         self._finalizer = weakref.finalize(self, _release, self._prepared_models)
         hal = model.hal_model
+        self._main = hal.main
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
@@ -658,10 +659,13 @@ class CompiledModel:
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed."""
-        await self._ready_state()
+        sig = self._signature
+        if sig.stateful:
+            await self._ready_state()
         inputs, outputs = self._order(inputs, outputs)
-        return self._signature.carry_state(
-            await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout, None))
+        result = await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout,
+                                     None)
+        return sig.carry_state(result) if sig.stateful else result
 
     async def _ready_state(self) -> None:
         """A stateful model keeps its state in device memories (two per
@@ -714,7 +718,8 @@ class CompiledModel:
         """Every check of a request before anything reaches a driver: the
         app's mistakes raise INVALID_ARGUMENT here (see nnrt.runtime.request)."""
         self._check_open()
-        measure = request.flag(measure_timing, "measure_timing")
+        measure = measure_timing if measure_timing.__class__ is bool else \
+            request.flag(measure_timing, "measure_timing")
         deadline = check_deadline(deadline)
         arrays = self._stage_inputs(inputs)
         user_outputs = self._check_outputs(outputs, arrays) if outputs is not None else None
@@ -797,14 +802,14 @@ class CompiledModel:
     async def _run(self, steps: list[Step], arrays: list, user_outputs, measure: bool,
                    deadline: float | None, loop_timeout: float | None,
                    sessions: dict | None = None) -> Result:
-        hal = self.model.hal_model
-        values = dict(zip(hal.main.input_indexes, arrays))
+        main = self._main
+        values = dict(zip(main.input_indexes, arrays))
         single = len(steps) == 1
         on_device = in_driver = 0
         measured = measure
         # A burst's ring carries shared-memory slots: a request naming a
         # driver buffer runs as a plain execution of the step.
-        tokens = any(isinstance(v, DeviceMemory) for v in (*arrays, *(user_outputs or ())))
+        tokens = sessions is not None and _any_device_memory(arrays, user_outputs)
         for step in steps:
             session = sessions.get(id(step)) if sessions and not tokens else None
             runner = session if session is not None else step.prepared
@@ -827,12 +832,10 @@ class CompiledModel:
             else:
                 on_device += t.on_device
                 in_driver += t.in_driver
-        outputs = [values[i] for i in hal.main.output_indexes]
+        outputs = [values[i] for i in main.output_indexes]
         if user_outputs is not None and not single:
             outputs = copy_into(user_outputs, outputs)
-        shapes = [o.shape if o.__class__ is np.ndarray
-                  else tuple(o.dimensions) if isinstance(o, DeviceMemory)
-                  else tuple(np.shape(o)) for o in outputs]
+        shapes = [o.shape if o.__class__ is np.ndarray else _shape_of(o) for o in outputs]
         timing = None
         if measure:
             timing = ExecutionTiming(on_device if measured else None,
@@ -932,6 +935,19 @@ class CompiledModel:
         return outputs
 
 
+def _any_device_memory(values, more) -> bool:
+    for v in values:
+        if v.__class__ is not np.ndarray and isinstance(v, DeviceMemory):
+            return True
+    return more is not None and any(isinstance(v, DeviceMemory) for v in more)
+
+
+def _shape_of(value) -> tuple[int, ...]:
+    if isinstance(value, DeviceMemory):
+        return tuple(value.dimensions)
+    return tuple(np.shape(value))
+
+
 def _written(result: Result, outputs) -> Result:
     """``result`` with each device-memory output marked written at its
     shape and given back as the memory itself (its data stays where it is)."""
@@ -1020,7 +1036,8 @@ class Burst:
         if self._sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
         sig = self._compiled._signature
-        await self._compiled._ready_state()
+        if sig.stateful:
+            await self._compiled._ready_state()
         inputs, outputs = self._compiled._order(inputs, outputs)
         async with self._lock:  # a burst runs its requests in order, one at a time
             try:

@@ -144,7 +144,9 @@ class Step:
         # whatever the last execution reported (so a dynamic output is sized
         # right from the second execution on).
         dims = validated.dims[None]
-        self.output_guess: list[tuple[int, ...]] = [dims[i] for i in plan.outputs]
+        self._output_guess: list[tuple[int, ...]] = []
+        self._sized: list | None = None
+        self._guess([dims[i] for i in plan.outputs])
         # (shapes of the values, input arguments, output arguments) of the
         # last request made of numpy arrays only: a request of arrays shaped
         # the same reuses those argument tuples (see ``request``).
@@ -164,19 +166,43 @@ class Step:
         HAL result and the output values, shaped as reported on success."""
         inputs = [values[i] for i in self.plan.inputs]
         for _attempt in range(MAX_RESIZE_RETRIES + 1):
-            outs = (list(user_outputs) if user_outputs is not None
-                    else [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)])
+            if user_outputs is not None:
+                outs = list(user_outputs)
+            elif allocate is allocate_array and self._sized is not None:
+                outs = [np.empty(shape, dtype) for shape, dtype in self._sized]
+            else:
+                outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
             result = await execute(self.request(inputs, outs))
             if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
                     and result.output_shapes:
-                self.output_guess = [s.dimensions for s in result.output_shapes]
+                self._guess([s.dimensions for s in result.output_shapes])
                 continue
             break
         if result.status != ErrorStatus.NONE:
             return result, outs
-        self.output_guess = [s.dimensions for s in result.output_shapes]
-        return result, [shaped(out, s.dimensions, o)
-                        for out, s, o in zip(outs, result.output_shapes, self.outputs)]
+        shapes = [s.dimensions for s in result.output_shapes]
+        if shapes != self._output_guess:
+            self._guess(shapes)
+        return result, [out if out.__class__ is np.ndarray and out.shape == shape
+                        else shaped(out, shape, o)
+                        for out, shape, o in zip(outs, shapes, self.outputs)]
+
+    @property
+    def output_guess(self) -> list[tuple[int, ...]]:
+        """The output shapes the next execution expects."""
+        return self._output_guess
+
+    @output_guess.setter
+    def output_guess(self, shapes) -> None:
+        self._guess(list(shapes))
+
+    def _guess(self, shapes: list[tuple[int, ...]]) -> None:
+        """Expect ``shapes``; with every one known (and no scalar), keep the
+        ``(shape, dtype)`` the next execution's arrays are made at."""
+        self._output_guess = shapes
+        self._sized = ([(dims, o.type.dtype) for dims, o in zip(shapes, self.outputs)]
+                       if all(o.type.is_tensor and dims and all(dims)
+                              for dims, o in zip(shapes, self.outputs)) else None)
 
     def request(self, inputs: Sequence, outputs: Sequence) -> Request:
         """``build_request`` of these values. When every value is a

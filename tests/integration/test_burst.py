@@ -20,7 +20,8 @@ from nnrt.drivers.service.server import serve
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 
-from .test_service import GUARD, add_model, chain_model, numpy_request, start_service, stop
+from .test_service import (GUARD, add_model, chain_model, numpy_request, public_add_model,
+                           start_service, stop)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +242,46 @@ async def test_unknown_slots_are_fetched_once_then_cached_and_freed(tmp_path):
                 assert svc.burst_statistics().bursts_open == 1
             await wait_until(lambda: svc.burst_statistics().bursts_open == 0, "the burst ends")
             assert svc.burst_statistics().slots_mapped == 0
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
+
+
+async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path):
+    """Frames laid out alike (the runtime's compiled.burst() reuses its
+    argument tuples; a HAL caller passes the same request again): the
+    controller checks and places the pools once, the server turns the
+    layout into driver arguments once, however many frames run."""
+    import nnrt
+
+    path = str(tmp_path / "layouts.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        dev = await ServiceDevice.connect(path)
+        try:
+            rng = np.random.default_rng(16)
+            async with nnrt.Runtime(devices=[dev], discover=False) as rt:
+                compiled = await rt.compile(public_add_model())
+                async with compiled.burst() as burst:
+                    for _ in range(40):
+                        x, y = (rng.standard_normal((1, 4)).astype(np.float32) for _ in "xy")
+                        result = await burst.execute([x, y])
+                        np.testing.assert_array_equal(result.outputs[0], x + y)
+                    session, = burst.statistics().sessions
+                    assert (session.executions, session.layouts_staged) == (40, 1)
+                    assert session.bytes_staged == 40 * 48
+            assert svc.burst_statistics().layouts == 1
+            prepared = await dev.prepare_model(add_model())
+            x, y = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
+            sums = np.zeros((1, 4), np.float32)
+            request = numpy_request([x, y], [sums])
+            async with await prepared.configure_burst() as session:
+                for k in range(20):
+                    x[:], y[:] = k, 2 * k     # new contents, the same request
+                    assert (await session.execute(request)).status == ErrorStatus.NONE
+                    assert sums.tolist() == [[3.0 * k] * 4]
+                assert session.statistics().layouts_staged == 1
+            assert svc.burst_statistics().layouts == 2
         finally:
             dev.close()
             tg.cancel_scope.cancel()

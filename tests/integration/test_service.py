@@ -62,6 +62,11 @@ def reference_service(tmp_path_factory):
 
 
 def add_model(dims=(1, 4), out_dims=None, op=Op.ADD):
+    return public_add_model(dims, out_dims, op).hal_model
+
+
+def public_add_model(dims=(1, 4), out_dims=None, op=Op.ADD) -> nnrt.Model:
+    """``add_model`` as an app builds it (for ``Runtime.compile``)."""
     m = nnrt.Model()
     a = m.add_operand(T.TENSOR_FLOAT32, list(dims))
     b = m.add_operand(T.TENSOR_FLOAT32, list(dims))
@@ -70,7 +75,7 @@ def add_model(dims=(1, 4), out_dims=None, op=Op.ADD):
     out = m.add_operand(T.TENSOR_FLOAT32, list(out_dims if out_dims is not None else dims))
     m.add_operation(op, [a, b, act], [out])
     m.identify_inputs_and_outputs([a, b], [out])
-    return m.finish().hal_model
+    return m.finish()
 
 
 def chain_model(n, length):

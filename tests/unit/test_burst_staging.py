@@ -9,7 +9,7 @@ import pytest
 from nnrt import ErrorStatus, NnrtError
 from nnrt.hal import RequestArgument
 from nnrt.memory import Memory
-from nnrt.memory.staging import ALIGN, ArenaPool, SlotCache, stage
+from nnrt.memory.staging import ALIGN, ArenaPool, SlotCache, Stager, stage
 from nnrt.model.graph import DataLocation
 
 
@@ -99,3 +99,39 @@ def test_slot_cache_learns_of_closes_without_scanning_and_forgets_evicted_memori
     for m in mems:
         m.close()
     assert cache.take_freed() == sorted([slots[0], slots[3]])
+
+
+def test_a_request_laid_out_as_the_last_is_staged_by_copying_its_bytes_only():
+    arenas = ArenaPool("test-arena", max_free=1)
+    stager = Stager(arenas)
+    x = np.arange(4, dtype=np.float32)
+    out = np.zeros(4, np.float32)
+    inputs, outputs = (arg(0, 0, 16),), (arg(1, 0, 16),)
+    first = stager.stage((x, out), inputs, outputs)
+    places = first.places
+    assert stager.kept_places is places and stager.layouts == 1
+    first.finish()
+    y, out2 = np.full(4, 9, np.float32), np.zeros(4, np.float32)
+    again = stager.stage((y, out2), inputs, outputs)   # other arrays, same layout
+    assert again.places is places and stager.layouts == 1 and again.bytes_in == 16
+    assert np.frombuffer(again.arena.view()[:16], np.float32).tolist() == [9] * 4
+    again.arena.view()[ALIGN:ALIGN + 16] = np.full(4, 5, np.float32).tobytes()
+    assert again.copy_out() == 16 and out2.tolist() == [5] * 4 and out.tolist() == [0] * 4
+    again.finish(reuse=False)                  # cancelled: the arena is closed
+    third = stager.stage((y, out2), inputs, outputs)
+    assert third.places is not places and stager.layouts == 1   # new arena, same checks
+    assert third.places[0].memory is third.arena and not third.arena.closed
+    third.finish()
+    # Anything else is staged in full: new argument tuples, another size, a
+    # read-only output (refused as stage() refuses it), a Memory pool.
+    stager.stage((y, out2), (arg(0, 0, 16),), outputs).finish()
+    assert stager.layouts == 2
+    with pytest.raises(NnrtError, match="read-only"):
+        stager.stage((y, b"\0" * 16), inputs, outputs)
+    with pytest.raises(NnrtError, match="outside pool 0"):
+        stager.stage((np.zeros(2, np.float32), out2), inputs, outputs)
+    with Memory.create(64) as mem:
+        staged = stager.stage((mem,), (arg(0, 0, 16),), ())
+        assert staged.arena is None and stager.kept_places is None   # no Memory kept
+        staged.finish()
+    arenas.close()

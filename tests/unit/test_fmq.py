@@ -251,6 +251,29 @@ def test_wait_with_also_reports_which_fired(native):
             os.close(also)
 
 
+def test_read_or_gives_a_frame_or_none_once_also_fires(native):
+    with make(native) as reader, Ring.attach(*map(os.dup, reader.fds()), native=native) as peer:
+        also = os.eventfd(0, os.EFD_NONBLOCK)
+        try:
+            peer.write_nowait(b"ready")
+            assert reader.read_or(also) == b"ready"             # no wait at all
+            os.eventfd_write(also, 1)
+            peer.write_nowait(b"wins")
+            assert reader.read_or(also) == b"wins"              # a frame wins over also
+            assert reader.read_or(also) is None                 # then also: nothing to read
+            os.eventfd_read(also)
+            writer = threading.Timer(0.05, peer.write_nowait, (b"later",))
+            writer.start()
+            assert reader.read_or(also) == b"later"             # slept until it came
+            writer.join()
+            stopper = threading.Timer(0.05, os.eventfd_write, (also, 1))
+            stopper.start()
+            assert reader.read_or(also) is None                 # slept until also fired
+            stopper.join()
+        finally:
+            os.close(also)
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_async_waits(native, backend):
     async def main():

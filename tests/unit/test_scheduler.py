@@ -412,3 +412,43 @@ def test_forget_app():
     s.finish(job)
     s.forget_app("gone")
     assert s.statistics().classes == ()
+
+
+def test_a_job_on_an_idle_device_is_dispatched_with_the_accounting_of_the_queue():
+    # Submitted with nobody waiting: dispatched without passing through the
+    # queue, with the counters a pass through it would leave.
+    s, clock = make(slots=2)
+    first = s.submit("app", MEDIUM, model="m")
+    second = s.submit("other", LOW, model="m")
+    assert first.state is second.state is JobState.RUNNING
+    assert first.started_at == first.submitted_at == 100.0
+    medium = s.statistics().of("app", MEDIUM)
+    assert (medium.queued, medium.running, medium.wait_p50) == (0, 1, 0.0)
+    third = s.submit("app", HIGH, model="m")          # both slots taken: it queues
+    assert third.state is JobState.QUEUED and s.statistics().of("app", HIGH).queued == 1
+    clock.advance(2.0)
+    s.finish(first)
+    assert third.state is JobState.RUNNING and third.started_at == 102.0
+    assert s.statistics().of("app", HIGH).wait_p50 == 2.0
+    assert s.estimate("m") == 2.0
+
+
+def test_continues_is_checkpoint_when_nobody_waits():
+    s, clock = make()
+    job = s.submit("app", LOW, model="m")
+    clock.advance(0.5)
+    assert s.continues(job)                   # nobody waits: CONTINUE, no lock needed
+    assert job.longest_step == 0.5 and job._last_boundary == 100.5
+    waiting = s.submit("app", HIGH, model="m")
+    assert not s.continues(job)               # a job waits: the full checkpoint decides
+    assert s.checkpoint(job) is Verdict.PREEMPTED and waiting.state is JobState.RUNNING
+    s.finish(waiting)
+    assert job.state is JobState.RUNNING and s.continues(job)
+    s.cancel(job)
+    assert not s.continues(job)               # asked to stop: the checkpoint stops it
+    assert s.checkpoint(job) is Verdict.STOPPED
+    late = s.submit("app", LOW, deadline=clock() + 10.0)
+    assert not s.continues(late)              # a hard deadline is the checkpoint's to judge
+    soft, _ = make(settings=lambda app: AppSettings(soft_deadlines=True))
+    job = soft.submit("app", LOW, deadline=clock() + 10.0)
+    assert soft.continues(job)                # a soft one never stops a run

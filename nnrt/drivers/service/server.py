@@ -181,6 +181,8 @@ class BurstStatistics:
     get_memories_calls: int   # round trips to a controller for unknown slots
     slots_fetched: int        # slots mapped after such a call
     slots_mapped: int         # slots mapped now, over all open bursts
+    layouts: int = 0          # request layouts turned into driver arguments (once per
+                              # layout of a burst, not once per frame)
 
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
@@ -277,7 +279,7 @@ class DriverService:
         return BurstStatistics(sum(len(conn.bursts) for conn in self.connections), c.opened,
                                c.executions, c.get_memories_calls, c.slots_fetched,
                                sum(b.statistics().slots_mapped for conn in self.connections
-                                   for b in conn.bursts.values()))
+                                   for b in conn.bursts.values()), c.layouts)
 
     async def handle_connection(self, sock: socket.socket) -> None:
         conn = ServiceConnection(self, sock)
