@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+# LiteRT's library is loaded with the driver (a driver is loaded when its
+# device is listed, as NNAPI loads a HAL), not by the first compilation.
+from ai_edge_litert.interpreter import Interpreter
 
 from ...vlog import vlog
 from . import flatbuffer
@@ -192,7 +195,6 @@ class InterpreterSet:
 
 
 def new_interpreter(model: bytes, num_threads: int):
-    from ai_edge_litert.interpreter import Interpreter
     interp = Interpreter(model_content=model, num_threads=num_threads)
     interp.allocate_tensors()
     return interp
