@@ -52,6 +52,7 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 
@@ -134,11 +135,10 @@ class BurstController(BurstSession):
         self._lock = anyio.Lock(fast_acquire=True)
         self._serials = itertools.count(1)
         self._encoder = RequestEncoder()
-        # (HAL inputs, outputs, their placing, burst inputs, outputs) of the
-        # last request: a request with the same argument tuples (the runtime
-        # reuses them while shapes hold) placed alike converts to the same
-        # burst arguments, which the encoder then recognises at once.
-        self._last_layout: tuple | None = None
+        # The last request's layout: a request with the same argument tuples
+        # (the runtime reuses them while shapes hold) placed alike converts
+        # to the same burst arguments, which the encoder then recognises.
+        self._last_layout: _Layout | None = None
         self._decoder = ResultDecoder()
         self._slots = SlotCache()        # read by the connection's reader thread too
         # One execution at a time: one arena, reused while nothing else may write it.
@@ -330,12 +330,12 @@ class BurstController(BurstSession):
         try:
             self._bytes_staged += staging.bytes_in
             last = self._last_layout
-            if last is not None and last[5] is staging.places and last[0] is request.inputs \
-                    and last[1] is request.outputs:
+            if last is not None and last.places is staging.places \
+                    and last.inputs is request.inputs and last.outputs is request.outputs:
                 # Staged as the last request, into the same places (only our
                 # arena: the stager keeps no app Memory): the same slots and
                 # burst arguments, without looking them up again.
-                return _Plan(last[3], last[4], last[6], staging)
+                return _Plan(last.burst_inputs, last.burst_outputs, last.slots, staging)
             slots: list[int] = []
             index_of_slot: dict[int, int] = {}
             where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
@@ -351,14 +351,13 @@ class BurstController(BurstSession):
                     slots.append(slot)
                 where.append((index_of_slot[slot], place.offset))
             last = self._last_layout
-            if last is not None and last[0] is request.inputs and last[1] is request.outputs \
-                    and last[2] == where:
-                # The arguments of the last request, placed alike: the same.
-                slots = tuple(slots)
-                kept = staging.places if staging.places is self._stager.kept_places else None
-                self._last_layout = (*last[:5], kept, slots)
-                return _Plan(last[3], last[4], slots, staging)
             slots = tuple(slots)
+            kept = staging.places if staging.places is self._stager.kept_places else None
+            if last is not None and last.inputs is request.inputs \
+                    and last.outputs is request.outputs and last.where == where:
+                # The arguments of the last request, placed alike: the same.
+                self._last_layout = last._replace(places=kept, slots=slots)
+                return _Plan(last.burst_inputs, last.burst_outputs, slots, staging)
 
             def argument(a, what: str) -> BurstArgument:
                 if a.has_no_value:
@@ -378,9 +377,8 @@ class BurstController(BurstSession):
 
             inputs = tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs))
             outputs = tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs))
-            kept = staging.places if staging.places is self._stager.kept_places else None
-            self._last_layout = (request.inputs, request.outputs, where, inputs, outputs, kept,
-                                 slots)
+            self._last_layout = _Layout(request.inputs, request.outputs, where, inputs, outputs,
+                                        kept, slots)
         except BaseException:
             staging.finish()
             raise
@@ -465,6 +463,17 @@ class BurstController(BurstSession):
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("dead" if self._dead else "open")
         return f"<BurstController {self.burst_id} ({state})>"
+
+
+class _Layout(NamedTuple):
+    """How the last request was laid out in slots (``BurstController._plan``)."""
+    inputs: tuple              # its HAL argument tuples, recognised by identity
+    outputs: tuple
+    where: list                # pool index -> (slot index, base offset)
+    burst_inputs: tuple        # the burst arguments they converted to
+    burst_outputs: tuple
+    places: tuple | None       # the stager's kept places it was staged into, if any
+    slots: tuple[int, ...]
 
 
 class _Plan:

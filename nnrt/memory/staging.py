@@ -19,6 +19,7 @@ import functools
 import itertools
 import threading
 import weakref
+from typing import NamedTuple
 
 from ..errors import ErrorStatus, NnrtError
 from .device import DeviceToken
@@ -256,6 +257,18 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
     return Staging(tuple(places), arena, staged, output_pools, arenas, bytes_in)
 
 
+class _Staged(NamedTuple):
+    """The last request a :class:`Stager` staged in full."""
+    inputs: tuple                  # its argument tuples, recognised by identity
+    outputs: tuple
+    kinds: tuple                   # per pool: (size, writable, base in the arena)
+    arena_size: int
+    input_pools: set[int]          # the pools the inputs read (copied in)
+    output_pools: set[int]         # the pools the outputs are written to
+    arena: object                  # the arena it was staged into
+    places: tuple
+
+
 class Stager:
     """:func:`stage` for the requests of one session, cheap when a request
     is laid out like the last one whose pools were all staged: the very
@@ -274,20 +287,18 @@ class Stager:
 
     def __init__(self, arenas: ArenaPool):
         self._arenas = arenas
-        # (inputs, outputs, per pool (size, writable, base in the arena),
-        # arena size, input pools, output pools, arena, places) of the last
-        # request whose pools were all staged.
-        self._last: tuple | None = None
+        # The last request whose pools were all staged.
+        self._last: _Staged | None = None
         self.layouts = 0
 
     @property
     def kept_places(self) -> tuple | None:
-        return None if self._last is None else self._last[7]
+        return None if self._last is None else self._last.places
 
     def stage(self, pools, inputs, outputs) -> Staging:
         last = self._last
-        if last is not None and last[0] is inputs and last[1] is outputs \
-                and len(pools) == len(last[2]):
+        if last is not None and last.inputs is inputs and last.outputs is outputs \
+                and len(pools) == len(last.kinds):
             staging = self._again(pools, last)
             if staging is not None:
                 return staging
@@ -299,13 +310,13 @@ class Stager:
             return staging
         kinds = tuple((raw.nbytes, not raw.readonly, base)
                       for raw, base in (staged[k] for k in range(len(pools))))
-        self._last = (inputs, outputs, kinds, staging.arena.size, _pool_indexes(inputs),
-                      staging._outputs, staging.arena, staging.places)
+        self._last = _Staged(inputs, outputs, kinds, staging.arena.size, _pool_indexes(inputs),
+                             staging._outputs, staging.arena, staging.places)
         return staging
 
-    def _again(self, pools, last) -> Staging | None:
+    def _again(self, pools, last: "_Staged") -> Staging | None:
         """``stage`` of a request laid out as ``last``; None when it is not."""
-        kinds = last[2]
+        kinds = last.kinds
         staged: dict[int, tuple[memoryview, int]] = {}
         for k, pool in enumerate(pools):
             if isinstance(pool, (Memory, DeviceToken)):
@@ -318,18 +329,18 @@ class Stager:
             if raw.nbytes != size or (writable and raw.readonly):
                 return None
             staged[k] = (raw, base)
-        arena, places = self._arenas.take(last[3]), last[7]
-        if arena is not last[6]:         # (the last one was closed: a cancellation)
+        arena, places = self._arenas.take(last.arena_size), last.places
+        if arena is not last.arena:      # (the last one was closed: a cancellation)
             places = tuple(Place(arena, base, size) for size, _w, base in kinds)
-            self._last = last = (*last[:6], arena, places)
+            self._last = last = last._replace(arena=arena, places=places)
         view, bytes_in = arena.view(), 0
-        for k in last[4]:
+        for k in last.input_pools:
             raw, base = staged[k]
             n = raw.nbytes
             if n:
                 view[base:base + n] = raw
                 bytes_in += n
-        return Staging(places, arena, staged, last[5], self._arenas, bytes_in)
+        return Staging(places, arena, staged, last.output_pools, self._arenas, bytes_in)
 
 
 __all__ = ["ALIGN", "ArenaPool", "Place", "SlotCache", "Staging", "Stager", "stage"]

@@ -897,13 +897,19 @@ class Scheduler:
             self._refuse(app, job, now, *late)
         return None
 
-    def _floor(self, app: _App) -> float:
-        """Where an app that was idle, or is new, is placed (F5): the least
-        *settled* virtual time of the other active apps; when none is
-        active, the system's virtual time as the last of them left it."""
+    def _least_other(self, app: _App) -> float | None:
+        """The least *settled* virtual time of the active apps other than
+        ``app``; None when none is active."""
         active = [a.settled / a.weight for a in self._apps.values()
                   if a is not app and (a.queue or a.running)]
-        return min(active) if active else self._vtime
+        return min(active) if active else None
+
+    def _floor(self, app: _App) -> float:
+        """Where an app that was idle, or is new, is placed (F5): the least
+        settled virtual time of the other active apps; when none is active,
+        the system's virtual time as the last of them left it (F7)."""
+        least = self._least_other(app)
+        return self._vtime if least is None else least
 
     def _leave(self, job: Job) -> None:
         """``job`` has ended; if its app has nothing else, it goes idle:
@@ -913,13 +919,12 @@ class Scheduler:
         app = self._apps[job.app]
         if app.queue or app.running or app.held:
             return
-        others = [a.settled / a.weight for a in self._apps.values()
-                  if a is not app and (a.queue or a.running)]
-        if not others:
+        least = self._least_other(app)
+        if least is None:
             self._vtime = max(self._vtime, app.service / app.weight)
             app.lag = 0.0
             return
-        behind = min(others) - app.service / app.weight
+        behind = least - app.service / app.weight
         app.lag = min(max(behind, 0.0), job.ran / app.weight)
 
     def _place(self, app: _App) -> None:

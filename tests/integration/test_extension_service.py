@@ -22,7 +22,7 @@ from nnrt.extensions import mediapipe as mp
 from tests.unit.test_extension_mediapipe import mediapipe_model, transpose_conv_bias_f64
 from tests.unit.test_extensions import allow_this_app  # noqa: F401 (fixture)
 
-MODELS = Path("/work/shared/models/mediapipe")
+MODELS = Path(__file__).resolve().parents[3] / "shared" / "models" / "mediapipe"
 SELFIE = MODELS / "selfie_segmentation"
 
 

@@ -21,7 +21,7 @@ from nnrt.tflite import load_operators
 from nnrt.tflite.reader import read
 from tests.unit.test_extensions import allow_nobody, allow_this_app  # noqa: F401 (fixtures)
 
-SELFIE = Path("/work/shared/models/mediapipe/selfie_segmentation.tflite")
+SELFIE = Path(__file__).resolve().parents[3] / "shared" / "models" / "mediapipe" / "selfie_segmentation.tflite"
 
 
 def transpose_conv_bias_f64(x, w, b, padding, stride_w, stride_h):
