@@ -104,7 +104,11 @@ def witness(service):
 
     async def connect():
         dev = await ServiceDevice.connect(str(path))
-        return dev, await dev.prepare_model(add_model())
+        prepared = await dev.prepare_model(add_model())
+        # One execution now, so the witness's staging arena is mapped in the
+        # service before any test counts the service's fds.
+        await assert_still_served(service, prepared)
+        return dev, prepared
     dev, prepared = anyio.run(connect)
     yield prepared
     dev.close()

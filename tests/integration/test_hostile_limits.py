@@ -51,7 +51,9 @@ def witness(service):
 
     async def connect():
         dev = await ServiceDevice.connect(str(path))
-        return dev, await dev.prepare_model(add_model())
+        prepared = await dev.prepare_model(add_model())
+        await assert_still_served(service, prepared)   # its arena mapped: see the other witness
+        return dev, prepared
     dev, prepared = anyio.run(connect)
     yield prepared
     dev.close()
