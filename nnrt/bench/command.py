@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-seconds", type=float, default=30.0, metavar="S",
                         help="--stress: a child with no progress for S seconds hangs "
                              "(default: 30)")
+    parser.add_argument("--start-seconds", type=float, default=None, metavar="S",
+                        help="--stress: a child that has not loaded and compiled its model "
+                             "after S seconds hangs (default: 120, or --hang-seconds if longer)")
     parser.add_argument("--driver", metavar="MODULE:FACTORY", default=None,
                         help="--stress: run on the device FACTORY() returns (a driver under "
                              "test, in the child process) instead of a named device")
@@ -58,9 +61,10 @@ def main(args: argparse.Namespace) -> int:
                          priority=args.priority, spawn=args.spawn,
                          discover=not args.no_discover)
     if args.stress:
-        from .stress import print_stress, run_stress
+        from .stress import START_SECONDS, print_stress, run_stress
         results = run_stress(config, seconds=args.seconds or 10.0,
-                             hang_seconds=args.hang_seconds, driver=args.driver)
+                             hang_seconds=args.hang_seconds, driver=args.driver,
+                             start_seconds=args.start_seconds or START_SECONDS)
         print_stress(results)
         if args.report:
             from .report import write_stress_report

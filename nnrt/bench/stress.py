@@ -10,10 +10,14 @@ classifies the model:
   and exits with status 1);
 - CRASH: the child died (a signal, or an exit without a verdict), e.g. an
   in-process driver that took the process down;
-- HANG: the child printed no progress for ``hang_seconds``; it is killed.
+- HANG: the child printed no progress for ``hang_seconds`` once it started
+  executing, or did not start (load the model, compile it) within
+  ``start_seconds``; it is killed.
 
 For each non-success the child's last output lines are kept. The child
 prints one line per execution, so "no progress" means no execution finished.
+The start-up has its own, longer allowance: importing numpy and compiling on
+a busy machine can take longer than an execution may.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import time
 from .results import StressResult
 
 _TAIL = 12   # lines of the child's output kept for a non-success
+START_SECONDS = 120.0   # default allowance for a child to load and compile
 
 
 def _child_command(model: str, device: str | None, driver: str | None, seconds: float,
@@ -46,13 +51,15 @@ def _child_command(model: str, device: str | None, driver: str | None, seconds: 
     return cmd
 
 
-def watch(cmd: list[str], hang_seconds: float, *, model: str = "", device: str = "") -> StressResult:
+def watch(cmd: list[str], hang_seconds: float, *, start_seconds: float = START_SECONDS,
+          model: str = "", device: str = "") -> StressResult:
     """Run ``cmd`` (a stress child) and classify it."""
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
     progress = [time.monotonic()]
+    started_running = threading.Event()   # the child said "started": it executes now
     runs = [0]
 
     def read() -> None:
@@ -60,15 +67,19 @@ def watch(cmd: list[str], hang_seconds: float, *, model: str = "", device: str =
             line = line.rstrip("\n")
             tail.append(line)
             progress[0] = time.monotonic()
-            if line.startswith("run "):
+            if line.startswith("started "):
+                started_running.set()
+            elif line.startswith("run "):
                 runs[0] += 1
 
     reader = threading.Thread(target=read, name="nnrt-stress-reader", daemon=True)
     reader.start()
-    hung = False
+    hung = ""
     while proc.poll() is None:
-        if time.monotonic() - progress[0] > hang_seconds:
-            hung = True
+        limit = hang_seconds if started_running.is_set() else max(hang_seconds, start_seconds)
+        if time.monotonic() - progress[0] > limit:
+            hung = (f"no progress for {limit:g} s" if started_running.is_set()
+                    else f"did not start within {limit:g} s")
             os.killpg(proc.pid, signal.SIGKILL)   # the child and any service it spawned
             proc.wait()
             break
@@ -80,7 +91,7 @@ def watch(cmd: list[str], hang_seconds: float, *, model: str = "", device: str =
     verdict_line = next((l for l in reversed(lines) if l.startswith(("SUCCESS", "FAILURE"))), None)
     if hung:
         return StressResult(model, device, "HANG", runs[0], elapsed,
-                            f"no progress for {hang_seconds:g} s; killed", last)
+                            f"{hung}; killed", last)
     code = proc.returncode
     if code == 0 and verdict_line and verdict_line.startswith("SUCCESS"):
         return StressResult(model, device, "SUCCESS", runs[0], elapsed, verdict_line)
@@ -93,6 +104,7 @@ def watch(cmd: list[str], hang_seconds: float, *, model: str = "", device: str =
 
 
 def run_stress(config, *, seconds: float, hang_seconds: float,
+               start_seconds: float = START_SECONDS,
                driver: str | None = None) -> list[StressResult]:
     """Every model of ``config`` on each of its devices (or on ``driver``)."""
     results = []
@@ -102,8 +114,8 @@ def run_stress(config, *, seconds: float, hang_seconds: float,
             label = driver or device or "default devices"
             print(f"stress: {os.path.basename(model)} on {label} for {seconds:g} s", flush=True)
             cmd = _child_command(model, device, driver, seconds, config.spawn, config.discover)
-            results.append(watch(cmd, hang_seconds, model=os.path.basename(model),
-                                 device=label))
+            results.append(watch(cmd, hang_seconds, start_seconds=start_seconds,
+                                 model=os.path.basename(model), device=label))
     return results
 
 

@@ -41,6 +41,8 @@ class _Device(ReferenceDevice):
     fault = ""
 
     async def prepare_model(self, model, *args, **kwargs):
+        if self.fault == "hang at start":
+            time.sleep(3600)     # blocks the child's loop: compiling never ends
         return _Misbehaving(await super().prepare_model(model, *args, **kwargs), self.fault)
 
 
@@ -56,6 +58,10 @@ def crashing():
 
 def hanging():
     return _make("hang")
+
+
+def hanging_at_start():
+    return _make("hang at start")
 
 
 def wrong():

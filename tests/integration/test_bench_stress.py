@@ -12,9 +12,9 @@ MODEL = str(Path(__file__).parents[1] / "data" / "tflite" / "float_chain.tflite"
 DOUBLES = "tests.integration.bench_doubles"
 
 
-def _stress(factory: str, seconds: float = 3.0, hang: float = 4.0):
+def _stress(factory: str, seconds: float = 3.0, hang: float = 4.0, **kwargs):
     [result] = run_stress(BenchConfig(models=[MODEL]), seconds=seconds, hang_seconds=hang,
-                          driver=f"{DOUBLES}:{factory}")
+                          driver=f"{DOUBLES}:{factory}", **kwargs)
     return result
 
 
@@ -35,6 +35,15 @@ def test_a_driver_that_never_answers_is_a_hang():
     r = _stress("hanging", seconds=30, hang=2.0)
     assert r.verdict == "HANG", r
     assert r.runs == 2 and r.seconds < 30   # killed on no progress, not at the end
+
+
+def test_a_driver_that_never_compiles_is_a_hang_after_the_start_allowance():
+    # The short hang limit counts executions only: a slow start on a busy
+    # machine is not a hang, a start that never ends is one.
+    r = _stress("hanging_at_start", seconds=30, hang=0.5, start_seconds=4.0)
+    assert r.verdict == "HANG", r
+    assert r.runs == 0 and r.detail == "did not start within 4 s; killed"
+    assert 4.0 <= r.seconds < 30
 
 
 def test_a_driver_with_wrong_results_is_a_failure():
