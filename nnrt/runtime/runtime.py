@@ -37,7 +37,7 @@ from .results import ExecutionTiming, Result, copy_into
 from .step import Step
 from ..hal.types import Priority, check_deadline
 from ..vlog import vlog
-from .. import trace
+from .. import handoff, trace
 
 # Fallbacks and dropped services are logged here at WARNING whatever NNRT_VLOG says:
 # they change where (and how fast) an app's work runs.
@@ -567,8 +567,14 @@ class CompiledModel:
         self._fallback_allowed = fallback_allowed
         # Prepared models live in their drivers (maybe another process) until
         # released: release them when this object goes away or is closed.
+        # The collector may run the finalizer on any thread at any allocation,
+        # even one holding a service channel's send lock that a release takes:
+        # so a collected model is released on a worker thread (close() below
+        # releases at once). At exit the processes' ends release everything.
         self._prepared_models = [s.prepared for s in steps]
-        self._finalizer = weakref.finalize(self, _release, self._prepared_models)
+        self._finalizer = weakref.finalize(self, handoff.run_soon, _release,
+                                           self._prepared_models)
+        self._finalizer.atexit = False
         hal = model.hal_model
         self._main = hal.main
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
@@ -782,7 +788,8 @@ class CompiledModel:
         self._closed = True
         for m in self._signature.drop_memories():
             m.close()
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _release(self._prepared_models)
 
     async def __aenter__(self) -> "CompiledModel":
         return self

@@ -621,3 +621,47 @@ def test_a_frame_larger_than_the_socket_buffer_does_not_block_the_sender():
         os.close(w)
         channel.close()
         theirs.close()
+
+
+async def test_a_compiled_model_collected_under_its_channels_send_lock_is_released_later(
+        reference_service):
+    # The collector runs a finalizer on whatever thread allocates, maybe one
+    # inside the channel's send lock: releasing there would wait for itself.
+    import gc
+    import weakref
+    from nnrt.drivers.service.client import ServicePreparedModel
+    dev = await ServiceDevice.connect(str(reference_service))
+    try:
+        async with nnrt.Runtime(devices=[dev]) as rt:
+            held = [await rt.compile(public_add_model())]
+            [model_id] = [step.prepared.model_id for step in held[0]._steps]
+            gone = weakref.ref(held[0])
+            collected = threading.Event()
+
+            def collect_under_the_lock():
+                with dev._channel._lock:
+                    held.clear()
+                    gc.collect()
+                    if gone() is None:
+                        collected.set()
+
+            collector = threading.Thread(target=collect_under_the_lock, daemon=True)
+            collector.start()
+            collector.join(GUARD)
+            assert not collector.is_alive(), "the finalizer waited for the lock its thread held"
+            assert collected.is_set()
+            # The release went out once the lock was free: the service no
+            # longer knows the model.
+            x = np.ones((1, 4), np.float32)
+            out = np.zeros((1, 4), np.float32)
+            stale = ServicePreparedModel(dev, model_id)
+            with anyio.fail_after(GUARD):
+                while (result := await stale.execute(numpy_request([x, x], [out]))).status \
+                        == ErrorStatus.NONE:
+                    await anyio.sleep(0.01)
+            assert result.status == ErrorStatus.INVALID_ARGUMENT, result
+            # The channel is fine: a new compilation runs on it.
+            again = await rt.compile(public_add_model())
+            assert (await again.execute([x, x])).outputs[0].tolist() == [[2.0] * 4]
+    finally:
+        dev.close()
