@@ -140,11 +140,11 @@ class RequestPlan:
         last = self._last
         if last is not None and last.serves(request):
             return last
-        buffers = self._validator.check(request)
+        sizes = self._validator.check(request)
         layout = last.layout if last is not None else None
         if layout is None or not layout.describes(request):
             layout = _Layout(self, request)
-        binding = Binding(layout, request.pools, buffers)
+        binding = Binding(layout, request.pools, sizes)
         self._last = binding
         return binding
 
@@ -244,25 +244,31 @@ class Binding:
 
     __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable", "_writable")
 
-    def __init__(self, layout: _Layout, pools, buffers: tuple[memoryview, ...]):
+    def __init__(self, layout: _Layout, pools, sizes: tuple[int, ...]):
         self.layout = layout
         self._pools = pools = tuple(pools)
         memories = resizable = ()
-        for p, b in zip(pools, buffers):
+        for p, size in zip(pools, sizes):
             if p.__class__ is not np.ndarray:
                 if isinstance(p, Memory):
                     memories += (p,)
                 elif not isinstance(p, _FIXED_SIZE):
-                    resizable += ((p, b.nbytes),)
+                    resizable += ((p, size),)
         self._memories = memories
         self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
         # (no new view: holding it does not keep the Memory mapped).
         self._sources = tuple(p.view() if isinstance(p, Memory) else p
                               for p in pools) if memories else pools
-        # Per output: written as it is when it comes out as declared.
-        self._writable = tuple(out.as_declared and not buffers[out.pool_index].readonly
-                               for out in layout.outs)
+        # Per output: written as it is when it comes out as declared (into
+        # a pool that is not read-only).
+        writable = []
+        for out in layout.outs:
+            pool = pools[out.pool_index]
+            writable.append(out.as_declared and (
+                pool.flags.writeable if pool.__class__ is np.ndarray
+                else not as_buffer(pool).readonly))
+        self._writable = tuple(writable)
 
     def serves(self, request) -> bool:
         """Whether ``request`` is the request this binding was made for."""

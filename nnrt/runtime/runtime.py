@@ -617,7 +617,7 @@ class CompiledModel:
         before any driver is asked, so in process and over a service alike."""
         if self._closed:
             raise bad_state("the compiled model is closed")
-        if self._runtime.closed:
+        if self._runtime._devices is None:   # Runtime.closed, read on every execution
             raise bad_state("the runtime that compiled this model is closed")
 
     @property
@@ -710,9 +710,14 @@ class CompiledModel:
 
     def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:
         self._check_open()
-        inputs = request.sequence(inputs, "inputs")
-        outputs = request.sequence(outputs, "outputs") if outputs is not None else None
-        return self._signature.order_inputs(inputs), self._signature.order_outputs(outputs)
+        sig = self._signature
+        if inputs.__class__ is not list and inputs.__class__ is not tuple:
+            inputs = request.sequence(inputs, "inputs")
+        if outputs is not None:
+            outputs = sig.order_outputs(request.sequence(outputs, "outputs"))
+        elif sig.stateful:
+            outputs = sig.order_outputs(None)
+        return sig.order_inputs(inputs), outputs
 
     def _check_request(self, inputs, outputs, measure_timing, deadline):
         """Every check of a request before anything reaches a driver: the
@@ -720,7 +725,8 @@ class CompiledModel:
         self._check_open()
         measure = measure_timing if measure_timing.__class__ is bool else \
             request.flag(measure_timing, "measure_timing")
-        deadline = check_deadline(deadline)
+        if deadline is not None:
+            deadline = check_deadline(deadline)
         arrays = self._stage_inputs(inputs)
         user_outputs = self._check_outputs(outputs, arrays) if outputs is not None else None
         return arrays, user_outputs, measure, deadline
@@ -873,16 +879,15 @@ class CompiledModel:
     def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
-        hal = self.model.hal_model
         staged = []
-        for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
-            as_is = self._as_is[k]
+        for k, (value, operand, as_is) in enumerate(zip(inputs, self._inputs, self._as_is)):
             if as_is is not None and value.__class__ is np.ndarray and value.dtype == as_is[0] \
                     and value.shape == as_is[1] and value.flags.c_contiguous:
                 staged.append(value)   # what the checks below would give, without them
                 continue
             what = f"input {k} ({self._input_name(k)})"
             if value is None:
+                hal = self.model.hal_model
                 request.check_omitted(hal, hal.main.input_indexes[k], what)
                 staged.append(None)
             elif isinstance(value, DeviceMemory):

@@ -151,6 +151,8 @@ class Step:
         # last request made of numpy arrays only: a request of arrays shaped
         # the same reuses those argument tuples (see ``request``).
         self._last_layout: tuple | None = None
+        # The output shapes the last execution reported, and their dimensions.
+        self._reported: tuple = (None, None)
 
     def sized(self) -> bool:
         """Whether every output's shape is known before running."""
@@ -180,9 +182,16 @@ class Step:
             break
         if result.status != ErrorStatus.NONE:
             return result, outs
-        shapes = [s.dimensions for s in result.output_shapes]
-        if shapes != self._output_guess:
-            self._guess(shapes)
+        reported = result.output_shapes
+        if reported is self._reported[0]:
+            shapes = self._reported[1]    # a driver's result made once for its layout
+        else:
+            shapes = [s.dimensions for s in reported]
+            if shapes != self._output_guess:
+                self._guess(shapes)
+            # Kept with the (immutable) shapes it came from, which it keeps
+            # alive; forgotten whenever the guess changes.
+            self._reported = (reported, shapes)
         return result, [out if out.__class__ is np.ndarray and out.shape == shape
                         else shaped(out, shape, o)
                         for out, shape, o in zip(outs, shapes, self.outputs)]
@@ -200,6 +209,7 @@ class Step:
         """Expect ``shapes``; with every one known (and no scalar), keep the
         ``(shape, dtype)`` the next execution's arrays are made at."""
         self._output_guess = shapes
+        self._reported = (None, None)
         self._sized = ([(dims, o.type.dtype) for dims, o in zip(shapes, self.outputs)]
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)
