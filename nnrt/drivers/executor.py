@@ -39,6 +39,21 @@ from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
+
+# Every execution runs with numpy's floating-point errors ignored: kernels
+# compute IEEE results (inf, NaN) as a device does, never a RuntimeWarning,
+# and never a FloatingPointError because the calling thread set
+# np.seterr(all="raise") (an inline run executes on the app's own thread).
+# numpy >= 2 keeps that state in a context variable holding an "extobj":
+# the one made here is set around each execution for the cost of a
+# ContextVar.set, where ``np.errstate`` builds it anew at every entry
+# (~1.5 us, a tenth of a small model's run, once in each of 11 kernels
+# before: issue 16). numpy 1.x: ``np.errstate`` once per execution.
+try:
+    from numpy._core.umath import _extobj_contextvar as _FP_STATE, _make_extobj
+    _FP_IGNORED = _make_extobj(all="ignore")
+except (ImportError, AttributeError, TypeError):
+    _FP_STATE = _FP_IGNORED = None
 DEFAULT_LOOP_TIMEOUT = 2.0   # seconds, NNAPI's default WHILE loop timeout
 MAX_LOOP_TIMEOUT = 15.0
 
@@ -94,7 +109,14 @@ class Executor:
         """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted).
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
-        return context.run_subgraph(None, inputs)
+        if _FP_STATE is None:
+            with np.errstate(all="ignore"):
+                return context.run_subgraph(None, inputs)
+        token = _FP_STATE.set(_FP_IGNORED)
+        try:
+            return context.run_subgraph(None, inputs)
+        finally:
+            _FP_STATE.reset(token)
 
 
 class RequestPlan:

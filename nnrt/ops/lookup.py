@@ -295,14 +295,14 @@ def fingerprint64(keys: np.ndarray) -> np.ndarray:
     keys = np.ascontiguousarray(keys, dtype=np.uint8)
     n = keys.shape[1]
     k = _Keys(keys)
-    with np.errstate(over="ignore"):
-        if n <= 16:
-            return _len_0_to_16(k, n)
-        if n <= 32:
-            return _len_17_to_32(k, n)
-        if n <= 64:
-            return _len_33_to_64(k, n)
-        return _len_over_64(k, n)
+    # The hash wraps on overflow: the executor ignores numpy's overflow errors.
+    if n <= 16:
+        return _len_0_to_16(k, n)
+    if n <= 32:
+        return _len_17_to_32(k, n)
+    if n <= 64:
+        return _len_33_to_64(k, n)
+    return _len_over_64(k, n)
 
 
 # --- LSH_PROJECTION ------------------------------------------------------------------

@@ -376,3 +376,18 @@ def test_a_bad_pool_after_a_good_one_with_the_same_arguments_is_refused():
     assert prepared.execute_synchronously(
         Request(good.inputs, good.outputs, (x, y, out))).status == ErrorStatus.NONE
     np.testing.assert_array_equal(out, x + y)
+
+
+def test_an_execution_ignores_the_calling_threads_fp_error_state():
+    """Kernels give IEEE results (inf) whatever np.seterr the calling thread
+    set -- an inline run executes on the app's thread -- and the caller's
+    state is left as it was."""
+    import warnings
+    prepared = _prepared(_add_model())
+    big = np.full((1, 4), np.finfo(np.float32).max, np.float32)
+    out = np.zeros((1, 4), np.float32)
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prepared.execute_synchronously(_request(big, big, out)).status == ErrorStatus.NONE
+        assert np.geterr()["over"] == "raise"
+    assert np.isinf(out).all()
