@@ -478,7 +478,8 @@ class Scheduler:
         RESOURCE_EXHAUSTED_TRANSIENT when the app already has ``queue_limit``
         jobs waiting; MISSED_DEADLINE_* when the deadline cannot be met.
         """
-        priority = check_priority(priority)
+        if priority.__class__ is not Priority:
+            priority = check_priority(priority)
         if deadline is not None:
             deadline = check_deadline(deadline)
         if app.__class__ not in _PLAIN_KEYS:
@@ -909,8 +910,8 @@ class Scheduler:
         """The least *settled* virtual time of the active apps other than
         ``app``; None when none is active."""
         apps = self._apps
-        if len(apps) == 1 and app.key in apps:
-            return None     # (the common case in process: one app, no list to build)
+        if len(apps) == 1:
+            return None     # only ``app`` (always one of them): the common case in process
         active = [a.settled / a.weight for a in apps.values()
                   if a is not app and (a.queue or a.running)]
         return min(active) if active else None
@@ -1016,16 +1017,16 @@ class Scheduler:
         if queued:
             self._dequeue(app, job)
         job._move(_Event.DISPATCH)
-        c = self._class(job)
+        c = job._cls or self._class(job)
         c.running += 1
         if job.started_at is None:
             job.started_at = now
             c.waits.append(now - job.submitted_at)
         job._slot_since = job._run_since = job._last_boundary = now
-        job._vstart = app.settled
-        job._charged = self._expected(job)
-        app.service += job._charged
-        app.inflight += job._charged
+        job._vstart = app.service - app.inflight     # app.settled
+        job._charged = charge = self._expected(job)
+        app.service += charge
+        app.inflight += charge
         app.running += 1
         app.last_served = next(self._served)
         self._busy += 1
@@ -1052,7 +1053,7 @@ class Scheduler:
         self._busy -= 1
         # test_cancelling_a_running_job_stops_it_at_the_next_boundary_and_frees_the_slot
         assert self._busy >= 0 and app.running >= 0, "a slot given back twice"
-        c = self._class(job)
+        c = job._cls or self._class(job)
         c.running -= 1
         c.run_time += interval
 
@@ -1074,8 +1075,8 @@ class Scheduler:
 
     def _done(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
         job.status, job.message, job.finished_at = status, message, now
-        c = self._class(job)
-        if status == ErrorStatus.NONE:
+        c = job._cls or self._class(job)
+        if status is ErrorStatus.NONE:
             c.completed += 1
         elif job.cancel_requested:
             c.cancelled += 1
