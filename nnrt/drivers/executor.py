@@ -246,6 +246,18 @@ class _Layout:
         return _same(request.inputs, self.inputs) and _same(request.outputs, self.outputs)
 
 
+def _kinds(pools, sizes) -> tuple[tuple, tuple]:
+    """The Memories among ``pools``, and the pools that can be resized, with
+    their sizes now."""
+    memories = resizable = ()
+    for p, size in zip(pools, sizes):
+        if isinstance(p, Memory):
+            memories += (p,)
+        elif not isinstance(p, _FIXED_SIZE):
+            resizable += ((p, size),)
+    return memories, resizable
+
+
 class Binding:
     """A :class:`_Layout` over one request's pools: where each input is read
     and each output written, and the result of an execution whose outputs
@@ -270,12 +282,10 @@ class Binding:
         self.layout = layout
         self._pools = pools = tuple(pools)
         memories = resizable = ()
-        for p, size in zip(pools, sizes):
-            if p.__class__ is not np.ndarray:
-                if isinstance(p, Memory):
-                    memories += (p,)
-                elif not isinstance(p, _FIXED_SIZE):
-                    resizable += ((p, size),)
+        for p in pools:
+            if p.__class__ is not np.ndarray:   # (numpy arrays, the runtime's pools: nothing)
+                memories, resizable = _kinds(pools, sizes)
+                break
         self._memories = memories
         self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
@@ -361,13 +371,14 @@ class ExecutionContext:
                  checkpoint: Callable[["ExecutionContext"], None] | None = None):
         self.executor = executor
         if loop_timeout is None:
-            loop_timeout = DEFAULT_LOOP_TIMEOUT
+            self.loop_timeout = DEFAULT_LOOP_TIMEOUT
         elif isinstance(loop_timeout, bool) or not isinstance(loop_timeout, (int, float)) \
                 or not loop_timeout >= 0:
             # Negative or NaN: NaN would never time out (every comparison is false).
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"loop timeout {loop_timeout!r} is not a duration in seconds >= 0")
-        self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
+        else:
+            self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
         self.deadline = deadline
         self._checkpoint = checkpoint
         # [subgraph index, next operation] per active subgraph, outermost first.

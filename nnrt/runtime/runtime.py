@@ -832,15 +832,19 @@ class CompiledModel:
                     raise _DriverFailure(step.device, error)
                 raise error
             values.update(zip(step.plan.outputs, outs))
-            t = result.timing
-            if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
-                measured = False
-            else:
-                on_device += t.on_device
-                in_driver += t.in_driver
-        outputs = [values[i] for i in main.output_indexes]
-        if user_outputs is not None and not single:
-            outputs = copy_into(user_outputs, outputs)
+            if measure:
+                t = result.timing
+                if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
+                    measured = False
+                else:
+                    on_device += t.on_device
+                    in_driver += t.in_driver
+        if single and step.plan.outputs == main.output_indexes:
+            outputs = outs      # the one step's outputs are the model's, in order
+        else:
+            outputs = [values[i] for i in main.output_indexes]
+            if user_outputs is not None and not single:
+                outputs = copy_into(user_outputs, outputs)
         shapes = [o.shape if o.__class__ is np.ndarray else _shape_of(o) for o in outputs]
         timing = None
         if measure:
