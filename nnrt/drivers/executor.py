@@ -194,10 +194,9 @@ class _Output:
         self.length = length           # bytes of the region
         # The shape the output has when it comes out as declared (the usual
         # case), and whether it is then written as it is, without a check:
-        # a tensor that fits (in a pool that is not read-only, which the
-        # binding knows: a read-only pool is refused when an output is
-        # written to it, after the size check, as
-        # nnrt.hal.request.write_outputs does).
+        # a tensor that fits (into a pool that is not read-only: a read-only
+        # pool is refused when an output is written to it, after the size
+        # check, as nnrt.hal.request.write_outputs does).
         self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
         self.as_declared = bool(dims) and self.declared.is_sufficient
 
@@ -276,7 +275,7 @@ class Binding:
     pools of its own request: the next request's pools replace them, never
     mix with them."""
 
-    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable", "_writable")
+    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable")
 
     def __init__(self, layout: _Layout, pools, sizes: tuple[int, ...]):
         self.layout = layout
@@ -292,15 +291,6 @@ class Binding:
         # (no new view: holding it does not keep the Memory mapped).
         self._sources = tuple(p.view() if isinstance(p, Memory) else p
                               for p in pools) if memories else pools
-        # Per output: written as it is when it comes out as declared (into
-        # a pool that is not read-only).
-        writable = []
-        for out in layout.outs:
-            pool = pools[out.pool_index]
-            writable.append(out.as_declared and (
-                pool.flags.writeable if pool.__class__ is np.ndarray
-                else not as_buffer(pool).readonly))
-        self._writable = tuple(writable)
 
     def serves(self, request) -> bool:
         """Whether ``request`` is the request this binding was made for."""
@@ -342,11 +332,12 @@ class Binding:
         executor checks them) into their regions, which ``output_shapes``
         said are big enough; INVALID_ARGUMENT for a read-only pool."""
         sources = self._sources
-        for value, out, writable in zip(outputs, self.layout.outs, self._writable):
-            if writable and value.shape == out.declared.dimensions:
-                np.ndarray(value.shape, out.dtype, sources[out.pool_index], out.offset)[...] = \
-                    value
-                continue
+        for value, out in zip(outputs, self.layout.outs):
+            if out.as_declared and value.shape == out.declared.dimensions:
+                target = np.ndarray(value.shape, out.dtype, sources[out.pool_index], out.offset)
+                if target.flags.writeable:    # (an array over a read-only pool is read-only)
+                    target[...] = value
+                    continue
             arr = np.ascontiguousarray(value, dtype=out.dtype)
             if not arr.nbytes:
                 continue

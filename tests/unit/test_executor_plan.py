@@ -36,6 +36,18 @@ def _request(x, y, out, in_length=None, dims=()):
     return Request(ins, (RequestArgument(False, DataLocation(2, 0, out.nbytes)),), pools)
 
 
+def _rows_model():
+    """x + x for x of any number of rows of 4: the output's shape is open."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    m.add_operation(Op.ADD, [a, a, act], [out])
+    m.identify_inputs_and_outputs([a], [out])
+    return m.finish().hal_model
+
+
 def _prepared(model):
     import anyio
     return anyio.run(ReferenceDevice().prepare_model, model)
@@ -261,14 +273,7 @@ def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
 def test_an_output_of_another_shape_than_declared_is_written_and_reported():
     """An output whose operand leaves its shape open: the binding has no
     declared shape to reuse, the executor's shape is reported and written."""
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    act = m.add_operand(T.INT32)
-    m.set_operand_value(act, 0)
-    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    m.add_operation(Op.ADD, [a, a, act], [out])
-    m.identify_inputs_and_outputs([a], [out])
-    prepared = _prepared(m.finish().hal_model)
+    prepared = _prepared(_rows_model())
     result = np.zeros(12, np.float32)
     for rows in (2, 3, 2):
         x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
@@ -326,14 +331,7 @@ def test_new_output_arrays_keep_the_layout_and_never_receive_another_calls_resul
 def test_a_new_shape_after_a_bound_layout_is_validated_and_resolved_again(monkeypatch):
     import nnrt.drivers.executor as executor
     import nnrt.hal.validate as validate
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    act = m.add_operand(T.INT32)
-    m.set_operand_value(act, 0)
-    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    m.add_operation(Op.ADD, [a, a, act], [out])
-    m.identify_inputs_and_outputs([a], [out])
-    prepared = _prepared(m.finish().hal_model)
+    prepared = _prepared(_rows_model())
     request_checks = _counting(monkeypatch, validate, "_check_request")
     layouts = _counting(monkeypatch, executor, "_Layout")
 
