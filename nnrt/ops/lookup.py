@@ -295,14 +295,16 @@ def fingerprint64(keys: np.ndarray) -> np.ndarray:
     keys = np.ascontiguousarray(keys, dtype=np.uint8)
     n = keys.shape[1]
     k = _Keys(keys)
-    # The hash wraps on overflow: the executor ignores numpy's overflow errors.
-    if n <= 16:
-        return _len_0_to_16(k, n)
-    if n <= 32:
-        return _len_17_to_32(k, n)
-    if n <= 64:
-        return _len_33_to_64(k, n)
-    return _len_over_64(k, n)
+    # The hash wraps on overflow, by design: quiet wherever it is called from
+    # (a kernel's run already ignores numpy's FP errors: see the executor).
+    with np.errstate(over="ignore"):
+        if n <= 16:
+            return _len_0_to_16(k, n)
+        if n <= 32:
+            return _len_17_to_32(k, n)
+        if n <= 64:
+            return _len_33_to_64(k, n)
+        return _len_over_64(k, n)
 
 
 # --- LSH_PROJECTION ------------------------------------------------------------------

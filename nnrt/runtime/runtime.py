@@ -760,7 +760,7 @@ class CompiledModel:
             self._failures += 1
             raise
         self._executions += 1
-        if outputs is not None and any(isinstance(o, DeviceMemory) for o in outputs):
+        if outputs is not None and _any_device_memory(outputs, None):
             result = _written(result, outputs)
         return result
 
@@ -924,6 +924,9 @@ class CompiledModel:
                           f"output arrays")
         outputs = list(outputs)
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if arr.__class__ is np.ndarray and arr.dtype == operand.type.dtype \
+                    and arr.flags.c_contiguous and arr.flags.writeable:
+                continue      # the common case, before the isinstance checks below
             if isinstance(arr, DeviceMemory):
                 arr.check_use(self, "output", k, f"output {k}")
                 if any(v is arr for v in inputs):
