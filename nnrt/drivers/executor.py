@@ -39,6 +39,21 @@ from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
+
+# Every execution runs with numpy's floating-point errors ignored: kernels
+# compute IEEE results (inf, NaN) as a device does, never a RuntimeWarning,
+# and never a FloatingPointError because the calling thread set
+# np.seterr(all="raise") (an inline run executes on the app's own thread).
+# numpy >= 2 keeps that state in a context variable holding an "extobj":
+# the one made here is set around each execution for the cost of a
+# ContextVar.set, where ``np.errstate`` builds it anew at every entry
+# (~1.5 us, a tenth of a small model's run, once in each of 11 kernels
+# before: issue 16). numpy 1.x: ``np.errstate`` once per execution.
+try:
+    from numpy._core.umath import _extobj_contextvar as _FP_STATE, _make_extobj
+    _FP_IGNORED = _make_extobj(all="ignore")
+except (ImportError, AttributeError, TypeError):
+    _FP_STATE = _FP_IGNORED = None
 DEFAULT_LOOP_TIMEOUT = 2.0   # seconds, NNAPI's default WHILE loop timeout
 MAX_LOOP_TIMEOUT = 15.0
 
@@ -94,7 +109,14 @@ class Executor:
         """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted).
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
-        return context.run_subgraph(None, inputs)
+        if _FP_STATE is None:
+            with np.errstate(all="ignore"):
+                return context.run_subgraph(None, inputs)
+        token = _FP_STATE.set(_FP_IGNORED)
+        try:
+            return context.run_subgraph(None, inputs)
+        finally:
+            _FP_STATE.reset(token)
 
 
 class RequestPlan:
@@ -106,10 +128,18 @@ class RequestPlan:
     :meth:`bind` validates a request (through the
     :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
     for a layout it has not seen valid last) and resolves it into a
-    :class:`Binding`: where each input is read and each output written. The
-    last binding is kept; a request with the same arguments and the same
-    pool objects is bound already, so an execution like the last one
-    validates nothing and resolves nothing again (issue 16).
+    :class:`Binding`: where each input is read and each output written. What
+    the arguments say (offsets, shapes, element types: a :class:`_Layout`)
+    is resolved apart from the pools they point into, so that
+
+    - a request with the same arguments and the same pool objects is bound
+      already: an execution like the last one validates nothing and resolves
+      nothing again;
+    - a request with the same arguments over other pools of the same sizes
+      (the runtime's fresh output arrays, a caller's new buffers) keeps the
+      layout and binds only the pools: their sizes are checked against it,
+      nothing else is resolved again (issue 16).
+
     Tested by tests/unit/test_executor_plan.py."""
 
     __slots__ = ("_validator", "_inputs", "_outputs", "_last")
@@ -132,8 +162,11 @@ class RequestPlan:
         last = self._last
         if last is not None and last.serves(request):
             return last
-        buffers = self._validator.check(request)
-        binding = Binding(self, request, buffers)
+        sizes = self._validator.check(request)
+        layout = last.layout if last is not None else None
+        if layout is None or not layout.describes(request):
+            layout = _Layout(self, request)
+        binding = Binding(layout, request.pools, sizes)
         self._last = binding
         return binding
 
@@ -148,33 +181,86 @@ _FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be r
 
 
 class _Output:
-    """Where one output of a bound request goes."""
+    """Where one output of a request's layout goes."""
 
-    __slots__ = ("index", "dtype", "pool_index", "buffer", "readonly", "offset", "length",
-                 "declared", "as_declared")
+    __slots__ = ("index", "dtype", "pool_index", "offset", "length", "declared", "as_declared")
 
     def __init__(self, index: int, dtype: np.dtype, dims: tuple[int, ...], pool_index: int,
-                 buffer, readonly: bool, offset: int, length: int):
+                 offset: int, length: int):
         self.index = index             # the operand
         self.dtype = dtype
         self.pool_index = pool_index
-        self.buffer = buffer           # the pool (see Binding)
-        self.readonly = readonly
         self.offset = offset
         self.length = length           # bytes of the region
         # The shape the output has when it comes out as declared (the usual
         # case), and whether it is then written as it is, without a check:
-        # a tensor that fits, in a pool that is not read-only (which is
-        # refused when an output is written to it, after the size check, as
-        # nnrt.hal.request.write_outputs does).
+        # a tensor that fits (into a pool that is not read-only: a read-only
+        # pool is refused when an output is written to it, after the size
+        # check, as nnrt.hal.request.write_outputs does).
         self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
-        self.as_declared = bool(dims) and self.declared.is_sufficient and not readonly
+        self.as_declared = bool(dims) and self.declared.is_sufficient
+
+
+class _Layout:
+    """A request's arguments resolved against a :class:`RequestPlan`,
+    whatever pools they point into: per tensor input its shape, element
+    type, pool index and offset; per scalar input its region; per output an
+    :class:`_Output`; and the output shapes and result of an execution whose
+    outputs come out as declared. Immutable once made; shared by every
+    :class:`Binding` of these arguments."""
+
+    __slots__ = ("inputs", "outputs", "omitted", "tensors", "scalars", "outs", "declared",
+                 "done")
+
+    def __init__(self, plan: RequestPlan, request):
+        # Tuples (tuple() of a tuple is that tuple): only an immutable
+        # container may be recognised by identity in describes().
+        self.inputs = tuple(request.inputs)
+        self.outputs = tuple(request.outputs)
+        tensors, scalars = [], []
+        for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
+                zip(self.inputs, plan._inputs)):
+            if arg.has_no_value:
+                continue
+            loc = arg.location
+            if is_tensor:
+                tensors.append((k, tuple(arg.dimensions) or declared, dtype, loc.pool_index,
+                                loc.offset))
+            else:
+                scalars.append((k, operand, loc.pool_index, loc.offset, loc.length))
+        self.omitted = (None,) * len(self.inputs)    # None: an omitted input
+        self.tensors = tuple(tensors)
+        self.scalars = tuple(scalars)
+        self.outs = tuple(
+            _Output(index, dtype, tuple(arg.dimensions) or declared, arg.location.pool_index,
+                    arg.location.offset, arg.location.length)
+            for arg, (index, dtype, declared) in zip(self.outputs, plan._outputs))
+        # The output shapes, and the result, of an execution whose outputs
+        # all came out as declared: made once, not per execution.
+        self.declared = tuple(out.declared for out in self.outs)
+        self.done = ExecutionResult(ErrorStatus.NONE, self.declared)
+
+    def describes(self, request) -> bool:
+        """Whether ``request`` has these arguments (its pools aside)."""
+        return _same(request.inputs, self.inputs) and _same(request.outputs, self.outputs)
+
+
+def _kinds(pools, sizes) -> tuple[tuple, tuple]:
+    """The Memories among ``pools``, and the pools that can be resized, with
+    their sizes now."""
+    memories = resizable = ()
+    for p, size in zip(pools, sizes):
+        if isinstance(p, Memory):
+            memories += (p,)
+        elif not isinstance(p, _FIXED_SIZE):
+            resizable += ((p, size),)
+    return memories, resizable
 
 
 class Binding:
-    """One request resolved against a :class:`RequestPlan`: where each input
-    is read and each output written (pool, offset, element type, shape), and
-    the result of an execution whose outputs come out as declared.
+    """A :class:`_Layout` over one request's pools: where each input is read
+    and each output written, and the result of an execution whose outputs
+    come out as declared.
 
     It keeps the request's pool objects (a Memory as its own byte view),
     and no view of its own into them: arrays over the pools are made per
@@ -185,54 +271,33 @@ class Binding:
     size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
     checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
     any other buffer (a bytearray, an mmap) can be resized between two
-    executions, so its size is compared at each."""
+    executions, so its size is compared at each. A binding holds only the
+    pools of its own request: the next request's pools replace them, never
+    mix with them."""
 
-    __slots__ = ("_request_inputs", "_request_outputs", "_pools", "_memories", "_resizable",
-                 "_inputs", "_tensors", "_scalars", "_outputs", "_declared", "_done")
+    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable")
 
-    def __init__(self, plan: RequestPlan, request, buffers: tuple[memoryview, ...]):
-        # Tuples (tuple() of a tuple is that tuple): only an immutable
-        # container may be recognised by identity in serves().
-        self._request_inputs = tuple(request.inputs)
-        self._request_outputs = tuple(request.outputs)
-        self._pools = tuple(request.pools)
-        self._memories = tuple(p for p in request.pools if isinstance(p, Memory))
-        self._resizable = tuple((p, b.nbytes) for p, b in zip(request.pools, buffers)
-                                if not isinstance(p, _FIXED_SIZE))
+    def __init__(self, layout: _Layout, pools, sizes: tuple[int, ...]):
+        self.layout = layout
+        self._pools = pools = tuple(pools)
+        memories = resizable = ()
+        for p in pools:
+            if p.__class__ is not np.ndarray:   # (numpy arrays, the runtime's pools: nothing)
+                memories, resizable = _kinds(pools, sizes)
+                break
+        self._memories = memories
+        self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
         # (no new view: holding it does not keep the Memory mapped).
-        sources = tuple(p.view() if isinstance(p, Memory) else p for p in request.pools)
-        tensors, scalars = [], []
-        for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
-                zip(request.inputs, plan._inputs)):
-            if arg.has_no_value:
-                continue
-            loc = arg.location
-            buffer = sources[loc.pool_index]
-            if is_tensor:
-                shape = tuple(arg.dimensions) or declared
-                tensors.append((k, shape, dtype, buffer, loc.offset))
-            else:
-                scalars.append((k, operand, buffer, loc.offset, loc.length))
-        self._inputs = (None,) * len(request.inputs)    # None: an omitted input
-        self._tensors = tuple(tensors)
-        self._scalars = tuple(scalars)
-        self._outputs = tuple(
-            _Output(index, dtype, tuple(arg.dimensions) or declared, arg.location.pool_index,
-                    sources[arg.location.pool_index], buffers[arg.location.pool_index].readonly,
-                    arg.location.offset, arg.location.length)
-            for arg, (index, dtype, declared) in zip(request.outputs, plan._outputs))
-        # The output shapes, and the result, of an execution whose outputs
-        # all came out as declared: made once, not per execution.
-        self._declared = tuple(out.declared for out in self._outputs)
-        self._done = ExecutionResult(ErrorStatus.NONE, self._declared)
+        self._sources = tuple(p.view() if isinstance(p, Memory) else p
+                              for p in pools) if memories else pools
 
     def serves(self, request) -> bool:
         """Whether ``request`` is the request this binding was made for."""
-        return (_same(request.inputs, self._request_inputs)
-                and _same(request.outputs, self._request_outputs)
-                and len(request.pools) == len(self._pools)
-                and all(map(operator.is_, request.pools, self._pools))
+        pools = self._pools
+        return (len(request.pools) == len(pools)
+                and all(map(operator.is_, request.pools, pools))
+                and self.layout.describes(request)
                 and not (self._memories and any(m.closed for m in self._memories))
                 and not (self._resizable and any(as_buffer(p).nbytes != n
                                                  for p, n in self._resizable)))
@@ -240,46 +305,53 @@ class Binding:
     def read_inputs(self) -> list:
         """An array view per tensor input (no copy: the pool as it is now), a
         Python value per scalar, None for an omitted input."""
-        inputs = list(self._inputs)
-        for k, shape, dtype, buffer, offset in self._tensors:
-            inputs[k] = np.ndarray(shape, dtype, buffer, offset)
-        for k, operand, buffer, offset, length in self._scalars:
-            inputs[k] = decode_value(operand, np.frombuffer(buffer, np.uint8, length, offset))
+        layout = self.layout
+        sources = self._sources
+        inputs = list(layout.omitted)
+        for k, shape, dtype, pool, offset in layout.tensors:
+            inputs[k] = np.ndarray(shape, dtype, sources[pool], offset)
+        for k, operand, pool, offset, length in layout.scalars:
+            inputs[k] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
+                                                            offset))
         return inputs
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
         """Each output's shape and whether its region holds it."""
-        shapes = self._declared
-        for k, (value, out) in enumerate(zip(outputs, self._outputs)):
+        declared = shapes = self.layout.declared
+        for k, (value, out) in enumerate(zip(outputs, self.layout.outs)):
             if value.__class__ is not np.ndarray:
                 value = np.asarray(value)
             if value.shape != out.declared.dimensions:
-                if shapes is self._declared:
+                if shapes is declared:
                     shapes = list(shapes)
                 shapes[k] = OutputShape(value.shape, value.nbytes <= out.length)
-        return shapes if shapes is self._declared else tuple(shapes)
+        return shapes if shapes is declared else tuple(shapes)
 
     def write_outputs(self, outputs: list) -> None:
         """Copy ``outputs`` (arrays of their operands' element types, as the
         executor checks them) into their regions, which ``output_shapes``
         said are big enough; INVALID_ARGUMENT for a read-only pool."""
-        for value, out in zip(outputs, self._outputs):
+        sources = self._sources
+        for value, out in zip(outputs, self.layout.outs):
             if out.as_declared and value.shape == out.declared.dimensions:
-                np.ndarray(value.shape, out.dtype, out.buffer, out.offset)[...] = value
-                continue
+                target = np.ndarray(value.shape, out.dtype, sources[out.pool_index], out.offset)
+                if target.flags.writeable:    # (an array over a read-only pool is read-only)
+                    target[...] = value
+                    continue
             arr = np.ascontiguousarray(value, dtype=out.dtype)
             if not arr.nbytes:
                 continue
-            if out.readonly:
+            if as_buffer(self._pools[out.pool_index]).readonly:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                 f"output operand {out.index}: pool {out.pool_index} is read-only")
-            np.frombuffer(out.buffer, np.uint8, arr.nbytes, out.offset)[:] = \
+            np.frombuffer(sources[out.pool_index], np.uint8, arr.nbytes, out.offset)[:] = \
                 arr.reshape(-1).view(np.uint8)
 
     def succeeded(self, shapes: tuple[OutputShape, ...], timing: Timing) -> ExecutionResult:
         """The result of an execution that wrote outputs of ``shapes``."""
-        if shapes is self._declared and timing is NO_TIMING:
-            return self._done
+        layout = self.layout
+        if shapes is layout.declared and timing is NO_TIMING:
+            return layout.done
         return ExecutionResult(ErrorStatus.NONE, shapes, timing)
 
 
@@ -290,13 +362,14 @@ class ExecutionContext:
                  checkpoint: Callable[["ExecutionContext"], None] | None = None):
         self.executor = executor
         if loop_timeout is None:
-            loop_timeout = DEFAULT_LOOP_TIMEOUT
+            self.loop_timeout = DEFAULT_LOOP_TIMEOUT
         elif isinstance(loop_timeout, bool) or not isinstance(loop_timeout, (int, float)) \
                 or not loop_timeout >= 0:
             # Negative or NaN: NaN would never time out (every comparison is false).
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"loop timeout {loop_timeout!r} is not a duration in seconds >= 0")
-        self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
+        else:
+            self.loop_timeout = min(float(loop_timeout), MAX_LOOP_TIMEOUT)
         self.deadline = deadline
         self._checkpoint = checkpoint
         # [subgraph index, next operation] per active subgraph, outermost first.

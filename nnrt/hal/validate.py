@@ -254,7 +254,7 @@ def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
 
 def validate_request(model: HalModel, request) -> None:
     """Check a request's arguments against the main subgraph and its pools."""
-    _check_request(model, request, [as_buffer(p).nbytes for p in request.pools])
+    _check_request(model, request, pool_sizes(request.pools))
 
 
 def _layout(args) -> tuple:
@@ -274,8 +274,7 @@ class RequestValidator:
     request that passed is kept; a request with the same layout passes for
     the same reasons, so only the layout is compared -- every check still
     applies to every request whose layout is new. ``check`` also returns
-    the pools as byte views, which the driver reads and writes through
-    (made once per execution, not once per argument).
+    the pools' sizes.
 
     Any thread may call ``check``: the one shared field is replaced in a
     single store, and a stale read only costs a full validation.
@@ -291,21 +290,32 @@ class RequestValidator:
         # them between frames of one layout) have the same layout.
         self._last_args: tuple | None = None
 
-    def check(self, request) -> tuple[memoryview, ...]:
-        """The request's pools as flat byte views; INVALID_ARGUMENT as
+    def check(self, request) -> tuple[int, ...]:
+        """The sizes of the request's pools in bytes; INVALID_ARGUMENT as
         :func:`validate_request` gives it."""
-        buffers = tuple(as_buffer(p) for p in request.pools)
-        sizes = tuple(b.nbytes for b in buffers)
+        sizes = pool_sizes(request.pools)
         last = self._last_args
         if last is not None and last[1] is request.inputs and last[2] is request.outputs \
                 and last[0] == sizes:
-            return buffers
+            return sizes
         key = (sizes, _layout(request.inputs), _layout(request.outputs))
         if key != self._last:
             _check_request(self.model, request, sizes)
             self._last = key
         self._last_args = (sizes, request.inputs, request.outputs)
-        return buffers
+        return sizes
+
+
+def pool_sizes(pools) -> tuple[int, ...]:
+    """Each pool's size in bytes (``as_buffer(pool).nbytes``; a C-contiguous
+    numpy array, the runtime's usual pool, without making a view of it)."""
+    sizes = []
+    for p in pools:
+        if p.__class__ is np.ndarray and p.flags.c_contiguous:
+            sizes.append(p.nbytes)
+        else:
+            sizes.append(as_buffer(p).nbytes)
+    return tuple(sizes)
 
 
 def _check_request(model: HalModel, request, pool_sizes) -> None:

@@ -41,8 +41,8 @@ def _iou(box: np.ndarray, others: np.ndarray) -> np.ndarray:
     w = np.maximum(np.minimum(box[2], others[:, 2]) - np.maximum(box[0], others[:, 0]), f32(0))
     h = np.maximum(np.minimum(box[3], others[:, 3]) - np.maximum(box[1], others[:, 1]), f32(0))
     inter = w * h
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return inter / (area + areas - inter)
+    # FP errors give inf/NaN: the executor ignores them
+    return inter / (area + areas - inter)
 
 
 def _nms(scores: np.ndarray, boxes: np.ndarray, limit: int,

@@ -295,6 +295,8 @@ def fingerprint64(keys: np.ndarray) -> np.ndarray:
     keys = np.ascontiguousarray(keys, dtype=np.uint8)
     n = keys.shape[1]
     k = _Keys(keys)
+    # The hash wraps on overflow, by design: quiet wherever it is called from
+    # (a kernel's run already ignores numpy's FP errors: see the executor).
     with np.errstate(over="ignore"):
         if n <= 16:
             return _len_0_to_16(k, n)

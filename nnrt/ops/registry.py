@@ -12,7 +12,9 @@ An entry has three parts, all pure functions:
   temporaries.
 * ``kernel(call: Call) -> list[np.ndarray]`` computes the outputs, each with
   the numpy dtype of its output operand type (quantized outputs already
-  quantized). Kernels are vectorised numpy.
+  quantized). Kernels are vectorised numpy, and run with numpy's
+  floating-point errors ignored (the executor sets that once per execution:
+  an overflow or a division by zero gives inf or NaN, as on a device).
 
 Operation families live one per module in this package
 (``nnrt/ops/<family>.py``) and call :func:`register` at import time;

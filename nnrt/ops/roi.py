@@ -345,11 +345,11 @@ def _refine_peak(g, atol: float, rtol: float):
     cross = a00 * a11
     det = cross - a01 * a01
     solvable = ~(np.abs(det) < f32(atol) + f32(rtol) * cross)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d0 = (a11 * b0 - a01 * b1) / det
-        d1 = (a00 * b1 - a01 * b0) / det
-        biggest = np.maximum(np.abs(d0), np.abs(d1))
-        shrink = np.where(biggest > f32(1.5), f32(1.5) / biggest, f32(1))
+    # FP errors give inf/NaN: the executor ignores them
+    d0 = (a11 * b0 - a01 * b1) / det
+    d1 = (a00 * b1 - a01 * b0) / det
+    biggest = np.maximum(np.abs(d0), np.abs(d1))
+    shrink = np.where(biggest > f32(1.5), f32(1.5) / biggest, f32(1))
     d0 = np.where(solvable, d0 * shrink, f32(0)).astype(f32)
     d1 = np.where(solvable, d1 * shrink, f32(0)).astype(f32)
     score = g[1][1] - b0 * d0 - b1 * d1 + ((a00 * d0 + a01 * d1) * d0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from functools import partial
 from typing import Callable
 
 import anyio
@@ -301,7 +302,9 @@ class ScheduledPreparedModel(PreparedModel):
             await anyio.lowlevel.checkpoint()
             started = time.perf_counter_ns()
             try:
-                job, owned = self._submit_here(deadline)
+                job, owned = self._gate.submit_here(
+                    self.app, self.priority, model=self.key,
+                    deadline=deadline if deadline is None else check_deadline(deadline))
             except NnrtError as e:
                 return ExecutionResult(e.status, message=e.message)
             if owned:
@@ -383,7 +386,6 @@ class ScheduledPreparedModel(PreparedModel):
         return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
                                  work=work)
 
-    @trace.traced("scheduled run")
     def _run_claimed(self, job: Job, request: Request, measure: bool,
                      loop_timeout: float | None, started: int,
                      inline: bool = False) -> ExecutionResult:
@@ -391,9 +393,10 @@ class ScheduledPreparedModel(PreparedModel):
         checkpoint at every boundary (none when ``inline``: an event loop's
         thread must never park), and give the slot back. A failure is a
         result; only what is not an Exception (KeyboardInterrupt) propagates,
-        after the slot is given back."""
+        after the slot is given back. Traced as the span "scheduled run"."""
         gate = self._gate
-        checkpoint = (lambda: gate.checkpoint(job)) if self._stops and not inline else None
+        checkpoint = partial(gate.checkpoint, job) if self._stops and not inline else None
+        traced = time.monotonic_ns() if trace.enabled() else 0   # the span's start
         ran = time.perf_counter_ns()
         try:
             result = self.prepared.execute_synchronously(
@@ -409,7 +412,8 @@ class ScheduledPreparedModel(PreparedModel):
         final = gate.finish(job, result.status, result.message)
         # Real time, not the scheduler's clock: what an inline run would
         # hold its event loop for. A preempted run is not short.
-        if job.preemptions == 0 and 0 < time.perf_counter_ns() - ran <= self._inline_bound_ns:
+        now = time.perf_counter_ns()
+        if job.preemptions == 0 and 0 < now - ran <= self._inline_bound_ns:
             layout = self._short_layout
             if request.inputs is layout[0] and request.outputs is layout[1]:
                 self._short_runs += 1
@@ -418,7 +422,8 @@ class ScheduledPreparedModel(PreparedModel):
                 self._short_runs = 1
         else:
             self._short_runs = 0
-        if trace.enabled():
+        if traced:
+            trace.complete("scheduled run", traced / 1000, time.monotonic_ns() / 1000)
             trace.interval("queue wait", job.submitted_at, job.started_at, app=job.app,
                            priority=job.priority.name, preemptions=job.preemptions)
         if final != result.status:
@@ -430,7 +435,7 @@ class ScheduledPreparedModel(PreparedModel):
             # preemption would count the time it sat parked). In the driver:
             # from the call to now, queue waiting included.
             on_device = int(job.ran * 1_000_000)
-            in_driver = max((time.perf_counter_ns() - started) // 1000, on_device)
+            in_driver = max((now - started) // 1000, on_device)
             result = ExecutionResult(result.status, result.output_shapes,
                                      Timing(on_device, in_driver), result.message)
         return result

@@ -152,15 +152,17 @@ class ExecutionGate:
         calls ``finish`` -- one lock taken, no wake-up, no event. Otherwise
         (False) it waits as any job: the caller then ``claim``s it, or hands
         it ``give_work`` (a caller that must not block)."""
+        scheduler = self.scheduler
         with self._lock:
-            job = self.scheduler.submit(app, priority, deadline=deadline, model=model)
+            job = scheduler.submit(app, priority, deadline=deadline, model=model)
             owned = job.state is JobState.RUNNING
             self._tickets[job] = _Ticket(None, threading.get_ident() if owned else None)
-            woken = self.scheduler.take_wakeups()
+            woken = scheduler.take_wakeups()
             if owned:
                 woken.remove(job)     # its owner is right here, awake
-            starts = self._deliver(woken)
-        self._start(starts)
+            starts = self._deliver(woken) if woken else woken
+        if starts:
+            self._start(starts)
         return job, owned
 
     def give_work(self, job: Job, work: Callable[[Job], None]) -> None:
@@ -240,12 +242,15 @@ class ExecutionGate:
         own thread (``_serve``), the job that takes the freed slot is claimed
         for this thread, which runs it once its ``work`` returns
         (continuation)."""
+        scheduler = self.scheduler
         with self._lock:
-            final = self.scheduler.finish(job, status, message)
-            woken = self.scheduler.take_wakeups()
+            final = scheduler.finish(job, status, message)
+            woken = scheduler.take_wakeups()
+            self._tickets.pop(job, None)
+            if not woken:       # nobody was waiting for the slot (the common case)
+                return final
             following = self._continuation(woken)
             starts = self._deliver(woken, skip=following)
-            self._tickets.pop(job, None)
         if following is not None:
             self._local.following = following
         self._start(starts)

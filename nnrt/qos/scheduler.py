@@ -208,6 +208,9 @@ class AppSettings:
 
 DEFAULT_SETTINGS = AppSettings()
 
+# App and model keys hashable by their type: not hashed again to be checked.
+_PLAIN_KEYS = frozenset({int, str, type(None)})
+
 
 class JobState(enum.Enum):
     QUEUED = "queued"          # waiting for its first slot
@@ -475,15 +478,19 @@ class Scheduler:
         RESOURCE_EXHAUSTED_TRANSIENT when the app already has ``queue_limit``
         jobs waiting; MISSED_DEADLINE_* when the deadline cannot be met.
         """
-        priority = check_priority(priority)
-        deadline = check_deadline(deadline)
-        check_key(app, "app key")
-        check_key(model, "model key")
+        if priority.__class__ is not Priority:
+            priority = check_priority(priority)
+        if deadline is not None:
+            deadline = check_deadline(deadline)
+        if app.__class__ not in _PLAIN_KEYS:
+            check_key(app, "app key")
+        if model.__class__ not in _PLAIN_KEYS:
+            check_key(model, "model key")
         now = self.clock()
         state = self._apps.get(app)
         if state is None:
             state = self._apps[app] = _App(app, settings=self._settings_of(app))
-        limit = self._queue_limit(state)
+        limit = state.settings.queue_limit or self.queue_limit   # (_queue_limit, inlined)
         full = len(state.queue) >= limit
         if full and (state.settings.fail_when_full or len(state.held) >= limit * _HOLD_FACTOR):
             self._vlog("refused: app %r has %d jobs waiting (limit %d)", app, len(state.queue),
@@ -494,7 +501,7 @@ class Scheduler:
                             f"{'' if state.settings.fail_when_full else ' in its queue and %d held' % (limit * _HOLD_FACTOR)})")
         job = Job(app, priority, deadline, model, next(self._seq), now,
                   soft=state.settings.soft_deadlines and deadline is not None)
-        late = self._lateness(job, now)
+        late = None if deadline is None else self._lateness(job, now)
         if late is not None and self._may_probe(job, late):
             job.probe = True
             self._estimates[model].probing = True
@@ -615,16 +622,18 @@ class Scheduler:
             status = ErrorStatus(status)
         self._release(job, now)
         self._leave(job)
-        if status in (ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
+        if (status is ErrorStatus.NONE or status is ErrorStatus.OUTPUT_INSUFFICIENT_SIZE) \
                 and not job.cancel_requested:
             self._learn(job.model, job.ran)
-        self._end_probe(job)
-        if status == ErrorStatus.NONE and job.deadline is not None and now > job.deadline:
+        if job.probe:
+            self._end_probe(job)
+        if status is ErrorStatus.NONE and job.deadline is not None and now > job.deadline:
             status = self._miss_code(job, 0.0)
             message = (f"the execution finished {now - job.deadline:.4f} s after its deadline")
         job._move(_Event.FINISH)
         self._done(job, now, status, message)
-        self._fill_slots(now)
+        if self._queued:
+            self._fill_slots(now)
         return status
 
     def resumed(self, job: Job) -> None:
@@ -900,7 +909,10 @@ class Scheduler:
     def _least_other(self, app: _App) -> float | None:
         """The least *settled* virtual time of the active apps other than
         ``app``; None when none is active."""
-        active = [a.settled / a.weight for a in self._apps.values()
+        apps = self._apps
+        if len(apps) == 1:
+            return None     # only ``app`` (always one of them): the common case in process
+        active = [a.settled / a.weight for a in apps.values()
                   if a is not app and (a.queue or a.running)]
         return min(active) if active else None
 
@@ -1005,16 +1017,16 @@ class Scheduler:
         if queued:
             self._dequeue(app, job)
         job._move(_Event.DISPATCH)
-        c = self._class(job)
+        c = job._cls or self._class(job)
         c.running += 1
         if job.started_at is None:
             job.started_at = now
             c.waits.append(now - job.submitted_at)
         job._slot_since = job._run_since = job._last_boundary = now
-        job._vstart = app.settled
-        job._charged = self._expected(job)
-        app.service += job._charged
-        app.inflight += job._charged
+        job._vstart = app.service - app.inflight     # app.settled
+        job._charged = charge = self._expected(job)
+        app.service += charge
+        app.inflight += charge
         app.running += 1
         app.last_served = next(self._served)
         self._busy += 1
@@ -1041,7 +1053,7 @@ class Scheduler:
         self._busy -= 1
         # test_cancelling_a_running_job_stops_it_at_the_next_boundary_and_frees_the_slot
         assert self._busy >= 0 and app.running >= 0, "a slot given back twice"
-        c = self._class(job)
+        c = job._cls or self._class(job)
         c.running -= 1
         c.run_time += interval
 
@@ -1063,8 +1075,8 @@ class Scheduler:
 
     def _done(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
         job.status, job.message, job.finished_at = status, message, now
-        c = self._class(job)
-        if status == ErrorStatus.NONE:
+        c = job._cls or self._class(job)
+        if status is ErrorStatus.NONE:
             c.completed += 1
         elif job.cancel_requested:
             c.cancelled += 1

@@ -623,7 +623,7 @@ class CompiledModel:
         before any driver is asked, so in process and over a service alike."""
         if self._closed:
             raise bad_state("the compiled model is closed")
-        if self._runtime.closed:
+        if self._runtime._devices is None:   # Runtime.closed, read on every execution
             raise bad_state("the runtime that compiled this model is closed")
 
     @property
@@ -716,9 +716,14 @@ class CompiledModel:
 
     def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:
         self._check_open()
-        inputs = request.sequence(inputs, "inputs")
-        outputs = request.sequence(outputs, "outputs") if outputs is not None else None
-        return self._signature.order_inputs(inputs), self._signature.order_outputs(outputs)
+        sig = self._signature
+        if inputs.__class__ is not list and inputs.__class__ is not tuple:
+            inputs = request.sequence(inputs, "inputs")
+        if outputs is not None:
+            outputs = sig.order_outputs(request.sequence(outputs, "outputs"))
+        elif sig.stateful:
+            outputs = sig.order_outputs(None)
+        return sig.order_inputs(inputs), outputs
 
     def _check_request(self, inputs, outputs, measure_timing, deadline):
         """Every check of a request before anything reaches a driver: the
@@ -726,7 +731,8 @@ class CompiledModel:
         self._check_open()
         measure = measure_timing if measure_timing.__class__ is bool else \
             request.flag(measure_timing, "measure_timing")
-        deadline = check_deadline(deadline)
+        if deadline is not None:
+            deadline = check_deadline(deadline)
         arrays = self._stage_inputs(inputs)
         user_outputs = self._check_outputs(outputs, arrays) if outputs is not None else None
         return arrays, user_outputs, measure, deadline
@@ -760,7 +766,7 @@ class CompiledModel:
             self._failures += 1
             raise
         self._executions += 1
-        if outputs is not None and any(isinstance(o, DeviceMemory) for o in outputs):
+        if outputs is not None and _any_device_memory(outputs, None):
             result = _written(result, outputs)
         return result
 
@@ -833,15 +839,19 @@ class CompiledModel:
                     raise _DriverFailure(step.device, error)
                 raise error
             values.update(zip(step.plan.outputs, outs))
-            t = result.timing
-            if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
-                measured = False
-            else:
-                on_device += t.on_device
-                in_driver += t.in_driver
-        outputs = [values[i] for i in main.output_indexes]
-        if user_outputs is not None and not single:
-            outputs = copy_into(user_outputs, outputs)
+            if measure:
+                t = result.timing
+                if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
+                    measured = False
+                else:
+                    on_device += t.on_device
+                    in_driver += t.in_driver
+        if single and step.plan.outputs == main.output_indexes:
+            outputs = outs      # the one step's outputs are the model's, in order
+        else:
+            outputs = [values[i] for i in main.output_indexes]
+            if user_outputs is not None and not single:
+                outputs = copy_into(user_outputs, outputs)
         shapes = [o.shape if o.__class__ is np.ndarray else _shape_of(o) for o in outputs]
         timing = None
         if measure:
@@ -880,16 +890,15 @@ class CompiledModel:
     def _stage_inputs(self, inputs: Sequence[Any]) -> list:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
-        hal = self.model.hal_model
         staged = []
-        for k, (value, operand) in enumerate(zip(inputs, self._inputs)):
-            as_is = self._as_is[k]
+        for k, (value, operand, as_is) in enumerate(zip(inputs, self._inputs, self._as_is)):
             if as_is is not None and value.__class__ is np.ndarray and value.dtype == as_is[0] \
                     and value.shape == as_is[1] and value.flags.c_contiguous:
                 staged.append(value)   # what the checks below would give, without them
                 continue
             what = f"input {k} ({self._input_name(k)})"
             if value is None:
+                hal = self.model.hal_model
                 request.check_omitted(hal, hal.main.input_indexes[k], what)
                 staged.append(None)
             elif isinstance(value, DeviceMemory):
@@ -922,6 +931,9 @@ class CompiledModel:
                           f"output arrays")
         outputs = list(outputs)
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
+            if arr.__class__ is np.ndarray and arr.dtype == operand.type.dtype \
+                    and arr.flags.c_contiguous and arr.flags.writeable:
+                continue      # the common case, before the isinstance checks below
             if isinstance(arr, DeviceMemory):
                 arr.check_use(self, "output", k, f"output {k}")
                 if any(v is arr for v in inputs):

@@ -151,6 +151,8 @@ class Step:
         # last request made of numpy arrays only: a request of arrays shaped
         # the same reuses those argument tuples (see ``request``).
         self._last_layout: tuple | None = None
+        # The output shapes the last execution reported, and their dimensions.
+        self._reported: tuple = (None, None)
 
     def sized(self) -> bool:
         """Whether every output's shape is known before running."""
@@ -166,10 +168,12 @@ class Step:
         HAL result and the output values, shaped as reported on success."""
         inputs = [values[i] for i in self.plan.inputs]
         for _attempt in range(MAX_RESIZE_RETRIES + 1):
+            sized = None
             if user_outputs is not None:
                 outs = list(user_outputs)
             elif allocate is allocate_array and self._sized is not None:
-                outs = [np.empty(shape, dtype) for shape, dtype in self._sized]
+                sized = self._sized
+                outs = [np.empty(shape, dtype) for shape, dtype in sized]
             else:
                 outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
             result = await execute(self.request(inputs, outs))
@@ -180,9 +184,20 @@ class Step:
             break
         if result.status != ErrorStatus.NONE:
             return result, outs
-        shapes = [s.dimensions for s in result.output_shapes]
-        if shapes != self._output_guess:
-            self._guess(shapes)
+        reported = result.output_shapes
+        if reported is self._reported[0]:
+            if sized is not None and sized is self._sized:
+                # Arrays made at the shapes expected, which the driver's
+                # result (made once for its layout) reports: as they are.
+                return result, outs
+            shapes = self._reported[1]
+        else:
+            shapes = [s.dimensions for s in reported]
+            if shapes != self._output_guess:
+                self._guess(shapes)
+            # Kept with the (immutable) shapes it came from, which it keeps
+            # alive; forgotten whenever the guess changes.
+            self._reported = (reported, shapes)
         return result, [out if out.__class__ is np.ndarray and out.shape == shape
                         else shaped(out, shape, o)
                         for out, shape, o in zip(outs, shapes, self.outputs)]
@@ -200,6 +215,7 @@ class Step:
         """Expect ``shapes``; with every one known (and no scalar), keep the
         ``(shape, dtype)`` the next execution's arrays are made at."""
         self._output_guess = shapes
+        self._reported = (None, None)
         self._sized = ([(dims, o.type.dtype) for dims, o in zip(shapes, self.outputs)]
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)

@@ -36,6 +36,18 @@ def _request(x, y, out, in_length=None, dims=()):
     return Request(ins, (RequestArgument(False, DataLocation(2, 0, out.nbytes)),), pools)
 
 
+def _rows_model():
+    """x + x for x of any number of rows of 4: the output's shape is open."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
+    m.add_operation(Op.ADD, [a, a, act], [out])
+    m.identify_inputs_and_outputs([a], [out])
+    return m.finish().hal_model
+
+
 def _prepared(model):
     import anyio
     return anyio.run(ReferenceDevice().prepare_model, model)
@@ -261,14 +273,7 @@ def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
 def test_an_output_of_another_shape_than_declared_is_written_and_reported():
     """An output whose operand leaves its shape open: the binding has no
     declared shape to reuse, the executor's shape is reported and written."""
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    act = m.add_operand(T.INT32)
-    m.set_operand_value(act, 0)
-    out = m.add_operand(T.TENSOR_FLOAT32, [0, 4])
-    m.add_operation(Op.ADD, [a, a, act], [out])
-    m.identify_inputs_and_outputs([a], [out])
-    prepared = _prepared(m.finish().hal_model)
+    prepared = _prepared(_rows_model())
     result = np.zeros(12, np.float32)
     for rows in (2, 3, 2):
         x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
@@ -294,3 +299,93 @@ def test_a_bound_pool_resized_since_is_checked_again():
     assert result.status == ErrorStatus.INVALID_ARGUMENT and "outside pool" in result.message
     pool.extend(bytes(8))
     assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+
+
+def test_new_output_arrays_keep_the_layout_and_never_receive_another_calls_result(monkeypatch):
+    """Issue 16: the runtime hands the driver fresh output arrays at every
+    execution, with the same argument tuples. The layout is resolved once;
+    each execution writes only its own output, and an earlier output is
+    never written again."""
+    import nnrt.drivers.executor as executor
+    import nnrt.hal.validate as validate
+    prepared = _prepared(_add_model())
+    request_checks = _counting(monkeypatch, validate, "_check_request")
+    layouts = _counting(monkeypatch, executor, "_Layout")
+    x, y = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+    template = _request(x, y, np.zeros((1, 4), np.float32))
+    outs = []
+    for k in range(4):
+        x[:] = k
+        out = np.full((1, 4), -1, np.float32)
+        result = prepared.execute_synchronously(
+            Request(template.inputs, template.outputs, (x, y, out)))
+        assert result.status == ErrorStatus.NONE
+        outs.append(out)
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out, k + y)
+    assert (len(request_checks), len(layouts)) == (1, 1)
+    # The binding holds the last request's pools only.
+    assert prepared._plan._last._pools[2] is outs[-1]
+
+
+def test_a_new_shape_after_a_bound_layout_is_validated_and_resolved_again(monkeypatch):
+    import nnrt.drivers.executor as executor
+    import nnrt.hal.validate as validate
+    prepared = _prepared(_rows_model())
+    request_checks = _counting(monkeypatch, validate, "_check_request")
+    layouts = _counting(monkeypatch, executor, "_Layout")
+
+    def run(rows, result_rows=None):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        result = np.zeros((result_rows or rows, 4), np.float32)
+        got = prepared.execute_synchronously(Request(
+            (RequestArgument(False, DataLocation(0, 0, x.nbytes), (rows, 4)),),
+            (RequestArgument(False, DataLocation(1, 0, result.nbytes), (rows, 4)),),
+            (x, result)))
+        return got, x, result
+    for rows, checks in ((2, 1), (2, 1), (3, 2), (3, 2)):
+        got, x, result = run(rows)
+        assert got.status == ErrorStatus.NONE
+        np.testing.assert_array_equal(result, 2 * x)
+        assert (len(request_checks), len(layouts)) == (checks, checks)
+    # An output region too small for the dimensions: the needed shape is reported.
+    got, _, result = run(3, result_rows=2)
+    assert got.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
+    assert got.output_shapes[0].dimensions == (3, 4) and not got.output_shapes[0].is_sufficient
+    assert not result.any()
+
+
+def test_a_bad_pool_after_a_good_one_with_the_same_arguments_is_refused():
+    """The layout is kept across pools; what a pool brings (its size, whether
+    it is writable) is checked for every new pool."""
+    prepared = _prepared(_add_model())
+    x, y = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+    good = _request(x, y, np.zeros((1, 4), np.float32))
+    assert prepared.execute_synchronously(good).status == ErrorStatus.NONE
+    short = np.zeros(2, np.float32)
+    result = prepared.execute_synchronously(Request(good.inputs, good.outputs, (x, y, short)))
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "outside pool" in result.message
+    frozen = np.zeros((1, 4), np.float32)
+    frozen.flags.writeable = False
+    result = prepared.execute_synchronously(Request(good.inputs, good.outputs, (x, y, frozen)))
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "read-only" in result.message
+    assert not frozen.any()
+    out = np.zeros((1, 4), np.float32)
+    assert prepared.execute_synchronously(
+        Request(good.inputs, good.outputs, (x, y, out))).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(out, x + y)
+
+
+def test_an_execution_ignores_the_calling_threads_fp_error_state():
+    """Kernels give IEEE results (inf) whatever np.seterr the calling thread
+    set -- an inline run executes on the app's thread -- and the caller's
+    state is left as it was."""
+    import warnings
+    prepared = _prepared(_add_model())
+    big = np.full((1, 4), np.finfo(np.float32).max, np.float32)
+    out = np.zeros((1, 4), np.float32)
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prepared.execute_synchronously(_request(big, big, out)).status == ErrorStatus.NONE
+        assert np.geterr()["over"] == "raise"
+    assert np.isinf(out).all()

@@ -87,7 +87,8 @@ def run(op_type, ins, outs):
     validate(op_type, ins, outs)
     args = [Arg(s.type, s.value, s.scale, s.zero_point) for s in ins]
     operands = [Operand(s.type, s.dims, s.scale, s.zero_point) for s in outs]
-    result = definition(op_type).kernel(Call(op_type, args, operands, False, None))
+    with np.errstate(all="ignore"):   # as the executor runs every kernel
+        result = definition(op_type).kernel(Call(op_type, args, operands, False, None))
     for arr, o in zip(result, operands):
         assert arr.dtype == o.type.dtype
     return result

@@ -152,3 +152,26 @@ def test_vlog_tags(monkeypatch):
     assert vlog._enabled_tags("1") == set(vlog.TAGS)
     assert vlog._enabled_tags("all") == set(vlog.TAGS)
     assert vlog._enabled_tags("") == set()
+
+
+async def test_each_execution_gets_output_arrays_of_its_own(monkeypatch):
+    """Issue 16: the driver keeps its layout of the request across
+    executions (the runtime's fresh output arrays only re-bind its pools),
+    and no execution writes into the arrays an earlier one returned."""
+    import nnrt.drivers.executor as executor
+    from nnrt.drivers.reference import ReferenceDevice
+    layouts = []
+    real = executor._Layout
+    monkeypatch.setattr(executor, "_Layout", lambda *a: layouts.append(a) or real(*a))
+    async with nnrt.Runtime(devices=[ReferenceDevice()], discover=False) as rt:
+        compiled = await rt.compile(add_model())
+        y = np.ones((1, 4), np.float32)
+        results = []
+        for k in range(6):
+            results.append((await compiled.execute([np.full((1, 4), k, np.float32), y]))
+                           .outputs[0])
+        for k, out in enumerate(results):
+            np.testing.assert_array_equal(out, np.full((1, 4), k + 1, np.float32))
+        assert len({id(out) for out in results}) == len(results)
+        assert not any(np.may_share_memory(a, b) for a in results for b in results if a is not b)
+        assert len(layouts) == 1
