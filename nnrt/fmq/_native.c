@@ -324,8 +324,12 @@ static PyObject *take_waiting(Shared *self, int also, uint64_t spin_ns) {
         if (frame != Py_None)
             return frame;
         Py_DECREF(frame);
-        if (spin_ns && !spun && spin_for_frame(self, spin_ns))
-            continue;     /* (take() at the top copies it out) */
+        if (spin_ns && !spun) {
+            if (spin_for_frame(self, spin_ns))
+                continue;     /* (take() at the top copies it out) */
+            if (!self->base)  /* released by close() in another thread meanwhile */
+                return PyLong_FromLong(RELEASED);
+        }
         announce(self, self->rflag);
         frame = take(self);
         if (frame != Py_None) {

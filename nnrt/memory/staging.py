@@ -314,16 +314,15 @@ class Stager:
             staging = self._again(pools, last)
             if staging is not None:
                 return staging
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            self._arenas.give_back(kept)
-        staging, staged, input_pools, output_pools = _stage(pools, inputs, outputs,
-                                                            self._arenas)
+        staging, staged, input_pools, output_pools = _stage(pools, inputs, outputs, self)
         self.layouts += 1
-        if staging.arena is None or len(staged) != len(pools):
+        if staging.arena is None:
+            # Nothing staged (Memories only): the last staged layout and its
+            # arena stay for the next request laid out so.
+            return staging
+        if len(staged) != len(pools):
             self._last = None
             return staging
-        staging._arenas = self
         kinds = tuple((raw.nbytes, not raw.readonly, base)
                       for raw, base in (staged[k] for k in range(len(pools))))
         self._last = _Staged(
@@ -348,10 +347,8 @@ class Stager:
             if raw.nbytes != size or (writable and raw.readonly):
                 return None
             raws.append(raw)
-        arena, self._kept = self._kept, None
-        if arena is None or arena.closed:   # (a cancelled execution's arena was closed)
-            arena = self._arenas.take(last.arena_size)
-        if arena is not last.arena:
+        arena = self.take(last.arena_size)
+        if arena is not last.arena:   # (a cancelled execution's arena was closed)
             places = tuple(Place(arena, base, size) for size, _w, base in last.kinds)
             self._last = last = last._replace(arena=arena, places=places)
         view = arena.view()
@@ -359,6 +356,16 @@ class Stager:
             view[start:end] = raws[k]
         return Staging(last.places, arena, [(raws[k], base) for k, base in last.copy_back],
                        self, last.bytes_in)
+
+    def take(self, size: int) -> Memory:
+        """(``stage``) The arena kept, if it holds ``size`` bytes; else one
+        from the pool."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept.size >= size and not kept.closed:
+                return kept
+            self._arenas.give_back(kept)
+        return self._arenas.take(size)
 
     def give_back(self, arena: Memory) -> None:
         """(``Staging.finish``) Keep the last layout's arena for its next
