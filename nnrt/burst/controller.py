@@ -193,7 +193,21 @@ class BurstController(BurstSession):
                 return self._unusable()
             self._busy = True
             try:
-                return await self._execute(request, measure, deadline, loop_timeout)
+                # (Inline, not a second coroutine: one frame less to resume per wake-up.)
+                self._flush_frees()
+                try:
+                    plan = self._plan(request)
+                except NnrtError as e:
+                    return ExecutionResult(e.status, message=e.message)
+                serial = next(self._serials)
+                try:
+                    frame = self._encoder.encode_fields(serial, plan.inputs, plan.outputs,
+                                                        plan.slots, measure, deadline,
+                                                        loop_timeout)
+                except BurstProtocolError as e:
+                    plan.staging.finish()
+                    return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
+                return await self._round_trip(serial, frame, plan)
             finally:
                 self._busy = False
                 if self.closed:
@@ -208,21 +222,6 @@ class BurstController(BurstSession):
         if self._dead is not None:
             return ExecutionResult(self._dead_status, message=self._dead)
         return None
-
-    async def _execute(self, request: Request, measure, deadline, loop_timeout):
-        self._flush_frees()
-        try:
-            plan = self._plan(request)
-        except NnrtError as e:
-            return ExecutionResult(e.status, message=e.message)
-        serial = next(self._serials)
-        try:
-            frame = self._encoder.encode_fields(serial, plan.inputs, plan.outputs, plan.slots,
-                                                measure, deadline, loop_timeout)
-        except BurstProtocolError as e:
-            plan.staging.finish()
-            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
-        return await self._round_trip(serial, frame, plan)
 
     @trace.traced("burst hand-off")
     async def _round_trip(self, serial: int | None, frame, plan=None) -> ExecutionResult:

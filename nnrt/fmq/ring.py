@@ -411,8 +411,9 @@ class Ring:
     ``spin`` is how long (seconds) a *blocking* waiter re-checks the ring
     before sleeping: by default 20 µs on machines with at least 4 cores and
     0 on smaller ones, where spinning only delays the peer sharing the core;
-    even then it spins only while the load average leaves a core idle.
-    Async waits never spin (they would stall the event loop).
+    even then it spins only while a core is free (:func:`_core_free`). A
+    native ``read_or`` spins in C with the GIL released. Async waits never
+    spin (they would stall the event loop).
     ``native`` picks the protocol of this end: None uses the C helper when
     it was built, False forces the pure-Python always-signal protocol (both
     ends may differ: they interoperate).
@@ -820,9 +821,10 @@ class Ring:
     def read_or(self, also: int) -> bytes | None:
         """The next frame, blocking until one is published; None once the fd
         ``also`` is readable while the ring holds none (a ready frame wins).
-        A serving thread's whole wait: with the native helper (and no spin)
-        the check, announce, sleep, drain and copy are one C call, the GIL
-        released while asleep -- no Python between the wake-up and the frame."""
+        A serving thread's whole wait: with the native helper the spin (if
+        any, while a core is free), check, announce, sleep, drain and copy
+        are one C call, the GIL released while spinning or asleep -- no
+        Python between the wake-up and the frame."""
         native = self._native
         if native is not None and _NATIVE_SPIN and self._spin and _core_free():
             # Watch the ring for a while before sleeping, the GIL released
