@@ -367,6 +367,16 @@ _VARYING = slice(8, 24)
 # frame to frame; its status, shapes and message, the rest, seldom do.
 _RES_SERIAL = struct.Struct("<Q")
 _RES_TIMES = struct.Struct("<QQ")
+_RES_VARYING = struct.Struct("<Q8xQQ")    # serial, (8 bytes), timings: at offset 8 (unpack
+                                          # only: packing it would zero the 8 bytes)
+_ZERO8 = bytes(8)                         # a deadline of +0.0, the "absent" encoding
+
+
+def _u64(value, what: str) -> int:
+    """``_check_uint(value, 64, what)``, an int in range checked first (per frame)."""
+    if value.__class__ is int and 0 <= value <= UINT64_MAX:
+        return value
+    return _check_uint(value, 64, what)
 
 
 class _Cache:
@@ -431,7 +441,7 @@ class RequestEncoder:
                 return template
             self._last = (key, buf := bytearray(template))
         _SERIAL_DEADLINE.pack_into(
-            buf, 8, _check_uint(serial, 64, "serial"),
+            buf, 8, _u64(serial, "serial"),
             0.0 if deadline is None else _check_seconds(deadline, "deadline"))
         return buf
 
@@ -476,9 +486,9 @@ class ResultEncoder:
                 self._last = (*key, bytearray(template))
                 return template
             self._last = (*key, buf := bytearray(template))
-        _RES_SERIAL.pack_into(buf, 8, _check_uint(serial, 64, "serial"))
-        _RES_TIMES.pack_into(buf, 24, _check_uint(on_device, 64, "on_device time"),
-                             _check_uint(in_driver, 64, "in_driver time"))
+        _RES_SERIAL.pack_into(buf, 8, _u64(serial, "serial"))
+        _RES_TIMES.pack_into(buf, 24, _u64(on_device, "on_device time"),
+                             _u64(in_driver, "in_driver time"))
         return buf
 
 
@@ -488,9 +498,15 @@ class _CachedDecoder:
     bytes are those of a message that decoded)."""
 
     _HEAD: struct.Struct
+    _FIXED: tuple      # (start, end) of the bytes that are the key (end None: to the end)
 
     def __init__(self, size: int = 16):
         self._cache = _Cache(size)
+        # (size, ((start, bytes), ...) of the key's pieces, message) of the
+        # last frame: a frame of the same kind is recognised by comparing
+        # those pieces in place (bytes.startswith at an offset: no slice,
+        # no key built and hashed), which is what comparing keys does.
+        self._last: tuple | None = None
 
     def decode(self, data):
         message, raw = self._cached(data)
@@ -501,6 +517,13 @@ class _CachedDecoder:
         message decoded from this very frame, None) on a miss."""
         if data.__class__ is bytes and len(data) >= self._HEAD.size:
             raw = data     # what the ring hands over: no view, no second copy
+            last = self._last
+            if last is not None and len(raw) == last[0]:
+                for start, piece in last[1]:
+                    if not raw.startswith(piece, start):
+                        break
+                else:
+                    return last[2], raw
         else:
             view = _view(data)
             if len(view) < self._HEAD.size:
@@ -509,7 +532,10 @@ class _CachedDecoder:
         key = self._key(raw)
         hit = self._cache.get(key)
         if hit is None:
-            return self._cache.put(key, self._decode(raw)), None
+            message = self._cache.put(key, self._decode(raw))
+            self._last = (len(raw), tuple((a, raw[a:b]) for a, b in self._FIXED), message)
+            return message, None
+        self._last = (len(raw), tuple((a, raw[a:b]) for a, b in self._FIXED), hit)
         return hit, raw
 
 
@@ -518,19 +544,19 @@ class RequestDecoder(_CachedDecoder):
     the deadline."""
 
     _HEAD = _REQ_HEAD
+    _FIXED = ((0, _VARYING.start), (_VARYING.stop, None))
     _decode = staticmethod(decode_request)
     _key = staticmethod(lambda raw: raw[:_VARYING.start] + raw[_VARYING.stop:])
 
     @staticmethod
     def _varying(hit: BurstRequest, raw: bytes) -> tuple[int, float | None]:
+        if hit.deadline is None:
+            # Absent: the field must be +0.0, i.e. eight zero bytes.
+            if not raw.startswith(_ZERO8, 16):
+                raise BurstProtocolError("no deadline, but the deadline field is not 0.0")
+            return _RES_SERIAL.unpack_from(raw, 8)[0], None
         serial, deadline = _SERIAL_DEADLINE.unpack_from(raw, 8)
-        if hit.deadline is not None:
-            deadline = _check_seconds(deadline, "deadline")
-        elif deadline != 0.0 or math.copysign(1, deadline) < 0:
-            raise BurstProtocolError("no deadline, but the deadline field is not 0.0")
-        else:
-            deadline = None
-        return serial, deadline
+        return serial, _check_seconds(deadline, "deadline")
 
     @classmethod
     def _from_hit(cls, hit: BurstRequest, raw: bytes) -> BurstRequest:
@@ -554,6 +580,7 @@ class ResultDecoder(_CachedDecoder):
     the timings (any u64 is a valid value of those three)."""
 
     _HEAD = _RES_HEAD
+    _FIXED = ((0, 8), (16, 24), (40, None))
     _decode = staticmethod(decode_result)
     _key = staticmethod(lambda raw: raw[:8] + raw[16:24] + raw[40:])
 
@@ -572,7 +599,7 @@ class ResultDecoder(_CachedDecoder):
         result, raw = self._cached(data)
         if raw is None:
             return result, result.serial, result.on_device, result.in_driver
-        return (result, *_RES_SERIAL.unpack_from(raw, 8), *_RES_TIMES.unpack_from(raw, 24))
+        return (result, *_RES_VARYING.unpack_from(raw, 8))
 
 
 __all__ = ["BurstArgument", "BurstOutputShape", "BurstProtocolError", "BurstRequest",
