@@ -975,6 +975,8 @@ class Ring:
         # Never spins, whatever ``spin`` says: a spin here would stall every
         # other task of the event loop (issue 16). Only blocking waiters,
         # which own their thread, spin.
+        if ready():
+            return Ready.RING     # (before looking up the loop's watch: often)
         watch = self._watch(efd)
         while True:
             if ready():
