@@ -398,7 +398,7 @@ class BurstServer:
         if pools is None:
             with self._lock:
                 pools = self._pools_of(req.slots)
-            if pools is None:   # (freed meanwhile: free() waits for the execution)
+            if pools is None:   # (not expected: free() waits for the execution)
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                                 f"burst slots {list(req.slots)} are not all mapped")
         hal = self._hal
