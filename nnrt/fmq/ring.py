@@ -836,7 +836,9 @@ class Ring:
             if frame == _ALSO:
                 return None
             self._took(frame)
-        elif _NATIVE_READ_OR and native is not None and (not self._spin or _NATIVE_SPIN):
+        elif _NATIVE_READ_OR and native is not None:
+            # (No spin, or a helper built before it had one: no spin then
+            # either -- a Python spin would hold the GIL all along.)
             frame = native.take_blocking_or(also)
             if frame.__class__ is bytes:
                 return frame
