@@ -367,6 +367,16 @@ _VARYING = slice(8, 24)
 # frame to frame; its status, shapes and message, the rest, seldom do.
 _RES_SERIAL = struct.Struct("<Q")
 _RES_TIMES = struct.Struct("<QQ")
+_RES_VARYING = struct.Struct("<Q8xQQ")    # serial, (8 bytes), timings: at offset 8 (unpack
+                                          # only: packing it would zero the 8 bytes)
+_ZERO8 = bytes(8)                         # a deadline of +0.0, the "absent" encoding
+
+
+def _u64(value, what: str) -> int:
+    """``_check_uint(value, 64, what)``, an int in range checked first (per frame)."""
+    if value.__class__ is int and 0 <= value <= UINT64_MAX:
+        return value
+    return _check_uint(value, 64, what)
 
 
 class _Cache:
@@ -396,32 +406,44 @@ class RequestEncoder:
 
     def __init__(self, size: int = 16):
         self._cache = _Cache(size)
-        self._last: tuple | None = None    # (key, template) of the last encoding
+        # (key, the last frame's bytes: its template with serial and deadline
+        # written in) of the last encoding.
+        self._last: tuple | None = None
 
     def encode(self, request: BurstRequest) -> bytes:
         if not isinstance(request, BurstRequest):
             raise BurstProtocolError(f"{type(request).__name__} is not a BurstRequest")
-        key = (request.inputs, request.outputs, request.slots, bool(request.measure_timing),
-               request.deadline is None, request.loop_timeout)
+        return bytes(self.encode_fields(request.serial, request.inputs, request.outputs,
+                                        request.slots, request.measure_timing,
+                                        request.deadline, request.loop_timeout))
+
+    def encode_fields(self, serial, inputs, outputs, slots, measure_timing=False,
+                      deadline=None, loop_timeout=None) -> bytes | bytearray:
+        """``encode`` of the request these fields make, without making it.
+        The bytes may be a buffer this encoder writes again at its next call:
+        use them (write them to the ring) before that."""
+        measure_timing = bool(measure_timing)
         last = self._last
-        if last is not None and last[0][0] is key[0] and last[0][1] is key[1] \
-                and last[0][2:] == key[2:]:
-            template = last[1]
+        if last is not None and last[0][0] is inputs and last[0][1] is outputs \
+                and last[0][2:] == (slots, measure_timing, deadline is None, loop_timeout):
+            buf = last[1]
         else:
+            request = BurstRequest(serial, inputs, outputs, slots, measure_timing, deadline,
+                                   loop_timeout)
+            key = (inputs, outputs, slots, measure_timing, deadline is None, loop_timeout)
             try:
                 template = self._cache.get(key)
             except TypeError:      # an unhashable field (a list): no caching
                 return encode_request(request)
             if template is None:
                 template = self._cache.put(key, encode_request(request))
-                self._last = (key, template)
+                self._last = (key, bytearray(template))
                 return template
-            self._last = (key, template)
-        buf = bytearray(template)
-        deadline = 0.0 if request.deadline is None else _check_seconds(request.deadline,
-                                                                       "deadline")
-        _SERIAL_DEADLINE.pack_into(buf, 8, _check_uint(request.serial, 64, "serial"), deadline)
-        return bytes(buf)
+            self._last = (key, buf := bytearray(template))
+        _SERIAL_DEADLINE.pack_into(
+            buf, 8, _u64(serial, "serial"),
+            0.0 if deadline is None else _check_seconds(deadline, "deadline"))
+        return buf
 
 
 class ResultEncoder:
@@ -431,34 +453,43 @@ class ResultEncoder:
 
     def __init__(self, size: int = 16):
         self._cache = _Cache(size)
-        # (status, output shapes, message, template) of the last encoding: a
-        # result with that very shapes tuple (a burst server hands the same
-        # one back while shapes hold) is found without hashing it.
+        # (status, output shapes, message, the last frame's bytes) of the
+        # last encoding: a result with that very shapes tuple (a burst
+        # server hands the same one back while shapes hold) is found
+        # without hashing it.
         self._last: tuple | None = None
 
     def encode(self, result: BurstResult) -> bytes:
         if not isinstance(result, BurstResult):
             raise BurstProtocolError(f"{type(result).__name__} is not a BurstResult")
+        return bytes(self.encode_fields(result.serial, result.status, result.output_shapes,
+                                        result.on_device, result.in_driver, result.message))
+
+    def encode_fields(self, serial, status, output_shapes=(), on_device=UINT64_MAX,
+                      in_driver=UINT64_MAX, message="") -> bytes | bytearray:
+        """``encode`` of the result these fields make, without making it.
+        The bytes may be a buffer this encoder writes again at its next call:
+        use them (write them to the ring) before that."""
         last = self._last
-        if last is not None and last[1] is result.output_shapes and last[0] is result.status \
-                and last[2] == result.message:
-            template = last[3]
+        if last is not None and last[1] is output_shapes and last[0] is status \
+                and last[2] == message:
+            buf = last[3]
         else:
+            result = BurstResult(serial, status, output_shapes, on_device, in_driver, message)
             try:
-                key = (result.status, result.output_shapes, result.message)
+                key = (status, output_shapes, message)
                 template = self._cache.get(key)
             except TypeError:      # an unhashable field (a list): no caching
                 return encode_result(result)
             if template is None:
                 template = self._cache.put(key, encode_result(result))
-                self._last = (*key, template)
+                self._last = (*key, bytearray(template))
                 return template
-            self._last = (*key, template)
-        buf = bytearray(template)
-        _RES_SERIAL.pack_into(buf, 8, _check_uint(result.serial, 64, "serial"))
-        _RES_TIMES.pack_into(buf, 24, _check_uint(result.on_device, 64, "on_device time"),
-                             _check_uint(result.in_driver, 64, "in_driver time"))
-        return bytes(buf)
+            self._last = (*key, buf := bytearray(template))
+        _RES_SERIAL.pack_into(buf, 8, _u64(serial, "serial"))
+        _RES_TIMES.pack_into(buf, 24, _u64(on_device, "on_device time"),
+                             _u64(in_driver, "in_driver time"))
+        return buf
 
 
 class _CachedDecoder:
@@ -467,23 +498,45 @@ class _CachedDecoder:
     bytes are those of a message that decoded)."""
 
     _HEAD: struct.Struct
+    _FIXED: tuple      # (start, end) of the bytes that are the key (end None: to the end)
 
     def __init__(self, size: int = 16):
         self._cache = _Cache(size)
+        # (size, ((start, bytes), ...) of the key's pieces, message) of the
+        # last frame: a frame of the same kind is recognised by comparing
+        # those pieces in place (bytes.startswith at an offset: no slice,
+        # no key built and hashed), which is what comparing keys does.
+        self._last: tuple | None = None
 
     def decode(self, data):
+        message, raw = self._cached(data)
+        return message if raw is None else self._from_hit(message, raw)
+
+    def _cached(self, data):
+        """(the message of this frame's kind, the frame's bytes); (the
+        message decoded from this very frame, None) on a miss."""
         if data.__class__ is bytes and len(data) >= self._HEAD.size:
             raw = data     # what the ring hands over: no view, no second copy
+            last = self._last
+            if last is not None and len(raw) == last[0]:
+                for start, piece in last[1]:
+                    if not raw.startswith(piece, start):
+                        break
+                else:
+                    return last[2], raw
         else:
             view = _view(data)
             if len(view) < self._HEAD.size:
-                return self._decode(view)
+                return self._decode(view), None
             raw = bytes(view)
         key = self._key(raw)
         hit = self._cache.get(key)
         if hit is None:
-            return self._cache.put(key, self._decode(raw))
-        return self._from_hit(hit, raw)
+            message = self._cache.put(key, self._decode(raw))
+            self._last = (len(raw), tuple((a, raw[a:b]) for a, b in self._FIXED), message)
+            return message, None
+        self._last = (len(raw), tuple((a, raw[a:b]) for a, b in self._FIXED), hit)
+        return hit, raw
 
 
 class RequestDecoder(_CachedDecoder):
@@ -491,20 +544,35 @@ class RequestDecoder(_CachedDecoder):
     the deadline."""
 
     _HEAD = _REQ_HEAD
+    _FIXED = ((0, _VARYING.start), (_VARYING.stop, None))
     _decode = staticmethod(decode_request)
     _key = staticmethod(lambda raw: raw[:_VARYING.start] + raw[_VARYING.stop:])
 
     @staticmethod
-    def _from_hit(hit: BurstRequest, raw: bytes) -> BurstRequest:
+    def _varying(hit: BurstRequest, raw: bytes) -> tuple[int, float | None]:
+        if hit.deadline is None:
+            # Absent: the field must be +0.0, i.e. eight zero bytes.
+            if not raw.startswith(_ZERO8, 16):
+                raise BurstProtocolError("no deadline, but the deadline field is not 0.0")
+            return _RES_SERIAL.unpack_from(raw, 8)[0], None
         serial, deadline = _SERIAL_DEADLINE.unpack_from(raw, 8)
-        if hit.deadline is not None:
-            deadline = _check_seconds(deadline, "deadline")
-        elif deadline != 0.0 or math.copysign(1, deadline) < 0:
-            raise BurstProtocolError("no deadline, but the deadline field is not 0.0")
-        else:
-            deadline = None
+        return serial, _check_seconds(deadline, "deadline")
+
+    @classmethod
+    def _from_hit(cls, hit: BurstRequest, raw: bytes) -> BurstRequest:
+        serial, deadline = cls._varying(hit, raw)
         return BurstRequest(serial, hit.inputs, hit.outputs, hit.slots, hit.measure_timing,
                             deadline, hit.loop_timeout)
+
+    def decode_parts(self, data) -> tuple[BurstRequest, int, float | None]:
+        """``decode`` without making the message: (the request of this
+        frame's layout -- one object for all its frames while cached, its
+        serial and deadline those of the first --, this frame's serial, this
+        frame's deadline). What varies is checked as ``decode`` checks it."""
+        request, raw = self._cached(data)
+        if raw is None:
+            return request, request.serial, request.deadline
+        return (request, *self._varying(request, raw))
 
 
 class ResultDecoder(_CachedDecoder):
@@ -512,6 +580,7 @@ class ResultDecoder(_CachedDecoder):
     the timings (any u64 is a valid value of those three)."""
 
     _HEAD = _RES_HEAD
+    _FIXED = ((0, 8), (16, 24), (40, None))
     _decode = staticmethod(decode_result)
     _key = staticmethod(lambda raw: raw[:8] + raw[16:24] + raw[40:])
 
@@ -521,6 +590,16 @@ class ResultDecoder(_CachedDecoder):
         on_device, in_driver = _RES_TIMES.unpack_from(raw, 24)
         return BurstResult(serial, hit.status, hit.output_shapes, on_device, in_driver,
                            hit.message)
+
+    def decode_parts(self, data) -> tuple[BurstResult, int, int, int]:
+        """``decode`` without making the message: (the result of this
+        frame's kind -- one object for all such frames while cached, its
+        serial and timings those of the first --, this frame's serial,
+        on_device and in_driver)."""
+        result, raw = self._cached(data)
+        if raw is None:
+            return result, result.serial, result.on_device, result.in_driver
+        return (result, *_RES_VARYING.unpack_from(raw, 8))
 
 
 __all__ = ["BurstArgument", "BurstOutputShape", "BurstProtocolError", "BurstRequest",

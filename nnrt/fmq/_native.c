@@ -21,6 +21,7 @@
 #include <sys/uio.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct {
@@ -36,6 +37,10 @@ typedef struct {
     Py_ssize_t wflag, rflag;/* producer's space-waiter flag, consumer's data-waiter flag */
     int data_efd, space_efd;
     int producing, consuming;
+    /* A spinning waiter reads the mapping without the GIL: release() raises
+     * ``releasing`` and waits for ``spinning`` to drop before it lets the
+     * mapping go (the spinner checks the flag at every turn). */
+    int spinning, releasing;
 } Shared;
 
 #define PREFIX 8u
@@ -141,6 +146,7 @@ static int Shared_init(Shared *self, PyObject *args, PyObject *kw) {
     self->r = __atomic_load_n(word(self, rpos), __ATOMIC_ACQUIRE);
     self->frames_written = self->frames_read = 0;
     self->producing = self->consuming = 0;
+    self->spinning = self->releasing = 0;
     return 0;
 }
 
@@ -151,6 +157,9 @@ static void Shared_dealloc(Shared *self) {
 }
 
 static PyObject *Shared_release(Shared *self, PyObject *unused) {
+    __atomic_store_n(&self->releasing, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&self->spinning, __ATOMIC_SEQ_CST))
+        ;   /* a spinner sees ``releasing`` within one turn of its loop */
     if (self->has_view) {
         PyBuffer_Release(&self->view);
         self->has_view = 0;
@@ -251,6 +260,53 @@ static PyObject *Shared_take(Shared *self, PyObject *unused) {
     return take(self);
 }
 
+static inline uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Watch the write counter for up to ``spin_ns`` with the GIL released (other
+ * threads of the process run meanwhile): 1 when a frame was published. No
+ * announcement: the producer does not signal a spinning consumer, so a frame
+ * caught here costs the producer no eventfd write and us no wake-up. The
+ * caller decides whether a core is free for it (ring.py). */
+static int spin_for_frame(Shared *self, uint64_t spin_ns) {
+    int got = 0;
+    if (!self->base)
+        return 0;
+    /* Raised with the GIL held, so never while release() runs (it holds the
+     * GIL throughout); dropped before the GIL is taken back, or release()
+     * would wait for us while we wait for the GIL it holds. */
+    __atomic_store_n(&self->spinning, 1, __ATOMIC_SEQ_CST);
+    uint64_t *wpos = word(self, self->wpos);
+    uint64_t r = self->r;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ns() + spin_ns;
+    for (unsigned turn = 1;; turn++) {
+        if (__atomic_load_n(wpos, __ATOMIC_ACQUIRE) != r) {
+            got = 1;
+            break;
+        }
+        if (__atomic_load_n(&self->releasing, __ATOMIC_SEQ_CST))
+            break;
+        cpu_relax();
+        if (!(turn & 31) && now_ns() >= end)
+            break;
+    }
+    __atomic_store_n(&self->spinning, 0, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    return got;
+}
+
 /* take_blocking() -> bytes or an error code: check, announce, re-check, sleep
  * in poll(2) on the data eventfd with the GIL released, drain it, retire,
  * repeat. The eventfd is non-blocking (ring.py creates it so and attach
@@ -260,14 +316,20 @@ static PyObject *Shared_take(Shared *self, PyObject *unused) {
  * it is readable while no frame is ready (a frame wins): the whole wait of a
  * burst's serving thread (its stop eventfd) in one call, with no Python
  * between the wake-up and the frame. */
-static PyObject *take_waiting(Shared *self, int also) {
-    for (;;) {
+static PyObject *take_waiting(Shared *self, int also, uint64_t spin_ns) {
+    for (int spun = 0;; spun = 1) {
         if (!self->base)
             return PyLong_FromLong(RELEASED);
         PyObject *frame = take(self);
         if (frame != Py_None)
             return frame;
         Py_DECREF(frame);
+        if (spin_ns && !spun) {
+            if (spin_for_frame(self, spin_ns))
+                continue;     /* (take() at the top copies it out) */
+            if (!self->base)  /* released by close() in another thread meanwhile */
+                return PyLong_FromLong(RELEASED);
+        }
         announce(self, self->rflag);
         frame = take(self);
         if (frame != Py_None) {
@@ -313,7 +375,7 @@ static PyObject *take_waiting(Shared *self, int also) {
 }
 
 static PyObject *Shared_take_blocking(Shared *self, PyObject *unused) {
-    return take_waiting(self, -1);
+    return take_waiting(self, -1, 0);
 }
 
 static PyObject *Shared_take_blocking_or(Shared *self, PyObject *arg) {
@@ -324,7 +386,21 @@ static PyObject *Shared_take_blocking_or(Shared *self, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "also must be a file descriptor");
         return NULL;
     }
-    return take_waiting(self, (int)also);
+    return take_waiting(self, (int)also, 0);
+}
+
+/* take_spinning_or(also, spin_ns): take_blocking_or, first watching the ring
+ * for ``spin_ns`` nanoseconds (GIL released) before announcing and sleeping. */
+static PyObject *Shared_take_spinning_or(Shared *self, PyObject *args) {
+    int also;
+    unsigned long long spin_ns;
+    if (!PyArg_ParseTuple(args, "iK", &also, &spin_ns))
+        return NULL;
+    if (also < 0) {
+        PyErr_SetString(PyExc_ValueError, "also must be a file descriptor");
+        return NULL;
+    }
+    return take_waiting(self, also, (uint64_t)spin_ns);
 }
 
 static PyObject *Shared_announce(Shared *self, PyObject *arg) {
@@ -373,6 +449,8 @@ static PyMethodDef Shared_methods[] = {
     {"take_blocking", (PyCFunction)Shared_take_blocking, METH_NOARGS, "take a frame, sleeping"},
     {"take_blocking_or", (PyCFunction)Shared_take_blocking_or, METH_O,
      "take a frame, sleeping until one comes or the fd given is readable (-7)"},
+    {"take_spinning_or", (PyCFunction)Shared_take_spinning_or, METH_VARARGS,
+     "take_blocking_or(also), watching the ring for spin_ns first (GIL released)"},
     {"announce", (PyCFunction)Shared_announce, METH_O, "announce a waiter (True: for space)"},
     {"retire", (PyCFunction)Shared_retire, METH_O, "withdraw the announcement"},
     {"frame_ready", (PyCFunction)Shared_frame_ready, METH_NOARGS, "a frame is published"},

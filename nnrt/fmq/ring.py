@@ -236,6 +236,8 @@ NATIVE_AVAILABLE = _native is not None
 # The whole wait of read_or in C (a helper built from an older _native.c
 # lacks it: the Python loop then does the same).
 _NATIVE_READ_OR = _native is not None and hasattr(_native.Shared, "take_blocking_or")
+# ... and its spin, the GIL released (issue 16, fourth pass).
+_NATIVE_SPIN = _native is not None and hasattr(_native.Shared, "take_spinning_or")
 _ALSO = -7    # take_blocking_or: ``also`` became readable, no frame
 
 
@@ -356,20 +358,43 @@ def _poll_ms(deadline: float | None) -> int | None:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-_idle_checked = 0.0
-_idle = False
+_FREE_RECHECK = 0.01      # seconds a reading of the run queue stays good
+_free_checked = -1.0
+_free = False
 
 
-def _core_idle() -> bool:
-    """Whether the load average leaves a core free for a spinning waiter
-    (read at most every half second: a spin is only worth it when the peer
-    is not waiting for the very core it would burn)."""
-    global _idle_checked, _idle
+def _core_free() -> bool:
+    """Whether a spinning waiter would burn a core nobody else wants now:
+    the kernel's count of runnable threads (the fourth field of
+    /proc/loadavg, the caller itself included) is at most the cores this
+    process may run on. Read at most every 10 ms. The load *average* was
+    used before; it lags by a minute and counts the spinner itself, so a
+    spin turned itself off (and back on) over minutes rather than
+    following who wants the cores now."""
+    global _free_checked, _free
     now = time.monotonic()
-    if now - _idle_checked > 0.5:
-        _idle_checked = now
-        _idle = os.getloadavg()[0] + 1 <= (os.cpu_count() or 1)
-    return _idle
+    if now - _free_checked < _FREE_RECHECK:
+        return _free
+    _free_checked = now
+    try:
+        # (Opened each time: a descriptor kept open would be one more that a
+        # service's fd accounting sees.)
+        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            running = int(os.read(fd, 128).split()[3].split(b"/")[0])
+        finally:
+            os.close(fd)
+        _free = running <= _cores()
+    except (OSError, ValueError, IndexError):
+        _free = False       # no way to tell: do not spin
+    return _free
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
 
 
 class Ring:
@@ -386,8 +411,9 @@ class Ring:
     ``spin`` is how long (seconds) a *blocking* waiter re-checks the ring
     before sleeping: by default 20 µs on machines with at least 4 cores and
     0 on smaller ones, where spinning only delays the peer sharing the core;
-    even then it spins only while the load average leaves a core idle.
-    Async waits never spin (they would stall the event loop).
+    even then it spins only while a core is free (:func:`_core_free`). A
+    native ``read_or`` spins in C with the GIL released. Async waits never
+    spin (they would stall the event loop).
     ``native`` picks the protocol of this end: None uses the C helper when
     it was built, False forces the pure-Python always-signal protocol (both
     ends may differ: they interoperate).
@@ -456,6 +482,7 @@ class Ring:
         self._w = self._counters[self._wi]
         self._r = self._counters[self._ri]
         self._spin = _DEFAULT_SPIN if spin is None else float(spin)
+        self._spin_ns = int(self._spin * 1e9)
         # One epoll per (eventfd, also fd) pair, made on first use and kept:
         # creating it for every wait cost tens of microseconds per frame.
         self._epolls: dict[tuple[int, int], select.epoll] = {}
@@ -794,11 +821,25 @@ class Ring:
     def read_or(self, also: int) -> bytes | None:
         """The next frame, blocking until one is published; None once the fd
         ``also`` is readable while the ring holds none (a ready frame wins).
-        A serving thread's whole wait: with the native helper (and no spin)
-        the check, announce, sleep, drain and copy are one C call, the GIL
-        released while asleep -- no Python between the wake-up and the frame."""
-        if _NATIVE_READ_OR and self._native is not None and not self._spin:
-            frame = self._native.take_blocking_or(also)
+        A serving thread's whole wait: with the native helper the spin (if
+        any, while a core is free), check, announce, sleep, drain and copy
+        are one C call, the GIL released while spinning or asleep -- no
+        Python between the wake-up and the frame."""
+        native = self._native
+        if native is not None and _NATIVE_SPIN and self._spin and _core_free():
+            # Watch the ring for a while before sleeping, the GIL released
+            # (a serving thread whose app sends its next frame soon): the
+            # frame then costs neither side a wake-up.
+            frame = native.take_spinning_or(also, self._spin_ns)
+            if frame.__class__ is bytes:
+                return frame
+            if frame == _ALSO:
+                return None
+            self._took(frame)
+        elif _NATIVE_READ_OR and native is not None:
+            # (No spin, or a helper built before it had one: no spin then
+            # either -- a Python spin would hold the GIL all along.)
+            frame = native.take_blocking_or(also)
             if frame.__class__ is bytes:
                 return frame
             if frame == _ALSO:
@@ -854,7 +895,7 @@ class Ring:
             self._native.retire(space)
 
     def _spin_until(self, ready) -> bool:
-        if self._spin <= 0 or not _core_idle():
+        if self._spin <= 0 or not _core_free():
             return False
         end = time.perf_counter() + self._spin
         while time.perf_counter() < end:
@@ -936,6 +977,8 @@ class Ring:
         # Never spins, whatever ``spin`` says: a spin here would stall every
         # other task of the event loop (issue 16). Only blocking waiters,
         # which own their thread, spin.
+        if ready():
+            return Ready.RING     # (before looking up the loop's watch: often)
         watch = self._watch(efd)
         while True:
             if ready():
@@ -1005,17 +1048,22 @@ class _LoopWatch:
         if self.closing:
             self._close_on_loop()
             return
-        also_ready = False
-        for fd, _ in self.ep.poll(0):
-            if fd == self.efd:
-                _drain(fd)       # so that it is not readable again until signalled
-            else:
-                also_ready = True
+        # Drained whether it fired or ``also`` did (so that it is not
+        # readable again until signalled): asking the epoll which one fired
+        # first was one more system call on every frame. Only when the ring
+        # has nothing for the waiter does ``also`` matter.
+        _drain(self.efd)
         future = self.future
-        if future is not None and not future.done():
-            if self.ready():
-                future.set_result(Ready.RING)
-            elif also_ready:
+        waiting = future is not None and not future.done()
+        if waiting and self.ready():
+            future.set_result(Ready.RING)
+            return
+        if self.also is None:
+            return
+        efd = self.efd
+        also_ready = any(fd != efd for fd, _ in self.ep.poll(0))
+        if waiting:
+            if also_ready:
                 future.set_result(Ready.ALSO)
         elif also_ready:
             # Readable with nobody waiting (its owner's peer died, say): out

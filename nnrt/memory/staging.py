@@ -165,14 +165,13 @@ class Staging:
     """The places of a request's pools; ``copy_out`` after a good result,
     then ``finish`` exactly once."""
 
-    __slots__ = ("places", "arena", "_staged", "_outputs", "_arenas", "bytes_in")
+    __slots__ = ("places", "arena", "_copy_back", "_arenas", "bytes_in")
 
-    def __init__(self, places, arena, staged, outputs, arenas, bytes_in):
+    def __init__(self, places, arena, copy_back, arenas, bytes_in):
         self.places: tuple[Place, ...] = places
         self.arena: Memory | None = arena
-        self._staged = staged            # pool index -> (user buffer, offset in the arena)
-        self._outputs = outputs
-        self._arenas = arenas
+        self._copy_back = copy_back      # (caller's output buffer, its offset in the arena)
+        self._arenas = arenas            # where finish() gives the arena back
         self.bytes_in = bytes_in
 
     @property
@@ -184,12 +183,10 @@ class Staging:
         if self.arena is None or self.arena.closed:
             return 0
         view, copied = self.arena.view(), 0
-        for k in self._outputs:
-            entry = self._staged.get(k)
-            if entry is not None and entry[0].nbytes:
-                raw, base = entry
-                raw[:] = view[base:base + raw.nbytes]
-                copied += raw.nbytes
+        for raw, base in self._copy_back:
+            n = raw.nbytes
+            raw[:] = view[base:base + n]
+            copied += n
         return copied
 
     def finish(self, reuse: bool = True) -> None:
@@ -214,6 +211,12 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
     arguments): a Memory as it is, anything else copied into one arena.
     INVALID_ARGUMENT for a closed Memory, a buffer that is not contiguous, a
     read-only output buffer, or an argument's region outside its staged pool."""
+    return _stage(pools, inputs, outputs, arenas)[0]
+
+
+def _stage(pools, inputs, outputs, arenas):
+    """``stage``, and what a :class:`Stager` keeps of it: the staged pools
+    (index -> (buffer, offset in the arena)) and the input and output pools."""
     output_pools, input_pools = _pool_indexes(outputs), _pool_indexes(inputs)
     staged: dict[int, tuple[memoryview, int]] = {}
     places: list[Place | None] = []
@@ -254,7 +257,9 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
             if k in input_pools and raw.nbytes:
                 view[base:base + raw.nbytes] = raw
                 bytes_in += raw.nbytes
-    return Staging(tuple(places), arena, staged, output_pools, arenas, bytes_in)
+    copy_back = [staged[k] for k in sorted(output_pools) if k in staged and staged[k][0].nbytes]
+    return (Staging(tuple(places), arena, copy_back, arenas, bytes_in), staged, input_pools,
+            output_pools)
 
 
 class _Staged(NamedTuple):
@@ -263,10 +268,14 @@ class _Staged(NamedTuple):
     outputs: tuple
     kinds: tuple                   # per pool: (size, writable, base in the arena)
     arena_size: int
-    input_pools: set[int]          # the pools the inputs read (copied in)
-    output_pools: set[int]         # the pools the outputs are written to
+    copy_in: tuple                 # (pool, start, end in the arena) of each input pool
+    copy_back: tuple               # (pool, base in the arena) of each output pool
+    bytes_in: int
     arena: object                  # the arena it was staged into
     places: tuple
+
+
+_IN_PLACE = (Memory, DeviceToken)
 
 
 class Stager:
@@ -277,18 +286,21 @@ class Stager:
     and as writable as before. The arguments' regions then passed their
     checks already, so only the bytes move; and while the arena is the same
     the places are the very tuple handed out last time (``kept_places``: a
-    caller that sees it again knows nothing moved). A request with a Memory
-    among its pools is staged in full every time (nothing to copy there;
-    and the stager never holds an app's Memory, whose slot is freed when
-    it is collected). ``layouts`` counts full stagings (every check run).
-    One caller at a time (a burst session's lock orders them)."""
+    caller that sees it again knows nothing moved). Between two executions
+    the stager keeps that arena itself (``give_back``), so the next takes
+    it without going through the pool. A request with a Memory among its
+    pools is staged in full every time (nothing to copy there; and the
+    stager never holds an app's Memory, whose slot is freed when it is
+    collected). ``layouts`` counts full stagings (every check run). One
+    caller at a time (a burst session's lock orders them)."""
 
-    __slots__ = ("_arenas", "_last", "layouts")
+    __slots__ = ("_arenas", "_last", "_kept", "layouts")
 
     def __init__(self, arenas: ArenaPool):
         self._arenas = arenas
         # The last request whose pools were all staged.
         self._last: _Staged | None = None
+        self._kept: Memory | None = None     # its arena, while no execution uses it
         self.layouts = 0
 
     @property
@@ -302,45 +314,74 @@ class Stager:
             staging = self._again(pools, last)
             if staging is not None:
                 return staging
-        staging = stage(pools, inputs, outputs, self._arenas)
+        staging, staged, input_pools, output_pools = _stage(pools, inputs, outputs, self)
         self.layouts += 1
-        staged = staging._staged
-        if staging.arena is None or len(staged) != len(pools):
+        if staging.arena is None:
+            # Nothing staged (Memories only): the last staged layout and its
+            # arena stay for the next request laid out so.
+            return staging
+        if len(staged) != len(pools):
             self._last = None
             return staging
         kinds = tuple((raw.nbytes, not raw.readonly, base)
                       for raw, base in (staged[k] for k in range(len(pools))))
-        self._last = _Staged(inputs, outputs, kinds, staging.arena.size, _pool_indexes(inputs),
-                             staging._outputs, staging.arena, staging.places)
+        self._last = _Staged(
+            inputs, outputs, kinds, staging.arena.size,
+            tuple((k, base, base + size) for k, (size, _w, base) in enumerate(kinds)
+                  if k in input_pools and size),
+            tuple((k, base) for k, (size, _w, base) in enumerate(kinds)
+                  if k in output_pools and size),
+            staging.bytes_in, staging.arena, staging.places)
         return staging
 
     def _again(self, pools, last: "_Staged") -> Staging | None:
         """``stage`` of a request laid out as ``last``; None when it is not."""
-        kinds = last.kinds
-        staged: dict[int, tuple[memoryview, int]] = {}
-        for k, pool in enumerate(pools):
-            if isinstance(pool, (Memory, DeviceToken)):
+        raws = []
+        for pool, (size, writable, _base) in zip(pools, last.kinds):
+            if isinstance(pool, _IN_PLACE):
                 return None
             try:
                 raw = memoryview(pool).cast("B")
             except (TypeError, ValueError):
                 return None              # stage() says what is wrong with it
-            size, writable, base = kinds[k]
             if raw.nbytes != size or (writable and raw.readonly):
                 return None
-            staged[k] = (raw, base)
-        arena, places = self._arenas.take(last.arena_size), last.places
-        if arena is not last.arena:      # (the last one was closed: a cancellation)
-            places = tuple(Place(arena, base, size) for size, _w, base in kinds)
+            raws.append(raw)
+        arena = self.take(last.arena_size)
+        if arena is not last.arena:   # (a cancelled execution's arena was closed)
+            places = tuple(Place(arena, base, size) for size, _w, base in last.kinds)
             self._last = last = last._replace(arena=arena, places=places)
-        view, bytes_in = arena.view(), 0
-        for k in last.input_pools:
-            raw, base = staged[k]
-            n = raw.nbytes
-            if n:
-                view[base:base + n] = raw
-                bytes_in += n
-        return Staging(places, arena, staged, last.output_pools, self._arenas, bytes_in)
+        view = arena.view()
+        for k, start, end in last.copy_in:
+            view[start:end] = raws[k]
+        return Staging(last.places, arena, [(raws[k], base) for k, base in last.copy_back],
+                       self, last.bytes_in)
+
+    def take(self, size: int) -> Memory:
+        """(``stage``) The arena kept, if it holds ``size`` bytes; else one
+        from the pool."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept.size >= size and not kept.closed:
+                return kept
+            self._arenas.give_back(kept)
+        return self._arenas.take(size)
+
+    def give_back(self, arena: Memory) -> None:
+        """(``Staging.finish``) Keep the last layout's arena for its next
+        request; any other goes back to the pool."""
+        last = self._last
+        if self._kept is None and last is not None and arena is last.arena \
+                and not arena.closed and not self._arenas.closed:
+            self._kept = arena
+        else:
+            self._arenas.give_back(arena)
+
+    def close(self) -> None:
+        """Close the arena kept (the pool closes the others)."""
+        kept, self._kept, self._last = self._kept, None, None
+        if kept is not None:
+            kept.close()
 
 
 __all__ = ["ALIGN", "ArenaPool", "Place", "SlotCache", "Staging", "Stager", "stage"]

@@ -287,6 +287,99 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
             tg.cancel_scope.cancel()
 
 
+async def test_what_frames_reuse_follows_every_change_mid_burst(tmp_path):
+    """The per-layout reuse of the fourth pass (the controller's encoded
+    frame, kept arena and shared ExecutionResult; the server's decoded
+    request, driver Request and result encoding) follows every change: a
+    layout changed mid-burst and back, timings asked for on one frame, a
+    slot freed and another memory in its place, and frames that are the
+    last frame cut short, lengthened or with one field changed."""
+    path = str(tmp_path / "reuse.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        dev = await ServiceDevice.connect(path)
+        try:
+            prepared = await dev.prepare_model(add_model())
+            rng = np.random.default_rng(4)
+            async with await prepared.configure_burst() as session:
+                x, y, sums = (np.zeros((1, 4), np.float32) for _ in "xys")
+                request = numpy_request([x, y], [sums])
+                mem = Memory.create(64, "nnrt-burst-reuse")
+                plain = []
+                for k in range(15):
+                    x[:], y[:] = rng.standard_normal((2, 1, 4)).astype(np.float32)
+                    if k % 5 == 2:           # another layout (a Memory pool) and back
+                        mem.array(np.float32, 8)[:] = np.concatenate([x, y], axis=None)
+                        result = await session.execute(memory_request(mem))
+                        assert result.status == ErrorStatus.NONE, result.message
+                        assert mem.array(np.float32, 4, 32).tolist() == (x + y)[0].tolist()
+                        continue
+                    result = await session.execute(request, measure=k == 6)
+                    assert result.status == ErrorStatus.NONE, result.message
+                    np.testing.assert_array_equal(sums, x + y)
+                    if k == 6:
+                        assert result.timing.in_driver != wire.UINT64_MAX
+                    else:
+                        assert result.timing.in_driver == wire.UINT64_MAX
+                        plain.append(result)
+                # Results without timings of one kind are one object (frozen).
+                assert all(r is plain[0] for r in plain[1:])
+                # The numpy layout was checked and placed once (a Memory's,
+                # which places nothing, each time), though the two alternated.
+                assert session.statistics().layouts_staged == 1 + 3
+                assert (await session.execute(memory_request(mem))).status == ErrorStatus.NONE
+                layouts = svc.burst_statistics().layouts
+                for _ in range(5):
+                    assert (await session.execute(request)).status == ErrorStatus.NONE
+                assert svc.burst_statistics().layouts == layouts + 1   # back once, then reused
+
+                # A slot freed and another memory in its place: the server
+                # unmaps the first and runs the second's frames, never the
+                # first's request again.
+                mem.close()
+                other = Memory.create(64, "nnrt-burst-reuse")
+                for k in range(3):
+                    other.array(np.float32, 8)[:] = k
+                    result = await session.execute(memory_request(other))
+                    assert result.status == ErrorStatus.NONE, result.message
+                    assert other.array(np.float32, 4, 32).tolist() == [2.0 * k] * 4
+                assert session.statistics().slots_freed == 1
+                await wait_until(lambda: svc.burst_statistics().slots_mapped == 2,
+                                 "the freed slot is unmapped")   # (the arena's and other's)
+
+                # The last frame's bytes, cut, lengthened or changed in one
+                # field: each refused alone, and the layout's frames go on.
+                frames = []
+                write = session._requests.write_nowait
+                session._requests.write_nowait = lambda f: (frames.append(bytes(f)), write(f))
+                assert (await session.execute(memory_request(other))).status == ErrorStatus.NONE
+                session._requests.write_nowait = write
+                frame = frames[-1]
+                past_the_pool = bytearray(frame)
+                # The output argument's offset (the third argument, after the
+                # 40-byte header and two inputs of 24 + 4 * rank 2 bytes; at 8
+                # into the argument) past the memory's end.
+                offset_at = 40 + 2 * (24 + 8) + 8
+                assert int.from_bytes(frame[offset_at:offset_at + 8], "little") == 32
+                past_the_pool[offset_at:offset_at + 8] = (60).to_bytes(8, "little")
+                malformed = svc.burst_statistics().executions
+                for bad in (frame[:-4], frame + b"\0" * 8, bytes(past_the_pool)):
+                    result = await session.for_test_execute_raw(bad)
+                    assert result.status == ErrorStatus.INVALID_ARGUMENT, result
+                assert svc.burst_statistics().executions == malformed + 3
+                other.array(np.float32, 8)[:] = 5
+                result = await session.execute(memory_request(other))
+                assert result.status == ErrorStatus.NONE, result.message
+                assert other.array(np.float32, 4, 32).tolist() == [10.0] * 4
+                x[:], y[:] = 1, 2
+                assert (await session.execute(request)).status == ErrorStatus.NONE
+                assert sums.tolist() == [[3.0] * 4]
+                other.close()
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
+
+
 async def test_malformed_requests_fail_alone_and_the_burst_goes_on(service):
     path, _proc = service
     dev = await ServiceDevice.connect(str(path))

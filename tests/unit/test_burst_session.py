@@ -255,3 +255,51 @@ def test_the_result_caches_give_what_encode_and_decode_give():
         decoder.decode(bytes(data))
     with pytest.raises(wire.BurstProtocolError):
         decoder.decode(b"NBRS")
+
+
+def test_encoding_and_decoding_by_fields_give_what_the_messages_give():
+    """The per-frame forms of the fourth pass: encode_fields writes the
+    serial and deadline into the last frame's buffer (valid until the next
+    call), decode_parts hands back one request or result object per kind
+    with the varying fields beside it."""
+    encoder, decoder = wire.RequestEncoder(size=2), wire.RequestDecoder(size=4)
+    arg = wire.BurstArgument(False, 0, 16, 16, (1, 4))
+    layouts = [((arg,), (arg,), (3,), False, None), ((arg, arg), (), (3, 4), True, 2.0)]
+    kinds = {}     # (4 kinds: 2 layouts, with and without a deadline; all cached)
+    for serial in range(1, 30):
+        inputs, outputs, slots, measure, loop = layouts[(serial // 4) % 2]  # runs of 4
+        deadline = None if serial % 3 else serial * 1.5
+        expected = wire.encode_request(wire.BurstRequest(serial, inputs, outputs, slots,
+                                                         measure, deadline, loop))
+        data = bytes(encoder.encode_fields(serial, inputs, outputs, slots, measure, deadline,
+                                           loop))
+        assert data == expected
+        request, got_serial, got_deadline = decoder.decode_parts(data)
+        assert (got_serial, got_deadline) == (serial, deadline)
+        assert (request.inputs, request.outputs, request.slots, request.measure_timing,
+                request.loop_timeout) == (inputs, outputs, slots, measure, loop)
+        assert kinds.setdefault((slots, deadline is None), request) is request  # one per kind
+    with pytest.raises(wire.BurstProtocolError, match="serial"):
+        encoder.encode_fields(-1, (arg,), (arg,), (3,))
+    # A frame of a cached kind with a negative deadline is refused as decode refuses it.
+    data = bytearray(wire.encode_request(wire.BurstRequest(5, (arg,), (arg,), (3,),
+                                                           deadline=1.0)))
+    decoder.decode_parts(bytes(data))
+    struct.pack_into("<d", data, 16, -1.0)
+    with pytest.raises(wire.BurstProtocolError, match="deadline"):
+        decoder.decode_parts(bytes(data))
+
+    results, rdecoder = wire.ResultEncoder(size=2), wire.ResultDecoder(size=2)
+    shapes = (wire.BurstOutputShape((1, 4)),)
+    first = None
+    for serial in range(1, 10):
+        on_device = wire.UINT64_MAX if serial % 2 else serial
+        data = bytes(results.encode_fields(serial, ErrorStatus.NONE, shapes, on_device,
+                                           on_device))
+        assert data == wire.encode_result(wire.BurstResult(serial, ErrorStatus.NONE, shapes,
+                                                           on_device, on_device))
+        result, got, device, driver = rdecoder.decode_parts(data)
+        assert (got, device, driver) == (serial, on_device, on_device)
+        assert result is (first := first or result) and result.output_shapes == shapes
+    with pytest.raises(wire.BurstProtocolError, match="in_driver"):
+        results.encode_fields(1, ErrorStatus.NONE, shapes, 0, 2**64)

@@ -132,6 +132,42 @@ def test_a_request_laid_out_as_the_last_is_staged_by_copying_its_bytes_only():
         stager.stage((np.zeros(2, np.float32), out2), inputs, outputs)
     with Memory.create(64) as mem:
         staged = stager.stage((mem,), (arg(0, 0, 16),), ())
-        assert staged.arena is None and stager.kept_places is None   # no Memory kept
+        assert staged.arena is None and stager.layouts == 3
+        # No Memory kept: what the stager keeps is the last staged layout's.
+        assert stager.kept_places is not None
+        assert all(place.memory is not mem for place in stager.kept_places)
         staged.finish()
     arenas.close()
+
+
+def test_the_stager_keeps_its_arena_between_frames_and_gives_it_back_on_a_new_layout():
+    arenas = ArenaPool("test-arena", max_free=1)
+    stager = Stager(arenas)
+    x, out = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    inputs, outputs = (arg(0, 0, 16),), (arg(1, 0, 16),)
+    first = stager.stage((x, out), inputs, outputs)
+    arena = first.arena
+    first.finish()
+    other = arenas.take(16)          # the stager kept its arena: not in the pool
+    assert other is not arena
+    arenas.give_back(other)
+    again = stager.stage((x, out), inputs, outputs)
+    assert again.arena is arena and stager.layouts == 1
+    again.finish()
+    # Another layout: the kept arena goes back to the pool and is taken from there.
+    changed = stager.stage((x, out), (arg(0, 0, 16),), outputs)
+    assert stager.layouts == 2 and changed.arena in (arena, other)
+    changed.finish()
+    # A frame of the new layout with an output pool of another size: staged
+    # in full, its copy back into the new buffer.
+    wide = np.zeros(8, np.float32)
+    staged = stager.stage((x, wide), (arg(0, 0, 16),), (arg(1, 0, 16),))
+    assert stager.layouts == 3
+    staged.arena.view()[staged.places[1].offset:staged.places[1].offset + 16] = \
+        np.full(4, 3, np.float32).tobytes()
+    assert staged.copy_out() == 32 and wide.tolist() == [3] * 4 + [0] * 4
+    staged.finish()
+    stager.close()                   # the arena it kept is closed with it
+    assert stager.kept_places is None
+    arenas.close()
+    assert arena.closed and other.closed

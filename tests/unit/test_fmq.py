@@ -657,3 +657,110 @@ def test_closing_a_ring_from_another_thread_takes_its_epoll_off_the_loop():
             peer.close()
 
     anyio.run(main)
+
+
+# -- a serving thread's spin (issue 16, fourth pass) ----------------------------------
+
+needs_native = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+
+
+@needs_native
+def test_a_spinning_reader_takes_a_frame_without_any_wake_up(monkeypatch):
+    """While it spins the reader has not announced itself, so the writer
+    writes no eventfd; the spin runs with the GIL released (this thread
+    writes the frame meanwhile)."""
+    from nnrt.fmq import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_core_free", lambda: True)
+    with Ring.create(4096) as writer, \
+            Ring.attach(*map(os.dup, writer.fds()), spin=30.0) as reader:
+        stop = os.eventfd(0, os.EFD_NONBLOCK)
+        data_efd = writer.fds()[1]
+        try:
+            writer.write_nowait(b"first")          # the flag create() set: signalled
+            assert reader.read_or(stop) == b"first"
+            os.eventfd_read(data_efd)
+            got = []
+            thread = threading.Thread(target=lambda: got.append(reader.read_or(stop)))
+            thread.start()
+            time.sleep(0.05)        # (order only: the thread is in its spin by now, or not
+            writer.write_nowait(b"caught")   # yet in read_or; either way it takes it unsignalled)
+            thread.join(10)
+            assert got == [b"caught"]
+            with pytest.raises(BlockingIOError):   # no wake-up was written
+                os.eventfd_read(data_efd)
+            assert peek_u64(writer, DATA_WAITER_OFFSET) == 0
+        finally:
+            os.close(stop)
+
+
+@needs_native
+def test_no_spin_where_no_core_is_free(monkeypatch):
+    from nnrt.fmq import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_core_free", lambda: False)
+    with Ring.create(4096) as writer, \
+            Ring.attach(*map(os.dup, writer.fds()), spin=30.0) as reader:
+        stop = os.eventfd(0, os.EFD_NONBLOCK)
+        try:
+            writer.write_nowait(b"first")
+            assert reader.read_or(stop) == b"first"
+            got = []
+            thread = threading.Thread(target=lambda: got.append(reader.read_or(stop)))
+            thread.start()
+            # It announces itself and sleeps at once (a spinner would not
+            # announce for 30 s); the guard only bounds a failing run.
+            guard = time.monotonic() + 10
+            while peek_u64(writer, DATA_WAITER_OFFSET) != 1 and time.monotonic() < guard:
+                time.sleep(0.001)
+            assert peek_u64(writer, DATA_WAITER_OFFSET) == 1
+            os.eventfd_write(stop, 1)
+            thread.join(10)
+            assert got == [None]
+        finally:
+            os.close(stop)
+
+
+@needs_native
+def test_closing_a_ring_under_a_spinning_reader_ends_its_read(monkeypatch):
+    """close() from another thread waits for the spin to notice (it never
+    unmaps under it) and the read ends with RingClosed, not a crash."""
+    from nnrt.fmq import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_core_free", lambda: True)
+    writer = Ring.create(4096)
+    reader = Ring.attach(*map(os.dup, writer.fds()), spin=30.0)
+    stop = os.eventfd(0, os.EFD_NONBLOCK)
+    outcome = []
+
+    def read():
+        try:
+            outcome.append(reader.read_or(stop))
+        except RingClosed as e:
+            outcome.append(e)
+    try:
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.05)
+        reader.close()
+        thread.join(10)
+        assert not thread.is_alive() and len(outcome) == 1
+        assert isinstance(outcome[0], RingClosed)
+    finally:
+        os.close(stop)
+        writer.close()
+
+
+def test_a_core_is_free_while_the_run_queue_leaves_one(monkeypatch):
+    """The fourth field of /proc/loadavg (runnable threads, the caller
+    included) against the cores this process may use; read again only
+    after a while."""
+    from nnrt.fmq import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_free_checked", -1.0)
+    monkeypatch.setattr(ring_module, "_cores", lambda: 10**6)
+    assert ring_module._core_free() is True
+    monkeypatch.setattr(ring_module, "_cores", lambda: 0)
+    assert ring_module._core_free() is True            # the reading is still good
+    monkeypatch.setattr(ring_module, "_free_checked", -1.0)
+    assert ring_module._core_free() is False

@@ -64,7 +64,7 @@ from dataclasses import dataclass, fields, replace
 
 import anyio
 
-from ...burst.server import BurstCounters, BurstServer
+from ...burst.server import REQUEST_SPIN, BurstCounters, BurstServer
 from ..heap import give_back_freed_memory
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...fence.sync_fence import SyncFence
@@ -803,7 +803,9 @@ class ServiceConnection:
                 # ones are closed by the handler (p.fds_of).
                 fds = [os.dup(fd) for fd in call.ring_fds[k:k + 3]]
                 try:
-                    rings.append(Ring.attach(*fds))
+                    # The request ring's reader is the burst's serving
+                    # thread: it watches for the next frame a while first.
+                    rings.append(Ring.attach(*fds, spin=REQUEST_SPIN if k == 0 else None))
                 except BaseException:
                     for fd in fds:
                         os.close(fd)
