@@ -56,7 +56,8 @@ back from a job thread running another app's operations was one hop of a
 light app's frame that queued behind whatever held the loop's CPU
 (docs/qos.md, "Fifth session"). That thread never blocks on the client: it
 writes with ``MSG_DONTWAIT`` under ``_wire``, the lock every write of the
-connection takes, and whatever the socket does not take at once (all of
+connection takes (and every encoding of a frame: the core counts them),
+and whatever the socket does not take at once (all of
 it, for a client that stopped reading) is left in ``_rest`` for the loop,
 which writes it before any other frame. While a frame is part-written
 (``_rest`` set, or the loop waiting to write the rest of its own), the
@@ -493,7 +494,9 @@ class ServiceConnection:
 
     async def _reply(self, reply: p.Reply) -> None:
         if self._alive:
-            await self._send(*self.proto.reply(reply))
+            with self._wire:   # the core's counters: a job's thread encodes replies too
+                frame = self.proto.reply(reply)
+            await self._send(*frame)
 
     async def _send(self, data: bytes, fds) -> None:
         async with self._send_lock:
@@ -930,9 +933,11 @@ class ServiceConnection:
             if burst.end_reason is not None and self._alive:
                 # Ended on our side: the controller must not wait for results.
                 # (Its reply is dropped: nobody waits for it.)
+                with self._wire:
+                    frame = self.proto.notify(
+                        lambda cid: p.BurstEnded(cid, burst.burst_id, burst.end_reason))
                 with anyio.CancelScope(shield=True):
-                    await self._send(*self.proto.notify(
-                        lambda cid: p.BurstEnded(cid, burst.burst_id, burst.end_reason)))
+                    await self._send(*frame)
 
     async def _burst_memories(self, burst_id: int, slots: tuple[int, ...]) -> dict[int, Memory]:
         """Ask the client for the memories behind ``slots`` (GET_MEMORIES)."""
@@ -962,7 +967,8 @@ class ServiceConnection:
     async def _call_client(self, build) -> p.Reply:
         """Send the client a call of ours and await its reply."""
         box = _ClientReply()
-        call_id, data, fds = self.proto.call(build, box)
+        with self._wire:
+            call_id, data, fds = self.proto.call(build, box)
         try:
             if self._alive:
                 await self._send(data, fds)
