@@ -10,6 +10,7 @@
    device time while both had work, from the service scheduler's records.
 
     .venv/bin/python benchmarks/qos_apps.py [--frames 90] [--blocks 2] [--seconds 4]
+        [--no-latency] [--no-shares]
 """
 from __future__ import annotations
 
@@ -153,8 +154,9 @@ async def main(args):
         print(f"load average {os.getloadavg()[0]:.1f}")
         if not args.no_latency:
             await latency(args, folder)
-        for weights in ((1, 1), (3, 1)):
-            await shares(args, folder, weights)
+        if not args.no_shares:
+            for weights in ((1, 1), (3, 1)):
+                await shares(args, folder, weights)
         print(f"load average {os.getloadavg()[0]:.1f}")
 
 
@@ -164,4 +166,6 @@ if __name__ == "__main__":
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--no-shares", action="store_true",
+                        help="only part 1 (A against B), e.g. for paired runs of two services")
     anyio.run(main, parser.parse_args())

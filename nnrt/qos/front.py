@@ -291,7 +291,13 @@ class ScheduledPreparedModel(PreparedModel):
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
-                      loop_timeout: float | None = None) -> ExecutionResult:
+                      loop_timeout: float | None = None, *,
+                      on_result: Callable[[ExecutionResult], bool] | None = None
+                      ) -> ExecutionResult:
+        """``on_result`` (see the HAL) is called on the thread that ran the
+        job -- its own, or a preempted job's (donation) -- before the
+        awaiting task is woken; not for an inline run, which ends on the
+        awaiting task's own thread."""
         job = None
         layout = self._short_layout
         if self._short_runs >= INLINE_AFTER and request.inputs is layout[0] \
@@ -327,11 +333,18 @@ class ScheduledPreparedModel(PreparedModel):
                     waiter.deliver(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                                    message=f"the execution was interrupted: {e!r}"))
                     raise
+            answered = False
+            if on_result is not None:
+                try:
+                    answered = on_result(result)
+                except Exception as e:   # it must not raise; the task answers then
+                    vlog("execution", "%s: on_result raised %r", self.key, e)
             waiter.deliver(result)
-            if self._gate.running_donated():
+            if self._gate.running_donated() and not answered:
                 # This thread's own job, preempted by this one, resumes next:
                 # let the awaiting task take the result first, rather than
-                # compete with it for the CPU and the GIL (bounded).
+                # compete with it for the CPU and the GIL (bounded). Not when
+                # on_result answered already: the task then only tidies up.
                 waiter.wait_taken(_DONOR_LINGER)
 
         if job is None:

@@ -734,7 +734,10 @@ class ServicePreparedModel(PreparedModel):
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
-                      loop_timeout: float | None = None) -> ExecutionResult:
+                      loop_timeout: float | None = None, *,
+                      on_result=None) -> ExecutionResult:
+        # ``on_result`` is never called: the result is only whole here, on
+        # the caller's loop, after the outputs are copied out.
         staging = self._stage(request)
         if isinstance(staging, ExecutionResult):
             return staging
