@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import socket
 import threading
 import weakref
@@ -250,12 +251,21 @@ class _Channel:
 
     def _read_loop(self) -> None:
         reason = "the service closed the connection"
+        # The reader sleeps in poll(POLLIN), not in a blocking recvmsg: a
+        # thread asleep in recvmsg is woken also each time the service reads
+        # one of our requests (the send buffer's space coming back), for
+        # nothing -- a context switch per request that, on a busy machine,
+        # preempts whatever ran on that CPU (docs/qos.md, "Fifth session").
+        waiter = select.poll()
+        waiter.register(self.sock.fileno(), select.POLLIN)
         try:
             while True:
                 try:
                     data, ancdata, _flags, _ = self.sock.recvmsg(
-                        _RECV_SIZE, socket.CMSG_SPACE(p.MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
-                except InterruptedError:
+                        _RECV_SIZE, socket.CMSG_SPACE(p.MAX_FDS * 4),
+                        socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    waiter.poll()     # readable, hung up or shut down: recvmsg says which
                     continue
                 except OSError as e:
                     reason = f"the connection to the service failed: {e}"
