@@ -19,9 +19,10 @@ from nnrt.fmq import (HEADER_SIZE, NATIVE_AVAILABLE, FrameTooLarge, Ready, Ring,
                       RingCorrupted, RingError, WouldBlock)
 from nnrt.fmq.ring import DATA_WAITER_OFFSET, READ_OFFSET, SPACE_WAITER_OFFSET, WRITE_OFFSET
 
-PROTOCOLS = [pytest.param(True, id="native",
-                          marks=pytest.mark.skipif(not NATIVE_AVAILABLE,
-                                                   reason="native helper not built")),
+# The C helper is optional (setup.py): without a compiler its tests are skipped.
+needs_native = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+
+PROTOCOLS = [pytest.param(True, id="native", marks=needs_native),
              pytest.param(False, id="always-signal")]
 
 
@@ -197,7 +198,7 @@ def test_blocking_reader_and_writer_wake_each_other(native):
         assert got == [i.to_bytes(4, "little") * (i % 13) for i in range(n)]
 
 
-@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+@needs_native
 @pytest.mark.parametrize("producer_native", [True, False])
 def test_native_and_pure_python_ends_interoperate(producer_native):
     with Ring.create(128, native=producer_native) as producer:
@@ -213,7 +214,7 @@ def test_native_and_pure_python_ends_interoperate(producer_native):
         consumer.close()
 
 
-@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
+@needs_native
 def test_native_ends_signal_only_announced_waiters():
     """The fenced handshake: no eventfd write while the peer is not waiting;
     a pure-Python waiter's flag stays 1, so it is always signalled."""
@@ -660,8 +661,6 @@ def test_closing_a_ring_from_another_thread_takes_its_epoll_off_the_loop():
 
 
 # -- a serving thread's spin (issue 16, fourth pass) ----------------------------------
-
-needs_native = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native helper not built")
 
 
 @needs_native
