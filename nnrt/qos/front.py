@@ -34,10 +34,9 @@ from functools import partial
 from typing import Callable
 
 import anyio
-import anyio.lowlevel
 
 from ..errors import ErrorStatus, NnrtError
-from ..handoff import Waiter, run_soon
+from ..handoff import Waiter, run_soon, schedule_point
 from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference,
                    ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
                    check_deadline, check_priority)
@@ -305,7 +304,7 @@ class ScheduledPreparedModel(PreparedModel):
             # A schedule point, as any execute (the loop's other tasks run; a
             # cancelled caller stops here, with nothing queued), then the
             # inline run if the job gets its slot at once.
-            await anyio.lowlevel.checkpoint()
+            await schedule_point()
             started = time.perf_counter_ns()
             try:
                 job, owned = self._gate.submit_here(

@@ -8,7 +8,7 @@ import threading
 import anyio
 import pytest
 
-from nnrt.handoff import Waiter, WorkerThreads
+from nnrt.handoff import Waiter, WorkerThreads, schedule_point
 
 TIMEOUT = 10.0
 
@@ -36,6 +36,28 @@ def test_a_cancelled_wait_can_be_resumed_and_still_gets_the_value(backend):
             return await waiter.wait()
 
     assert anyio.run(main, backend=backend) == 42
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_schedule_point_lets_the_other_tasks_run_and_stops_a_cancelled_task(backend):
+    async def main():
+        ran = []
+
+        async def other():
+            ran.append("other")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            assert ran == []
+            await schedule_point()
+            assert ran == ["other"]      # it had its turn at the schedule point
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await schedule_point()
+            ran.append("went on")        # not reached: the task stops there
+        assert scope.cancelled_caught and ran == ["other"]
+
+    anyio.run(main, backend=backend)
 
 
 def test_the_delivering_thread_can_wait_until_the_task_took_the_value():
