@@ -10,7 +10,7 @@
    device time while both had work, from the service scheduler's records.
 
     .venv/bin/python benchmarks/qos_apps.py [--frames 90] [--blocks 2] [--seconds 4]
-        [--no-latency] [--no-shares]
+        [--no-latency] [--no-shares] [--realtime]
 """
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ async def frames(compiled, n):
 
 
 async def latency(args, folder):
+    realtime = ("--realtime",) if args.realtime else ()
     async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
-                                   "--statistics", "all")],
+                                   "--statistics", "all", *realtime)],
                             discover=False) as rt:
         socket_path = rt.device("npu").socket_path
         light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
@@ -166,6 +167,8 @@ if __name__ == "__main__":
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--realtime", action="store_true",
+                        help="serve with --realtime (the service's loop thread at SCHED_FIFO)")
     parser.add_argument("--no-shares", action="store_true",
                         help="only part 1 (A against B), e.g. for paired runs of two services")
     anyio.run(main, parser.parse_args())

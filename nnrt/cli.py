@@ -74,6 +74,15 @@ def _driver_serve(args) -> int:
     device = ScheduledDevice(driver, slots=args.slots, queue_limit=args.queue_limit,
                              memory_limit=args.memory_limit, policy=policy)
     path = args.socket or default_socket_path(args.name)
+    if args.realtime is not None:
+        try:
+            _realtime_loop(args.realtime)
+        except OSError as e:
+            print(f"nnrt driver serve: --realtime {args.realtime}: cannot make the event loop's "
+                  f"thread SCHED_FIFO ({e.strerror}); it needs root or CAP_SYS_NICE (or an "
+                  f"RLIMIT_RTPRIO of {args.realtime} or more); serve without --realtime",
+                  file=sys.stderr)
+            return 1
 
     async def main():
         # The handlers are in place before the socket exists: a SIGTERM that
@@ -111,6 +120,29 @@ def _driver_serve(args) -> int:
             print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         failed = True
     return 1 if failed else 0
+
+
+def _realtime_loop(priority: int) -> None:
+    """The calling thread -- the one that runs the service's event loop --
+    at SCHED_FIFO ``priority``, so that reading a request, or answering one,
+    never waits for a CPU behind the clients' own processes (issue 15: the
+    loop's waits were mostly behind a flooding client woken on its CPU).
+    SCHED_RESET_ON_FORK gives every thread it starts later -- the threads
+    that run the apps' jobs, burst servers -- the normal policy again: an
+    app's work never runs real-time. The kernel's real-time throttling
+    (sched_rt_runtime_us, 95% by default) still bounds a loop gone wrong."""
+    os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
+                          os.sched_param(priority))
+
+
+def _fifo_priority(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 99:
+        raise argparse.ArgumentTypeError(f"a SCHED_FIFO priority is 1 to 99, got {text!r}")
+    return value
 
 
 def _driver_status(args) -> int:
@@ -446,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--policy", metavar="FILE",
                        help="per-app QoS policy (TOML: weights, priority caps, limits, "
                             "deadlines; see docs/qos.md), re-read on SIGHUP")
+    serve.add_argument("--realtime", type=_fifo_priority, nargs="?", const=1, default=None,
+                       metavar="PRIORITY",
+                       help="run the event loop's thread (only that thread: never an app's "
+                            "work) at SCHED_FIFO PRIORITY (default 1), so requests are read "
+                            "and answered without waiting for a CPU behind busy clients; "
+                            "needs root or CAP_SYS_NICE (docs/qos.md)")
     serve.set_defaults(func=_driver_serve)
     status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
                                "and misses of driver services, refreshed live")
