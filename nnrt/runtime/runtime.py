@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import anyio
 import numpy as np
@@ -522,6 +522,10 @@ def _record(placed, validated: ValidatedModel) -> dict:
             "validated": cache.dims_meta(validated)}
 
 
+# Read once: an IntEnum member read off its class costs a lookup through the
+# enum's metaclass on every execution (issue 16).
+_NONE = ErrorStatus.NONE
+
 _NOT_THE_DRIVERS_FAULT = frozenset({
     ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
     ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT,
@@ -816,8 +820,12 @@ class CompiledModel:
                    deadline: float | None, loop_timeout: float | None,
                    sessions: dict | None = None) -> Result:
         main = self._main
-        values = dict(zip(main.input_indexes, arrays))
         single = len(steps) == 1
+        # The one step of a whole-model compilation reads the model's inputs
+        # and writes its outputs, in order: no table of values between steps.
+        whole = single and steps[0].plan.inputs == main.input_indexes \
+            and steps[0].plan.outputs == main.output_indexes
+        values = None if whole else dict(zip(main.input_indexes, arrays))
         on_device = in_driver = 0
         measured = measure
         # A burst's ring carries shared-memory slots: a request naming a
@@ -829,16 +837,13 @@ class CompiledModel:
 
             def execute(request, runner=runner):   # the awaitable itself: no coroutine around it
                 return runner.execute(request, measure, deadline, loop_timeout)
-            result, outs = await step.run(values, execute, user_outputs if single else None)
-            if result.status != ErrorStatus.NONE:
-                error = NnrtError(result.status, result.message or "execution failed",
-                                  output_shapes=[s.dimensions for s in result.output_shapes])
-                if result.status == ErrorStatus.DEAD_OBJECT:
-                    self._runtime._forget(step.device)
-                if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
-                    raise _DriverFailure(step.device, error)
-                raise error
-            values.update(zip(step.plan.outputs, outs))
+            result, outs = await step.run_inputs(
+                arrays if whole else [values[i] for i in step.plan.inputs], execute,
+                user_outputs if single else None)
+            if result.status != _NONE:
+                self._step_failed(step, result)
+            if not whole:
+                values.update(zip(step.plan.outputs, outs))
             if measure:
                 t = result.timing
                 if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
@@ -846,8 +851,8 @@ class CompiledModel:
                 else:
                     on_device += t.on_device
                     in_driver += t.in_driver
-        if single and step.plan.outputs == main.output_indexes:
-            outputs = outs      # the one step's outputs are the model's, in order
+        if whole:
+            outputs = outs
         else:
             outputs = [values[i] for i in main.output_indexes]
             if user_outputs is not None and not single:
@@ -858,6 +863,17 @@ class CompiledModel:
             timing = ExecutionTiming(on_device if measured else None,
                                      in_driver if measured else None)
         return Result(outputs, shapes, timing)
+
+    def _step_failed(self, step: Step, result) -> NoReturn:
+        """Raise the error of a step's failed ``result``: a ``_DriverFailure``
+        when the driver is to blame and the model may move to the CPU."""
+        error = NnrtError(result.status, result.message or "execution failed",
+                          output_shapes=[s.dimensions for s in result.output_shapes])
+        if result.status == ErrorStatus.DEAD_OBJECT:
+            self._runtime._forget(step.device)
+        if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
+            raise _DriverFailure(step.device, error)
+        raise error
 
     def _can_fall_back(self, step: Step) -> bool:
         try:
