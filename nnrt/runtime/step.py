@@ -152,9 +152,10 @@ class Step:
         self._output_guess: list[tuple[int, ...]] = []
         self._sized: list | None = None
         self._guess([dims[i] for i in plan.outputs])
-        # (shapes of the values, input arguments, output arguments) of the
-        # last request made of numpy arrays only: a request of arrays shaped
-        # the same reuses those argument tuples (see ``request``).
+        # (shapes of the inputs, of the outputs, input arguments, output
+        # arguments) of the last request made of numpy arrays only: a request
+        # of arrays shaped the same reuses those argument tuples (see
+        # ``request``).
         self._last_layout: tuple | None = None
         # The output shapes the last execution reported, and their dimensions.
         self._reported: tuple = (None, None)
@@ -187,7 +188,7 @@ class Step:
                 outs = list(map(np.empty, *sized))   # (no frame per array, as a listcomp has)
             else:
                 outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
-            result = await execute(self.request(inputs, outs))
+            result = await execute(self.request(inputs, outs, sized))
             status = result.status
             if status == _INSUFFICIENT and user_outputs is None and result.output_shapes:
                 self._guess([s.dimensions for s in result.output_shapes])
@@ -231,25 +232,37 @@ class Step:
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)
 
-    def request(self, inputs: Sequence, outputs: Sequence) -> Request:
+    def request(self, inputs: Sequence, outputs: Sequence, sized: tuple | None = None
+                ) -> Request:
         """``build_request`` of these values. When every value is a
         non-empty numpy array shaped as in the last such request, the
         arguments are the same (each array is its own pool, at offset 0,
         its shape and size fixed by its shape: the dtype is the operand's)
         and the last request's argument tuples are reused -- which a
-        driver's ``RequestValidator`` recognises without looking inside."""
-        values = (*inputs, *outputs)
+        driver's ``RequestValidator`` recognises without looking inside.
+        ``sized`` (``self._sized``) says the outputs are new arrays made at
+        its shapes: nothing of them to check."""
         shapes = []
-        for value in values:
+        for value in inputs:
             if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
                 return build_request(inputs, self.inputs, outputs)
             shapes.append(value.shape)
+        if sized is not None:
+            out_shapes = sized[0]
+        else:
+            out_shapes = []
+            for value in outputs:
+                if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
+                    return build_request(inputs, self.inputs, outputs)
+                out_shapes.append(value.shape)
+            out_shapes = tuple(out_shapes)
+        pools = (*inputs, *outputs)
         last = self._last_layout
-        if last is not None and last[0] == shapes:
+        if last is not None and last[0] == shapes and last[1] == out_shapes:
             # The arrays are the pools: a contiguous array is a byte buffer
             # as it is (drivers take pools through nnrt.memory.as_buffer).
-            return Request(last[1], last[2], values)
+            return Request(last[2], last[3], pools)
         request = build_request(inputs, self.inputs, outputs)
-        if all(v.size for v in values):
-            self._last_layout = (shapes, request.inputs, request.outputs)
+        if all(v.size for v in pools):
+            self._last_layout = (shapes, out_shapes, request.inputs, request.outputs)
         return request
