@@ -131,6 +131,16 @@ def shaped(value, shape: tuple[int, ...], operand: Operand):
     return value.reshape(-1)[:math.prod(shape)].reshape(shape)   # () -> 1: a scalar
 
 
+def _array_shapes(values: Sequence) -> tuple | None:
+    """Each value's shape when every one is a C-contiguous numpy array, else None."""
+    shapes = []
+    for value in values:
+        if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
+            return None
+        shapes.append(value.shape)
+    return tuple(shapes)
+
+
 Execute = Callable[[Request], Awaitable[ExecutionResult]]
 
 
@@ -150,7 +160,7 @@ class Step:
         # right from the second execution on).
         dims = validated.dims[None]
         self._output_guess: list[tuple[int, ...]] = []
-        self._sized: list | None = None
+        self._sized: tuple | None = None   # (shapes, dtypes), see _guess
         self._guess([dims[i] for i in plan.outputs])
         # (shapes of the inputs, of the outputs, input arguments, output
         # arguments) of the last request made of numpy arrays only: a request
@@ -242,20 +252,10 @@ class Step:
         driver's ``RequestValidator`` recognises without looking inside.
         ``sized`` (``self._sized``) says the outputs are new arrays made at
         its shapes: nothing of them to check."""
-        shapes = []
-        for value in inputs:
-            if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
-                return build_request(inputs, self.inputs, outputs)
-            shapes.append(value.shape)
-        if sized is not None:
-            out_shapes = sized[0]
-        else:
-            out_shapes = []
-            for value in outputs:
-                if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
-                    return build_request(inputs, self.inputs, outputs)
-                out_shapes.append(value.shape)
-            out_shapes = tuple(out_shapes)
+        shapes = _array_shapes(inputs)
+        out_shapes = sized[0] if sized is not None else _array_shapes(outputs)
+        if shapes is None or out_shapes is None:
+            return build_request(inputs, self.inputs, outputs)
         pools = (*inputs, *outputs)
         last = self._last_layout
         if last is not None and last[0] == shapes and last[1] == out_shapes:
