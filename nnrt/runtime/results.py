@@ -24,16 +24,29 @@ class ExecutionTiming:
     in_driver: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Result:
     outputs: list[np.ndarray]
     output_shapes: list[tuple[int, ...]]
     timing: ExecutionTiming | None  # None when timing was not asked for
 
+    def __init__(self, outputs, output_shapes, timing):
+        # Stored through the slots' descriptors: a frozen dataclass's own
+        # __init__ goes through object.__setattr__ per field, a cost on every
+        # execution (issue 16).
+        _set_outputs(self, outputs)
+        _set_output_shapes(self, output_shapes)
+        _set_timing(self, timing)
+
     def __repr__(self) -> str:
         outs = ", ".join(f"{np.asarray(o).dtype} {tuple(s)}"
                          for o, s in zip(self.outputs, self.output_shapes))
         return f"<nnrt.Result outputs [{outs}], timing {self.timing}>"
+
+
+_set_outputs = Result.outputs.__set__
+_set_output_shapes = Result.output_shapes.__set__
+_set_timing = Result.timing.__set__
 
 
 def copy_into(user_outputs: list, results: list[np.ndarray]) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import anyio
 import numpy as np
@@ -522,6 +522,10 @@ def _record(placed, validated: ValidatedModel) -> dict:
             "validated": cache.dims_meta(validated)}
 
 
+# Read once: an IntEnum member read off its class costs a lookup through the
+# enum's metaclass on every execution (issue 16).
+_NONE = ErrorStatus.NONE
+
 _NOT_THE_DRIVERS_FAULT = frozenset({
     ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
     ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT,
@@ -577,6 +581,7 @@ class CompiledModel:
         self._finalizer.atexit = False
         hal = model.hal_model
         self._main = hal.main
+        self._whole_steps = self._whole(steps)
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
         self._signature = signature.Signature(model)
@@ -754,6 +759,7 @@ class CompiledModel:
                 moved = [m.move_off_device() for m in memories]
                 self._fall_back(failure)
                 self._steps = await self._cpu_steps()
+                self._whole_steps = self._whole(self._steps)
                 if not all(moved):
                     raise failure.error from None   # they died with the driver
                 if memories:
@@ -816,8 +822,11 @@ class CompiledModel:
                    deadline: float | None, loop_timeout: float | None,
                    sessions: dict | None = None) -> Result:
         main = self._main
-        values = dict(zip(main.input_indexes, arrays))
         single = len(steps) == 1
+        # The one step of a whole-model compilation reads the model's inputs
+        # and writes its outputs, in order: no table of values between steps.
+        whole = steps is self._whole_steps
+        values = None if whole else dict(zip(main.input_indexes, arrays))
         on_device = in_driver = 0
         measured = measure
         # A burst's ring carries shared-memory slots: a request naming a
@@ -829,16 +838,13 @@ class CompiledModel:
 
             def execute(request, runner=runner):   # the awaitable itself: no coroutine around it
                 return runner.execute(request, measure, deadline, loop_timeout)
-            result, outs = await step.run(values, execute, user_outputs if single else None)
-            if result.status != ErrorStatus.NONE:
-                error = NnrtError(result.status, result.message or "execution failed",
-                                  output_shapes=[s.dimensions for s in result.output_shapes])
-                if result.status == ErrorStatus.DEAD_OBJECT:
-                    self._runtime._forget(step.device)
-                if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
-                    raise _DriverFailure(step.device, error)
-                raise error
-            values.update(zip(step.plan.outputs, outs))
+            result, outs = await step.run_inputs(
+                arrays if whole else [values[i] for i in step.plan.inputs], execute,
+                user_outputs if single else None)
+            if result.status != _NONE:
+                self._step_failed(step, result)
+            if not whole:
+                values.update(zip(step.plan.outputs, outs))
             if measure:
                 t = result.timing
                 if t.on_device == UINT64_MAX or t.in_driver == UINT64_MAX:
@@ -846,8 +852,8 @@ class CompiledModel:
                 else:
                     on_device += t.on_device
                     in_driver += t.in_driver
-        if single and step.plan.outputs == main.output_indexes:
-            outputs = outs      # the one step's outputs are the model's, in order
+        if whole:
+            outputs = outs
         else:
             outputs = [values[i] for i in main.output_indexes]
             if user_outputs is not None and not single:
@@ -858,6 +864,27 @@ class CompiledModel:
             timing = ExecutionTiming(on_device if measured else None,
                                      in_driver if measured else None)
         return Result(outputs, shapes, timing)
+
+    def _whole(self, steps: list[Step]) -> list[Step] | None:
+        """``steps`` when they are one step that is the whole model (its
+        inputs and outputs the model's, in order), else None: decided once
+        per list of steps, not per execution (``_run``)."""
+        main = self._main
+        if len(steps) == 1 and steps[0].plan.inputs == main.input_indexes \
+                and steps[0].plan.outputs == main.output_indexes:
+            return steps
+        return None
+
+    def _step_failed(self, step: Step, result) -> NoReturn:
+        """Raise the error of a step's failed ``result``: a ``_DriverFailure``
+        when the driver is to blame and the model may move to the CPU."""
+        error = NnrtError(result.status, result.message or "execution failed",
+                          output_shapes=[s.dimensions for s in result.output_shapes])
+        if result.status == ErrorStatus.DEAD_OBJECT:
+            self._runtime._forget(step.device)
+        if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
+            raise _DriverFailure(step.device, error)
+        raise error
 
     def _can_fall_back(self, step: Step) -> bool:
         try:
@@ -891,36 +918,40 @@ class CompiledModel:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
         staged = []
-        for k, (value, operand, as_is) in enumerate(zip(inputs, self._inputs, self._as_is)):
+        for value, as_is in zip(inputs, self._as_is):
             if as_is is not None and value.__class__ is np.ndarray and value.dtype == as_is[0] \
                     and value.shape == as_is[1] and value.flags.c_contiguous:
-                staged.append(value)   # what the checks below would give, without them
-                continue
-            what = f"input {k} ({self._input_name(k)})"
-            if value is None:
-                hal = self.model.hal_model
-                request.check_omitted(hal, hal.main.input_indexes[k], what)
-                staged.append(None)
-            elif isinstance(value, DeviceMemory):
-                value.check_use(self, "input", k, what)
-                staged.append(value if value.on_device else value.region())
-            elif isinstance(value, Region):
-                if operand.type.is_tensor and not value.dimensions \
-                        and not operand.is_fully_specified:
-                    raise invalid(f"input {k} has unknown dimensions "
-                                  f"{list(operand.dimensions)}: give them with the region "
-                                  f"(memory.region(offset, length, dimensions))")
-                staged.append(value)
+                staged.append(value)   # what _stage_input would give, without its checks
             else:
-                arr = request.convert(value, operand, what)
-                if operand.type.is_tensor and operand.dimensions:
-                    declared = operand.dimensions
-                    if arr.ndim != len(declared) or any(
-                            d and d != a for d, a in zip(declared, arr.shape)):
-                        raise invalid(f"{what} has shape {list(arr.shape)}, the model declares "
-                                      f"{list(declared)} (0 = any)")
-                staged.append(arr)
+                staged.append(self._stage_input(len(staged), value))
         return staged
+
+    def _stage_input(self, k: int, value: Any):
+        """App input ``k`` as the request carries it, checked."""
+        operand = self._inputs[k]
+        what = f"input {k} ({self._input_name(k)})"
+        if value is None:
+            hal = self.model.hal_model
+            request.check_omitted(hal, hal.main.input_indexes[k], what)
+            return None
+        if isinstance(value, DeviceMemory):
+            value.check_use(self, "input", k, what)
+            return value if value.on_device else value.region()
+        if isinstance(value, Region):
+            if operand.type.is_tensor and not value.dimensions \
+                    and not operand.is_fully_specified:
+                raise invalid(f"input {k} has unknown dimensions "
+                              f"{list(operand.dimensions)}: give them with the region "
+                              f"(memory.region(offset, length, dimensions))")
+            return value
+        arr = request.convert(value, operand, what)
+        if operand.type.is_tensor and operand.dimensions:
+            declared = operand.dimensions
+            if arr.ndim != len(declared) or any(
+                    d and d != a for d, a in zip(declared, arr.shape)):
+                raise invalid(f"{what} has shape {list(arr.shape)}, the model declares "
+                              f"{list(declared)} (0 = any)")
+        return arr
 
     def _input_name(self, k: int) -> str:
         return self._input_names[k]

@@ -59,6 +59,8 @@ class Signature:
         self._total_inputs = len(meta.inputs)
         self._total_outputs = len(meta.outputs)
         self._state_pairs = list(meta.states)
+        # A plain attribute, not a property: read on every execution (issue 16).
+        self.stateful = bool(self._state_pairs)
         state_in = {i for i, _ in meta.states}
         state_out = {o for _, o in meta.states}
         self._input_positions = [k for k in range(len(meta.inputs)) if k not in state_in]
@@ -130,10 +132,6 @@ class Signature:
             raise invalid(f"{kind} index {k!r} is not one of the model's {len(positions)} "
                           f"{kind}s")
         return positions[k]
-
-    @property
-    def stateful(self) -> bool:
-        return bool(self._state_pairs)
 
     def reset_state(self) -> None:
         """Zero the state the next execution starts from (for memories: the

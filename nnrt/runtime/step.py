@@ -11,7 +11,7 @@ request names it by token). One pool per Memory,
 however many regions of it a request uses, so a driver service maps each
 memory once.
 
-:meth:`Step.run` is the one resize-and-retry loop: when a driver answers
+:meth:`Step.run_inputs` is the one resize-and-retry loop: when a driver answers
 OUTPUT_INSUFFICIENT_SIZE with the shapes it needs, the outputs are allocated
 again at those shapes (at most ``MAX_RESIZE_RETRIES`` times), and the shapes
 an execution reported are the next execution's first guess.
@@ -35,6 +35,11 @@ from .memory_domain import DeviceMemory
 # How many times an execution is retried with larger output buffers after
 # OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
 MAX_RESIZE_RETRIES = 2
+
+# Read once: an IntEnum member read off its class costs an attribute lookup
+# through the enum's metaclass on every execution (issue 16).
+_NONE = ErrorStatus.NONE
+_INSUFFICIENT = ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
 
 
 @dataclass(slots=True)
@@ -126,6 +131,16 @@ def shaped(value, shape: tuple[int, ...], operand: Operand):
     return value.reshape(-1)[:math.prod(shape)].reshape(shape)   # () -> 1: a scalar
 
 
+def _array_shapes(values: Sequence) -> tuple | None:
+    """Each value's shape when every one is a C-contiguous numpy array, else None."""
+    shapes = []
+    for value in values:
+        if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
+            return None
+        shapes.append(value.shape)
+    return tuple(shapes)
+
+
 Execute = Callable[[Request], Awaitable[ExecutionResult]]
 
 
@@ -145,11 +160,12 @@ class Step:
         # right from the second execution on).
         dims = validated.dims[None]
         self._output_guess: list[tuple[int, ...]] = []
-        self._sized: list | None = None
+        self._sized: tuple | None = None   # (shapes, dtypes), see _guess
         self._guess([dims[i] for i in plan.outputs])
-        # (shapes of the values, input arguments, output arguments) of the
-        # last request made of numpy arrays only: a request of arrays shaped
-        # the same reuses those argument tuples (see ``request``).
+        # (shapes of the inputs, of the outputs, input arguments, output
+        # arguments) of the last request made of numpy arrays only: a request
+        # of arrays shaped the same reuses those argument tuples (see
+        # ``request``).
         self._last_layout: tuple | None = None
         # The output shapes the last execution reported, and their dimensions.
         self._reported: tuple = (None, None)
@@ -159,30 +175,36 @@ class Step:
         return all(o.type.is_scalar or (len(g) > 0 and all(d > 0 for d in g))
                    for g, o in zip(self.output_guess, self.outputs))
 
-    async def run(self, values: dict, execute: Execute, user_outputs: Sequence | None = None,
-                  allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array):
-        """Run the step on ``values`` (original operand index -> value) with
+    def run(self, values: dict, execute: Execute, user_outputs: Sequence | None = None,
+            allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array):
+        """:meth:`run_inputs` on ``values`` (original operand index -> value)."""
+        return self.run_inputs([values[i] for i in self.plan.inputs], execute, user_outputs,
+                               allocate)
+
+    async def run_inputs(self, inputs: list, execute: Execute,
+                         user_outputs: Sequence | None = None,
+                         allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array):
+        """Run the step on ``inputs`` (its input values, in order) with
         ``execute`` (the prepared model's, a burst session's, ...), into
         ``user_outputs`` when given, else into outputs made by ``allocate``
         (retrying larger ones after OUTPUT_INSUFFICIENT_SIZE). Returns the
         HAL result and the output values, shaped as reported on success."""
-        inputs = [values[i] for i in self.plan.inputs]
         for _attempt in range(MAX_RESIZE_RETRIES + 1):
             sized = None
             if user_outputs is not None:
                 outs = list(user_outputs)
             elif allocate is allocate_array and self._sized is not None:
                 sized = self._sized
-                outs = [np.empty(shape, dtype) for shape, dtype in sized]
+                outs = list(map(np.empty, *sized))   # (no frame per array, as a listcomp has)
             else:
                 outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
-            result = await execute(self.request(inputs, outs))
-            if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE and user_outputs is None \
-                    and result.output_shapes:
+            result = await execute(self.request(inputs, outs, sized))
+            status = result.status
+            if status == _INSUFFICIENT and user_outputs is None and result.output_shapes:
                 self._guess([s.dimensions for s in result.output_shapes])
                 continue
             break
-        if result.status != ErrorStatus.NONE:
+        if status != _NONE:
             return result, outs
         reported = result.output_shapes
         if reported is self._reported[0]:
@@ -213,32 +235,34 @@ class Step:
 
     def _guess(self, shapes: list[tuple[int, ...]]) -> None:
         """Expect ``shapes``; with every one known (and no scalar), keep the
-        ``(shape, dtype)`` the next execution's arrays are made at."""
+        shapes and the dtypes the next execution's arrays are made at."""
         self._output_guess = shapes
         self._reported = (None, None)
-        self._sized = ([(dims, o.type.dtype) for dims, o in zip(shapes, self.outputs)]
+        self._sized = ((tuple(shapes), tuple(o.type.dtype for o in self.outputs))
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)
 
-    def request(self, inputs: Sequence, outputs: Sequence) -> Request:
+    def request(self, inputs: Sequence, outputs: Sequence, sized: tuple | None = None
+                ) -> Request:
         """``build_request`` of these values. When every value is a
         non-empty numpy array shaped as in the last such request, the
         arguments are the same (each array is its own pool, at offset 0,
         its shape and size fixed by its shape: the dtype is the operand's)
         and the last request's argument tuples are reused -- which a
-        driver's ``RequestValidator`` recognises without looking inside."""
-        values = (*inputs, *outputs)
-        shapes = []
-        for value in values:
-            if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
-                return build_request(inputs, self.inputs, outputs)
-            shapes.append(value.shape)
+        driver's ``RequestValidator`` recognises without looking inside.
+        ``sized`` (``self._sized``) says the outputs are new arrays made at
+        its shapes: nothing of them to check."""
+        shapes = _array_shapes(inputs)
+        out_shapes = sized[0] if sized is not None else _array_shapes(outputs)
+        if shapes is None or out_shapes is None:
+            return build_request(inputs, self.inputs, outputs)
+        pools = (*inputs, *outputs)
         last = self._last_layout
-        if last is not None and last[0] == shapes:
+        if last is not None and last[0] == shapes and last[1] == out_shapes:
             # The arrays are the pools: a contiguous array is a byte buffer
             # as it is (drivers take pools through nnrt.memory.as_buffer).
-            return Request(last[1], last[2], values)
+            return Request(last[2], last[3], pools)
         request = build_request(inputs, self.inputs, outputs)
-        if all(v.size for v in values):
-            self._last_layout = (shapes, request.inputs, request.outputs)
+        if all(v.size for v in pools):
+            self._last_layout = (shapes, out_shapes, request.inputs, request.outputs)
         return request

@@ -169,3 +169,20 @@ async def test_no_device_supporting_an_operation_is_a_clear_error():
     async with nnrt.Runtime(devices=[adder]) as rt:
         with pytest.raises(NnrtError, match=r"no device supports operation 0 \(CONV_2D\)"):
             await rt.compile(chain_model())
+
+
+async def test_a_whole_model_step_that_fails_falls_back_to_a_whole_model_step_on_the_cpu():
+    """Issue 16: the CPU's steps after a fallback are again one step that is
+    the whole model, run on the app's input list."""
+    flaky = FailsAtRun("flaky", {Op.CONV_2D, Op.ADD, Op.MUL}, ErrorStatus.GENERAL_FAILURE)
+    async with nnrt.Runtime(devices=[flaky, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert [d.name for d in compiled.devices] == ["flaky"]
+        assert compiled._whole_steps is compiled._steps
+        for _ in range(2):
+            r = await compiled.execute([X, C])
+            assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        assert [d.name for d in compiled.devices] == ["nnrt-reference"]
+        assert compiled._whole_steps is compiled._steps
+        assert compiled.statistics().fallbacks == 1
+        assert compiled.statistics().executions == 2

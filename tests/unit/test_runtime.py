@@ -175,3 +175,48 @@ async def test_each_execution_gets_output_arrays_of_its_own(monkeypatch):
         assert len({id(out) for out in results}) == len(results)
         assert not any(np.may_share_memory(a, b) for a in results for b in results if a is not b)
         assert len(layouts) == 1
+
+
+async def test_a_step_list_not_known_to_be_the_whole_model_runs_through_the_value_table():
+    """Issue 16: a compilation whose one step is the whole model runs that
+    step on the app's input list; any other list of steps (here the same
+    step in a list the compiled model did not vet) goes through the table
+    of operand values, with the same results and errors."""
+    from nnrt.drivers.reference import ReferenceDevice
+    x, y = np.arange(4, dtype=np.float32).reshape(1, 4), np.ones((1, 4), np.float32)
+    async with nnrt.Runtime(devices=[ReferenceDevice()], discover=False) as rt:
+        compiled = await rt.compile(add_model())
+        assert compiled._whole_steps is compiled._steps
+        fast = (await compiled.execute([x, y])).outputs[0]
+        compiled._steps = list(compiled._steps)
+        assert compiled._whole_steps is not compiled._steps
+        general = await compiled.execute({"input1": y, "input0": x})
+        np.testing.assert_array_equal(general.outputs[0], fast)
+        assert general.output_shapes == [(1, 4)]
+        out = np.zeros((1, 4), np.float32)
+        given = await compiled.execute([x, y], outputs=[out])
+        assert given.outputs[0].base is out or given.outputs[0] is out
+        np.testing.assert_array_equal(out, x + y)
+        with pytest.raises(NnrtError, match=r"input 1 \(input1\) has shape \[2, 4\]"):
+            await compiled.execute([x, np.ones((2, 4), np.float32)])
+        assert compiled.statistics().executions == 3
+
+
+async def test_output_arguments_are_reused_only_for_outputs_of_the_same_shapes():
+    """Issue 16: the runtime's own output arrays (made at the expected
+    shapes) and an app's output arrays share the step's remembered request
+    arguments only when their shapes are those the arguments describe."""
+    from nnrt.drivers.reference import ReferenceDevice
+    x, y = np.arange(4, dtype=np.float32).reshape(1, 4), np.ones((1, 4), np.float32)
+    async with nnrt.Runtime(devices=[ReferenceDevice()], discover=False) as rt:
+        compiled = await rt.compile(add_model())
+        for _ in range(3):
+            np.testing.assert_array_equal((await compiled.execute([x, y])).outputs[0], x + y)
+        same = np.zeros((1, 4), np.float32)
+        await compiled.execute([x, y], outputs=[same])
+        np.testing.assert_array_equal(same, x + y)
+        flat = np.zeros(4, np.float32)     # the same bytes, another shape
+        r = await compiled.execute([x, y], outputs=[flat])
+        np.testing.assert_array_equal(flat, (x + y).reshape(-1))
+        assert r.output_shapes == [(1, 4)]
+        np.testing.assert_array_equal((await compiled.execute([x, y])).outputs[0], x + y)
