@@ -71,7 +71,8 @@ from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
 from .. import trace
 from ..hal.types import Priority
-from .scheduler import Job, JobRecord, JobState, Scheduler, SchedulerStatistics, Verdict
+from .scheduler import (_RUNNING, Job, JobRecord, JobState, Scheduler, SchedulerStatistics,
+                        Verdict)
 
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs
 
@@ -155,7 +156,7 @@ class ExecutionGate:
         scheduler = self.scheduler
         with self._lock:
             job = scheduler.submit(app, priority, deadline=deadline, model=model)
-            owned = job.state is JobState.RUNNING
+            owned = job.state is _RUNNING
             self._tickets[job] = _Ticket(None, threading.get_ident() if owned else None)
             woken = scheduler.take_wakeups()
             if owned:
