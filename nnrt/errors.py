@@ -24,6 +24,14 @@ class ErrorStatus(enum.IntEnum):
     DEAD_OBJECT = 10000
 
 
+# The statuses every execution compares with, bound once for its hot paths
+# (imported as globals): on Python 3.11 reading a member off its Enum class
+# costs ~120 ns (EnumType's __getattr__ hook, gone in 3.12), a global ~10 ns
+# (issue 16).
+STATUS_NONE = ErrorStatus.NONE
+STATUS_INSUFFICIENT = ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
+
+
 class ResultCode(enum.IntEnum):
     """NeuralNetworks.h result codes, as the app-facing builder reports them."""
 

@@ -159,7 +159,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-from ..errors import ErrorStatus, NnrtError, invalid
+from ..errors import (STATUS_INSUFFICIENT as _INSUFFICIENT, STATUS_NONE as _NONE, ErrorStatus,
+                      NnrtError, invalid)
 from ..vlog import on as vlog_on, vlog
 from ..hal.types import Priority, check_deadline, check_priority
 
@@ -234,12 +235,10 @@ class _Event(enum.Enum):
     __hash__ = object.__hash__   # as JobState's
 
 
-# The members every execution reads, bound once: on Python 3.11 reading a
-# member off its Enum class costs ~120 ns (EnumType's __getattr__ hook, gone
-# in 3.12), a global ~10 ns, and an execution read about ten (issue 16).
+# The states and events every execution reads, bound once as the statuses
+# are (nnrt.errors.STATUS_NONE: a member read off its class is slow on 3.11).
 _RUNNING, _PREEMPTED, _DONE = JobState.RUNNING, JobState.PREEMPTED, JobState.DONE
 _DISPATCH, _FINISH = _Event.DISPATCH, _Event.FINISH
-_NONE, _INSUFFICIENT = ErrorStatus.NONE, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
 
 _TRANSITIONS = {
     (JobState.QUEUED, _Event.DISPATCH): JobState.RUNNING,

@@ -22,7 +22,7 @@ import sniffio
 from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
-from ..errors import ErrorStatus, NnrtError, bad_state, invalid
+from ..errors import STATUS_NONE as _NONE, ErrorStatus, NnrtError, bad_state, invalid
 from ..memory import Memory, Region
 from ..model.builder import Model
 from ..model.graph import Operand
@@ -521,10 +521,6 @@ def _record(placed, validated: ValidatedModel) -> dict:
                       for p in placed],
             "validated": cache.dims_meta(validated)}
 
-
-# Read once: an IntEnum member read off its class costs a lookup through the
-# enum's metaclass on every execution (issue 16).
-_NONE = ErrorStatus.NONE
 
 _NOT_THE_DRIVERS_FAULT = frozenset({
     ErrorStatus.INVALID_ARGUMENT, ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ErrorStatus
+from ..errors import STATUS_INSUFFICIENT as _INSUFFICIENT, STATUS_NONE as _NONE
 from ..hal import Device, ExecutionResult, PreparedModel, Request, RequestArgument
 from ..hal.validate import ValidatedModel
 from ..memory import DeviceToken, Memory, Region
@@ -35,11 +35,6 @@ from .memory_domain import DeviceMemory
 # How many times an execution is retried with larger output buffers after
 # OUTPUT_INSUFFICIENT_SIZE (dynamic output shapes) before giving up.
 MAX_RESIZE_RETRIES = 2
-
-# Read once: an IntEnum member read off its class costs an attribute lookup
-# through the enum's metaclass on every execution (issue 16).
-_NONE = ErrorStatus.NONE
-_INSUFFICIENT = ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
 
 
 @dataclass(slots=True)
