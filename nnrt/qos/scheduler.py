@@ -209,6 +209,10 @@ class AppSettings:
 
 DEFAULT_SETTINGS = AppSettings()
 
+# NNRT_VLOG is read once, at import (nnrt.vlog): whether every run logs is
+# decided once here too, not by a call on every submit, dispatch and end.
+_VLOG = vlog_on("execution")
+
 # App and model keys hashable by their type: not hashed again to be checked.
 _PLAIN_KEYS = frozenset({int, str, type(None)})
 
@@ -238,7 +242,7 @@ class _Event(enum.Enum):
 # The states and events every execution reads, bound once as the statuses
 # are (nnrt.errors.STATUS_NONE: a member read off its class is slow on 3.11).
 _RUNNING, _PREEMPTED, _DONE = JobState.RUNNING, JobState.PREEMPTED, JobState.DONE
-_DISPATCH, _FINISH = _Event.DISPATCH, _Event.FINISH
+_DISPATCH = _Event.DISPATCH
 
 _TRANSITIONS = {
     (JobState.QUEUED, _Event.DISPATCH): JobState.RUNNING,
@@ -388,10 +392,14 @@ class _App:
     lag: float = 0.0                             # virtual seconds it was owed when it went idle (F5)
     settings: AppSettings = DEFAULT_SETTINGS
     held: deque = field(default_factory=deque)   # Jobs beyond the queue limit, oldest first
+    weight: float = 1.0                          # settings.weight (read on every run: a field)
 
-    @property
-    def weight(self) -> float:
-        return self.settings.weight
+    def __post_init__(self):
+        self.weight = self.settings.weight
+
+    def apply(self, settings: AppSettings) -> None:
+        self.settings = settings
+        self.weight = settings.weight
 
     @property
     def settled(self) -> float:
@@ -527,7 +535,7 @@ class Scheduler:
             self._vlog("held job %d (app %r, %s): its queue is full (%d)", job.seq, app,
                        priority.name, limit)
             return job
-        if vlog_on("execution"):   # (the arguments cost more than the rest of a submit)
+        if _VLOG:   # (the arguments cost more than the rest of a submit)
             self._vlog("queued job %d (app %r, %s, deadline %s, model %r%s)", job.seq, app,
                        priority.name, "none" if deadline is None else f"{deadline - now:+.4f}s",
                        model, ", probe" if job.probe else "")
@@ -626,8 +634,7 @@ class Scheduler:
         now = self.clock()
         if status.__class__ is not ErrorStatus:
             status = ErrorStatus(status)
-        self._release(job, now)
-        self._leave(job)
+        self._leave(job, self._release(job, now))
         if (status is _NONE or status is _INSUFFICIENT) \
                 and not job.cancel_requested:
             self._learn(job.model, job.ran)
@@ -636,7 +643,7 @@ class Scheduler:
         if status is _NONE and job.deadline is not None and now > job.deadline:
             status = self._miss_code(job, 0.0)
             message = (f"the execution finished {now - job.deadline:.4f} s after its deadline")
-        job._move(_FINISH)
+        job.state = _DONE      # (_move: RUNNING --FINISH--> DONE, checked above)
         self._done(job, now, status, message)
         if self._queued:
             self._fill_slots(now)
@@ -726,7 +733,7 @@ class Scheduler:
         queue whose limit grew."""
         self._settings = settings
         for state in self._apps.values():
-            state.settings = self._settings_of(state.key)
+            state.apply(self._settings_of(state.key))
             self._promote(state)
         self._fill_slots(self.clock())
 
@@ -922,19 +929,11 @@ class Scheduler:
                   if a is not app and (a.queue or a.running)]
         return min(active) if active else None
 
-    def _floor(self, app: _App) -> float:
-        """Where an app that was idle, or is new, is placed (F5): the least
-        settled virtual time of the other active apps; when none is active,
-        the system's virtual time as the last of them left it (F7)."""
-        least = self._least_other(app)
-        return self._vtime if least is None else least
-
-    def _leave(self, job: Job) -> None:
+    def _leave(self, job: Job, app: _App) -> None:
         """``job`` has ended; if its app has nothing else, it goes idle:
         keep how far it was behind the others (its lag), at most that one
         job in its virtual time (F5). The last active app to go idle leaves
         the system's virtual time at its own (F7)."""
-        app = self._apps[job.app]
         if app.queue or app.running or app.held:
             return
         least = self._least_other(app)
@@ -961,8 +960,11 @@ class Scheduler:
         alone for a while, or beside a flood that then ended, waited for
         the newcomer to catch up with all of it (seconds: measured in
         ``benchmarks/qos_apps.py``, docs/qos.md)."""
-        floor = self._floor(app)
-        app.service = max(app.service, (floor - app.lag) * app.weight)
+        least = self._least_other(app)
+        floor = self._vtime if least is None else least
+        service = (floor - app.lag) * app.weight
+        if service > app.service:
+            app.service = service
         app.lag = 0.0
 
     def _pick_app(self) -> _App | None:
@@ -1030,19 +1032,22 @@ class Scheduler:
             c.waits.append(now - job.submitted_at)
         job._slot_since = job._run_since = job._last_boundary = now
         job._vstart = app.service - app.inflight     # app.settled
-        job._charged = charge = self._expected(job)
+        estimate = self._estimates.get(job.model)   # (_expected, inlined)
+        charge = estimate.average - job.ran if estimate is not None else 0.0
+        job._charged = charge = charge if charge > 0.0 else 0.0
         app.service += charge
         app.inflight += charge
         app.running += 1
         app.last_served = next(self._served)
         self._busy += 1
         self._wakeups.append(job)
-        if vlog_on("execution"):
+        if _VLOG:
             self._vlog("%s job %d (app %r, %s) after %.4f s waiting", "resumed" if resumed
                        else "started", job.seq, job.app, job.priority.name,
                        now - job.submitted_at)
 
-    def _release(self, job: Job, now: float) -> None:
+    def _release(self, job: Job, now: float) -> _App:
+        """Give ``job``'s slot back, charging its app what it ran; returns the app."""
         # Device time is run time: from when the job's thread took the slot.
         # The wake-up before that (the slot held idle) is charged to nobody:
         # charging it skewed the shares towards the app whose threads woke
@@ -1050,7 +1055,9 @@ class Scheduler:
         # run times its records show.
         interval = now - job._run_since
         job.ran += interval
-        job.longest_step = max(job.longest_step, now - job._last_boundary)
+        step = now - job._last_boundary
+        if step > job.longest_step:
+            job.longest_step = step
         app = self._apps[job.app]
         app.service += interval - job._charged
         app.inflight -= job._charged
@@ -1062,10 +1069,10 @@ class Scheduler:
         c = job._cls or self._class(job)
         c.running -= 1
         c.run_time += interval
+        return app
 
     def _stop(self, job: Job, now: float, status: ErrorStatus, message: str) -> None:
-        self._release(job, now)
-        self._leave(job)
+        self._leave(job, self._release(job, now))
         job._move(_Event.STOP)
         self._end_probe(job)
         self._done(job, now, status, message)
@@ -1093,12 +1100,12 @@ class Scheduler:
         # The job itself: a DONE job never changes again, so its record is
         # made only when asked for (finished_jobs), not on every finish.
         self._history.append(job)
-        if vlog_on("execution"):
+        if _VLOG:
             self._vlog("job %d (app %r, %s) done after %.4f s running: %s%s", job.seq,
                        job.app, job.priority.name, job.ran, status.name,
                        f" ({message})" if message else "")
 
     def _vlog(self, msg: str, *args) -> None:
-        if vlog_on("execution"):
+        if _VLOG:
             vlog("execution", "%s: " + msg, self.name, *args)
 
