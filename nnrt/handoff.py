@@ -21,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import types
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -148,21 +149,28 @@ class WorkerThreads:
 _EXECUTION_THREADS = WorkerThreads("nnrt-execution")
 
 
+@types.coroutine
+def _bare_yield():
+    """What ``asyncio.sleep(0)`` awaits (its ``__sleep0``): a bare yield,
+    which an asyncio task takes as "let the loop run the others first"."""
+    yield
+
+
 def schedule_point() -> Awaitable[None]:
     """What ``anyio.lowlevel.checkpoint()`` awaits, to await on a per-call
     hot path: a turn of the loop for its other tasks, where a cancelled
-    task stops. On an asyncio task that is ``asyncio.sleep(0)``, exactly
-    what anyio's asyncio backend awaits, returned here without anyio's
-    per-call look-up of the running library and the two coroutine frames
-    it adds to every suspension and resumption: 6-15 us of CPU per
-    in-process execution on this VM (issue 16). Elsewhere -- trio, or
-    trio as a guest of an asyncio loop, whose code runs outside any
-    asyncio task -- anyio's own."""
+    task stops. On an asyncio task that is ``asyncio.sleep(0)``'s bare
+    yield, exactly what anyio's asyncio backend awaits, returned here
+    without anyio's per-call look-up of the running library and the
+    coroutine frames it and ``sleep`` add to every suspension and
+    resumption: 6-15 us of CPU per in-process execution on this VM
+    (issue 16). Elsewhere -- trio, or trio as a guest of an asyncio loop,
+    whose code runs outside any asyncio task -- anyio's own."""
     try:
         in_task = asyncio.current_task() is not None
     except RuntimeError:   # no asyncio loop running on this thread
         in_task = False
-    return asyncio.sleep(0) if in_task else anyio.lowlevel.checkpoint()
+    return _bare_yield() if in_task else anyio.lowlevel.checkpoint()
 
 
 def run_soon(fn: Callable[..., Any], *args: Any) -> None:
