@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .. import ops
+from ..ops import Arg, Call
 from ..errors import ErrorStatus, NnrtError
 from ..hal.types import NO_TIMING, ExecutionResult, OutputShape, Timing
 from ..model.graph import HalModel, Operand, decode_value
@@ -39,6 +40,9 @@ from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
+# Operands whose value is the same in every execution: a constant, a
+# subgraph reference, an omitted optional input.
+_FIXED = (*_CONSTANT, L.SUBGRAPH, L.NO_VALUE)
 
 # Every execution runs with numpy's floating-point errors ignored: kernels
 # compute IEEE results (inf, NaN) as a device does, never a RuntimeWarning,
@@ -63,7 +67,11 @@ class _Step:
     type: OperationType
     name: str                            # type.name, read once (an enum's name is a property)
     kernel: ops.registry.Kernel
-    args: tuple[tuple, ...]     # (operand index, type, scale, zero_point, channel_quant) per input
+    # The kernel's Args, with None where the value is read at run time: an
+    # input whose value is fixed has its Arg made once, shared by every
+    # execution (no kernel changes an Arg it is given).
+    args: tuple[Arg | None, ...]
+    reads: tuple[tuple, ...]    # (position, operand index, type, scale, zero_point, channel_quant)
     outputs: tuple[int, ...]
     out_operands: tuple[Operand, ...]
     out_dtypes: tuple[np.dtype | None, ...]  # None for a scalar
@@ -85,13 +93,19 @@ class _SubgraphPlan:
         steps = []
         for op in sub.operations:
             opdef = ops.definition(op.type)
-            args = tuple((i, sub.operands[i].type, sub.operands[i].scale,
-                          sub.operands[i].zero_point, sub.operands[i].channel_quant)
-                         for i in op.inputs)
+            args, reads = [], []
+            for position, i in enumerate(op.inputs):
+                o = sub.operands[i]
+                if o.lifetime in _FIXED:
+                    args.append(Arg(o.type, self.initial[i], o.scale, o.zero_point,
+                                    o.channel_quant))
+                else:
+                    args.append(None)
+                    reads.append((position, i, o.type, o.scale, o.zero_point, o.channel_quant))
             out_operands = tuple(sub.operands[i] for i in op.outputs)
             out_dtypes = tuple(None if o.type.is_scalar else o.type.dtype for o in out_operands)
-            steps.append(_Step(op.type, op.type.name, opdef.kernel, args, op.outputs,
-                               out_operands, out_dtypes,
+            steps.append(_Step(op.type, op.type.name, opdef.kernel, tuple(args), tuple(reads),
+                               op.outputs, out_operands, out_dtypes,
                                tuple(dims.get(i, ()) for i in op.outputs)))
         self.steps = tuple(steps)
 
@@ -394,42 +408,38 @@ class ExecutionContext:
                             f"got {len(inputs)}")
         for i, v in zip(plan.input_indexes, inputs):
             values[i] = v
-        relaxed = self.executor.relaxed
-        trace = vlog_on("cpuexe")
         frame = [index, 0]
         self._frames.append(frame)
         try:
-            self._run_steps(plan, values, frame, relaxed, trace)
+            self._run_steps(plan, values, frame)
         finally:
             self._frames.pop()
-        return [values[i] for i in plan.output_indexes]
+        return list(map(values.__getitem__, plan.output_indexes))
 
-    def _run_steps(self, plan: _SubgraphPlan, values: list, frame: list, relaxed: bool,
-                   trace: bool) -> None:
+    def _run_steps(self, plan: _SubgraphPlan, values: list, frame: list) -> None:
         checkpoint = self._checkpoint
         if checkpoint is not None and frame[0] is not None:
             checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
-        traced = tracing.enabled()
+        relaxed = self.executor.relaxed
+        # Read once per subgraph run: a kernel is called directly unless
+        # tracing or the cpuexe log is on.
+        observed = tracing.enabled() or vlog_on("cpuexe")
         for k, step in enumerate(plan.steps):
             frame[1] = k
             if checkpoint is not None:
                 checkpoint(self)
-            args = [ops.Arg(t, values[i], s, z, c) for i, t, s, z, c in step.args]
-            call = ops.Call(step.type, args, step.out_operands, relaxed, self)
-            start = time.perf_counter() if trace else 0.0
+            args = list(step.args)
+            for position, i, t, s, z, c in step.reads:
+                args[position] = Arg(t, values[i], s, z, c)
+            call = Call(step.type, args, step.out_operands, relaxed, self)
             try:
-                if traced:
-                    results = tracing.call(step.name, step.kernel, call)
-                else:
-                    results = step.kernel(call)
+                results = _observed(step, call) if observed else step.kernel(call)
             except NnrtError:
                 raise
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
                     MemoryError) as e:
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                                 f"{step.name} failed: {type(e).__name__}: {e}") from e
-            if trace:
-                vlog("cpuexe", "%s %.3f ms", step.name, (time.perf_counter() - start) * 1e3)
             if len(results) != len(step.outputs):
                 raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                                 f"{step.name} kernel returned {len(results)} outputs, "
@@ -443,6 +453,17 @@ class ExecutionContext:
                     result = _checked_output(step, j, result)
                 values[i] = result
         frame[1] = len(plan.steps)
+
+
+def _observed(step: _Step, call: Call) -> list:
+    """``step``'s kernel on ``call``, traced and logged as they are enabled."""
+    start = time.perf_counter()
+    if tracing.enabled():
+        results = tracing.call(step.name, step.kernel, call)
+    else:
+        results = step.kernel(call)
+    vlog("cpuexe", "%s %.3f ms", step.name, (time.perf_counter() - start) * 1e3)
+    return results
 
 
 def _checked_output(step: _Step, k: int, result):
