@@ -81,6 +81,7 @@ class _Step:
 class _SubgraphPlan:
     def __init__(self, model: HalModel, index: int | None, dims: dict[int, tuple[int, ...]]):
         sub = model.subgraph(index)
+        self.index = index
         self.operands = sub.operands
         self.input_indexes = sub.input_indexes
         self.output_indexes = sub.output_indexes
@@ -109,6 +110,17 @@ class _SubgraphPlan:
                                tuple(dims.get(i, ()) for i in op.outputs)))
         self.steps = tuple(steps)
 
+    def values(self, inputs: list) -> list:
+        """Every operand's value as a run on ``inputs`` starts."""
+        if len(inputs) != len(self.input_indexes):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"subgraph {self.index} takes {len(self.input_indexes)} inputs, "
+                            f"got {len(inputs)}")
+        values = list(self.initial)
+        for i, v in zip(self.input_indexes, inputs):
+            values[i] = v
+        return values
+
 
 class Executor:
     def __init__(self, model: HalModel, validated: ValidatedModel):
@@ -116,6 +128,7 @@ class Executor:
         self.relaxed = model.relax_computation_float32_to_float16
         self.plans = {index: _SubgraphPlan(model, index, validated.dims[index])
                       for index in validated.dims}
+        self.main = self.plans[None]
 
     def run(self, inputs: list, *, loop_timeout: float | None = None,
             deadline: float | None = None,
@@ -123,14 +136,15 @@ class Executor:
         """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted).
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
-        if _FP_STATE is None:
-            with np.errstate(all="ignore"):
-                return context.run_subgraph(None, inputs)
-        token = _FP_STATE.set(_FP_IGNORED)
-        try:
-            return context.run_subgraph(None, inputs)
-        finally:
-            _FP_STATE.reset(token)
+        return context.run_main(self.main.values(inputs))
+
+    def run_values(self, values: list, *, loop_timeout: float | None = None,
+                   deadline: float | None = None,
+                   checkpoint: Callable[["ExecutionContext"], None] | None = None) -> list:
+        """:meth:`run` from ``values``, every operand's value as the main
+        subgraph starts (what ``main.values(inputs)`` gives and a
+        :class:`Binding` reads from a request's pools)."""
+        return ExecutionContext(self, loop_timeout, deadline, checkpoint).run_main(values)
 
 
 class RequestPlan:
@@ -156,12 +170,14 @@ class RequestPlan:
 
     Tested by tests/unit/test_executor_plan.py."""
 
-    __slots__ = ("_validator", "_inputs", "_outputs", "_last")
+    __slots__ = ("_validator", "_initial", "_inputs", "_outputs", "_last")
 
-    def __init__(self, model: HalModel):
+    def __init__(self, executor: Executor):
+        model = executor.model
         sub = model.main
         self._validator = RequestValidator(model)
-        self._inputs = tuple((sub.operands[i], sub.operands[i].type.is_tensor,
+        self._initial = executor.main.initial
+        self._inputs = tuple((i, sub.operands[i], sub.operands[i].type.is_tensor,
                               sub.operands[i].type.dtype, sub.operands[i].dimensions)
                              for i in sub.input_indexes)
         self._outputs = tuple((i, sub.operands[i].type.dtype, sub.operands[i].dimensions)
@@ -217,13 +233,13 @@ class _Output:
 
 class _Layout:
     """A request's arguments resolved against a :class:`RequestPlan`,
-    whatever pools they point into: per tensor input its shape, element
-    type, pool index and offset; per scalar input its region; per output an
-    :class:`_Output`; and the output shapes and result of an execution whose
-    outputs come out as declared. Immutable once made; shared by every
-    :class:`Binding` of these arguments."""
+    whatever pools they point into: per tensor input its operand, shape,
+    element type, pool index and offset; per scalar input its operand and
+    region; per output an :class:`_Output`; and the output shapes and result
+    of an execution whose outputs come out as declared. Immutable once made;
+    shared by every :class:`Binding` of these arguments."""
 
-    __slots__ = ("inputs", "outputs", "omitted", "tensors", "scalars", "outs", "declared",
+    __slots__ = ("inputs", "outputs", "initial", "tensors", "scalars", "outs", "declared",
                  "done")
 
     def __init__(self, plan: RequestPlan, request):
@@ -231,18 +247,19 @@ class _Layout:
         # container may be recognised by identity in describes().
         self.inputs = tuple(request.inputs)
         self.outputs = tuple(request.outputs)
+        # The main subgraph's values as an execution starts, an omitted
+        # input's (None) included: the inputs read are put in a copy.
+        self.initial = plan._initial
         tensors, scalars = [], []
-        for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
-                zip(self.inputs, plan._inputs)):
+        for arg, (i, operand, is_tensor, dtype, declared) in zip(self.inputs, plan._inputs):
             if arg.has_no_value:
                 continue
             loc = arg.location
             if is_tensor:
-                tensors.append((k, tuple(arg.dimensions) or declared, dtype, loc.pool_index,
+                tensors.append((i, tuple(arg.dimensions) or declared, dtype, loc.pool_index,
                                 loc.offset))
             else:
-                scalars.append((k, operand, loc.pool_index, loc.offset, loc.length))
-        self.omitted = (None,) * len(self.inputs)    # None: an omitted input
+                scalars.append((i, operand, loc.pool_index, loc.offset, loc.length))
         self.tensors = tuple(tensors)
         self.scalars = tuple(scalars)
         self.outs = tuple(
@@ -317,17 +334,19 @@ class Binding:
                                                  for p, n in self._resizable)))
 
     def read_inputs(self) -> list:
-        """An array view per tensor input (no copy: the pool as it is now), a
+        """Every operand's value as the main subgraph starts (what
+        :meth:`Executor.run_values` takes), the inputs read from the pools:
+        an array view per tensor input (no copy: the pool as it is now), a
         Python value per scalar, None for an omitted input."""
         layout = self.layout
         sources = self._sources
-        inputs = list(layout.omitted)
-        for k, shape, dtype, pool, offset in layout.tensors:
-            inputs[k] = np.ndarray(shape, dtype, sources[pool], offset)
-        for k, operand, pool, offset, length in layout.scalars:
-            inputs[k] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
+        values = list(layout.initial)
+        for i, shape, dtype, pool, offset in layout.tensors:
+            values[i] = np.ndarray(shape, dtype, sources[pool], offset)
+        for i, operand, pool, offset, length in layout.scalars:
+            values[i] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
                                                             offset))
-        return inputs
+        return values
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
         """Each output's shape and whether its region holds it."""
@@ -372,6 +391,8 @@ class Binding:
 class ExecutionContext:
     """One execution's state: what kernels reach through ``call.executor``."""
 
+    __slots__ = ("executor", "loop_timeout", "deadline", "_checkpoint", "_frames")
+
     def __init__(self, executor: Executor, loop_timeout: float | None, deadline: float | None,
                  checkpoint: Callable[["ExecutionContext"], None] | None = None):
         self.executor = executor
@@ -399,16 +420,23 @@ class ExecutionContext:
         if self._checkpoint is not None:
             self._checkpoint(self)
 
+    def run_main(self, values: list) -> list:
+        """The main subgraph's outputs from ``values`` (see :meth:`Executor.run_values`)."""
+        if _FP_STATE is None:
+            with np.errstate(all="ignore"):
+                return self._run(self.executor.main, values)
+        token = _FP_STATE.set(_FP_IGNORED)
+        try:
+            return self._run(self.executor.main, values)
+        finally:
+            _FP_STATE.reset(token)
+
     def run_subgraph(self, index: int | None, inputs: list) -> list:
         plan = self.executor.plans[index]
-        values = list(plan.initial)
-        if len(inputs) != len(plan.input_indexes):
-            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"subgraph {index} takes {len(plan.input_indexes)} inputs, "
-                            f"got {len(inputs)}")
-        for i, v in zip(plan.input_indexes, inputs):
-            values[i] = v
-        frame = [index, 0]
+        return self._run(plan, plan.values(inputs))
+
+    def _run(self, plan: _SubgraphPlan, values: list) -> list:
+        frame = [plan.index, 0]
         self._frames.append(frame)
         try:
             self._run_steps(plan, values, frame)

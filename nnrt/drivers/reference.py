@@ -121,7 +121,7 @@ class ReferencePreparedModel(PreparedModel):
         self.app = app    # who prepared it: the only app whose buffers it may use
         # Resolved once, used by every execution (issue 16): the operand
         # facts, and the last request bound (see RequestPlan).
-        self._plan = RequestPlan(model)
+        self._plan = RequestPlan(executor)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -143,8 +143,8 @@ class ReferencePreparedModel(PreparedModel):
         try:
             bound = self._plan.bind(request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
-            outputs = self.executor.run(bound.read_inputs(), loop_timeout=loop_timeout,
-                                        deadline=deadline, checkpoint=stop)
+            outputs = self.executor.run_values(bound.read_inputs(), loop_timeout=loop_timeout,
+                                               deadline=deadline, checkpoint=stop)
             shapes = bound.output_shapes(outputs)
             for s in shapes:
                 if not s.is_sufficient:
