@@ -153,7 +153,8 @@ class RequestPlan:
     (operand types, element types, declared shapes): what
     ``nnrt.hal.request`` does per execution, without looking anything up.
 
-    :meth:`bind` validates a request (through the
+    :meth:`serving` gives the last binding when it serves a request;
+    :meth:`bind` validates any other request (through the
     :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
     for a layout it has not seen valid last) and resolves it into a
     :class:`Binding`: where each input is read and each output written. What
@@ -162,7 +163,7 @@ class RequestPlan:
 
     - a request with the same arguments and the same pool objects is bound
       already: an execution like the last one validates nothing and resolves
-      nothing again;
+      nothing again (the very same request is recognised by identity);
     - a request with the same arguments over other pools of the same sizes
       (the runtime's fresh output arrays, a caller's new buffers) keeps the
       layout and binds only the pools: their sizes are checked against it,
@@ -186,17 +187,23 @@ class RequestPlan:
         # a stale read only costs a binding made again.
         self._last: Binding | None = None
 
-    def bind(self, request) -> "Binding":
-        """``request`` validated and resolved; INVALID_ARGUMENT as
-        :func:`nnrt.hal.validate.validate_request` gives it."""
+    def serving(self, request) -> "Binding | None":
+        """The last binding if it serves ``request`` (valid still), else None."""
         last = self._last
         if last is not None and last.serves(request):
             return last
+        return None
+
+    def bind(self, request) -> "Binding":
+        """``request``, which :meth:`serving` did not serve, validated and
+        resolved; INVALID_ARGUMENT as
+        :func:`nnrt.hal.validate.validate_request` gives it."""
+        last = self._last
         sizes = self._validator.check(request)
         layout = last.layout if last is not None else None
         if layout is None or not layout.describes(request):
             layout = _Layout(self, request)
-        binding = Binding(layout, request.pools, sizes)
+        binding = Binding(layout, request, sizes)
         self._last = binding
         return binding
 
@@ -240,7 +247,7 @@ class _Layout:
     shared by every :class:`Binding` of these arguments."""
 
     __slots__ = ("inputs", "outputs", "initial", "tensors", "scalars", "outs", "declared",
-                 "done")
+                 "fits", "done")
 
     def __init__(self, plan: RequestPlan, request):
         # Tuples (tuple() of a tuple is that tuple): only an immutable
@@ -269,6 +276,7 @@ class _Layout:
         # The output shapes, and the result, of an execution whose outputs
         # all came out as declared: made once, not per execution.
         self.declared = tuple(out.declared for out in self.outs)
+        self.fits = all(s.is_sufficient for s in self.declared)
         self.done = ExecutionResult(ErrorStatus.NONE, self.declared)
 
     def describes(self, request) -> bool:
@@ -306,11 +314,17 @@ class Binding:
     pools of its own request: the next request's pools replace them, never
     mix with them."""
 
-    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable")
+    __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable")
 
-    def __init__(self, layout: _Layout, pools, sizes: tuple[int, ...]):
+    def __init__(self, layout: _Layout, request, sizes: tuple[int, ...]):
         self.layout = layout
-        self._pools = pools = tuple(pools)
+        self._pools = pools = tuple(request.pools)
+        # The request itself when all it holds is immutable (tuples of frozen
+        # arguments, as the layout recognises them): it is then served on
+        # its identity, its pools checked as any other's.
+        whole = pools is request.pools and request.inputs.__class__ is tuple \
+            and request.outputs.__class__ is tuple
+        self._request = request if whole else None
         memories = resizable = ()
         for p in pools:
             if p.__class__ is not np.ndarray:   # (numpy arrays, the runtime's pools: nothing)
@@ -325,11 +339,13 @@ class Binding:
 
     def serves(self, request) -> bool:
         """Whether ``request`` is the request this binding was made for."""
-        pools = self._pools
-        return (len(request.pools) == len(pools)
-                and all(map(operator.is_, request.pools, pools))
-                and self.layout.describes(request)
-                and not (self._memories and any(m.closed for m in self._memories))
+        if request is not self._request:
+            pools = self._pools
+            if not (len(request.pools) == len(pools)
+                    and all(map(operator.is_, request.pools, pools))
+                    and self.layout.describes(request)):
+                return False
+        return (not (self._memories and any(m.closed for m in self._memories))
                 and not (self._resizable and any(as_buffer(p).nbytes != n
                                                  for p, n in self._resizable)))
 
@@ -349,16 +365,26 @@ class Binding:
         return values
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
-        """Each output's shape and whether its region holds it."""
-        declared = shapes = self.layout.declared
-        for k, (value, out) in enumerate(zip(outputs, self.layout.outs)):
+        """Each output's shape and whether its region holds it;
+        OUTPUT_INSUFFICIENT_SIZE, with these shapes, when one does not."""
+        layout = self.layout
+        declared = shapes = layout.declared
+        for k, (value, out) in enumerate(zip(outputs, layout.outs)):
             if value.__class__ is not np.ndarray:
                 value = np.asarray(value)
             if value.shape != out.declared.dimensions:
                 if shapes is declared:
                     shapes = list(shapes)
                 shapes[k] = OutputShape(value.shape, value.nbytes <= out.length)
-        return shapes if shapes is declared else tuple(shapes)
+        if shapes is declared:
+            if layout.fits:
+                return shapes
+        else:
+            shapes = tuple(shapes)
+        if not all(s.is_sufficient for s in shapes):
+            raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
+                            output_shapes=shapes)
+        return shapes
 
     def write_outputs(self, outputs: list) -> None:
         """Copy ``outputs`` (arrays of their operands' element types, as the
