@@ -76,6 +76,7 @@ class _Step:
     out_operands: tuple[Operand, ...]
     out_dtypes: tuple[np.dtype | None, ...]  # None for a scalar
     out_dims: tuple[tuple[int, ...], ...]  # declared/inferred, 0 = unknown, () = unknown rank
+    results: tuple[tuple, ...]  # (position, operand index, dtype, dims) per output
 
 
 class _SubgraphPlan:
@@ -105,9 +106,11 @@ class _SubgraphPlan:
                     reads.append((position, i, o.type, o.scale, o.zero_point, o.channel_quant))
             out_operands = tuple(sub.operands[i] for i in op.outputs)
             out_dtypes = tuple(None if o.type.is_scalar else o.type.dtype for o in out_operands)
+            out_dims = tuple(dims.get(i, ()) for i in op.outputs)
             steps.append(_Step(op.type, op.type.name, opdef.kernel, tuple(args), tuple(reads),
-                               op.outputs, out_operands, out_dtypes,
-                               tuple(dims.get(i, ()) for i in op.outputs)))
+                               op.outputs, out_operands, out_dtypes, out_dims,
+                               tuple(zip(range(len(op.outputs)), op.outputs, out_dtypes,
+                                         out_dims))))
         self.steps = tuple(steps)
 
     def values(self, inputs: list) -> list:
@@ -137,14 +140,6 @@ class Executor:
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
         return context.run_main(self.main.values(inputs))
-
-    def run_values(self, values: list, *, loop_timeout: float | None = None,
-                   deadline: float | None = None,
-                   checkpoint: Callable[["ExecutionContext"], None] | None = None) -> list:
-        """:meth:`run` from ``values``, every operand's value as the main
-        subgraph starts (what ``main.values(inputs)`` gives and a
-        :class:`Binding` reads from a request's pools)."""
-        return ExecutionContext(self, loop_timeout, deadline, checkpoint).run_main(values)
 
 
 class RequestPlan:
@@ -447,7 +442,9 @@ class ExecutionContext:
             self._checkpoint(self)
 
     def run_main(self, values: list) -> list:
-        """The main subgraph's outputs from ``values`` (see :meth:`Executor.run_values`)."""
+        """The main subgraph's outputs from ``values``, every operand's value
+        as it starts (what ``main.values(inputs)`` gives and a
+        :class:`Binding` reads from a request's pools)."""
         if _FP_STATE is None:
             with np.errstate(all="ignore"):
                 return self._run(self.executor.main, values)
@@ -462,51 +459,46 @@ class ExecutionContext:
         return self._run(plan, plan.values(inputs))
 
     def _run(self, plan: _SubgraphPlan, values: list) -> list:
-        frame = [plan.index, 0]
-        self._frames.append(frame)
-        try:
-            self._run_steps(plan, values, frame)
-        finally:
-            self._frames.pop()
-        return list(map(values.__getitem__, plan.output_indexes))
-
-    def _run_steps(self, plan: _SubgraphPlan, values: list, frame: list) -> None:
         checkpoint = self._checkpoint
-        if checkpoint is not None and frame[0] is not None:
-            checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
         relaxed = self.executor.relaxed
         # Read once per subgraph run: a kernel is called directly unless
         # tracing or the cpuexe log is on.
         observed = tracing.enabled() or vlog_on("cpuexe")
-        for k, step in enumerate(plan.steps):
-            frame[1] = k
-            if checkpoint is not None:
-                checkpoint(self)
-            args = list(step.args)
-            for position, i, t, s, z, c in step.reads:
-                args[position] = Arg(t, values[i], s, z, c)
-            call = Call(step.type, args, step.out_operands, relaxed, self)
-            try:
-                results = _observed(step, call) if observed else step.kernel(call)
-            except NnrtError:
-                raise
-            except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
-                    MemoryError) as e:
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.name} failed: {type(e).__name__}: {e}") from e
-            if len(results) != len(step.outputs):
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.name} kernel returned {len(results)} outputs, "
-                                f"expected {len(step.outputs)} (bug in the kernel)")
-            for j, i in enumerate(step.outputs):
-                result = results[j]
-                # An array of the operand's element type and declared shape
-                # is right as it is; anything else goes through the checks.
-                if result.__class__ is not np.ndarray or result.dtype != step.out_dtypes[j] \
-                        or result.shape != step.out_dims[j]:
-                    result = _checked_output(step, j, result)
-                values[i] = result
-        frame[1] = len(plan.steps)
+        frame = [plan.index, 0]
+        self._frames.append(frame)
+        try:
+            if checkpoint is not None and plan.index is not None:
+                checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
+            for k, step in enumerate(plan.steps):
+                frame[1] = k
+                if checkpoint is not None:
+                    checkpoint(self)
+                args = list(step.args)
+                for position, i, t, s, z, c in step.reads:
+                    args[position] = Arg(t, values[i], s, z, c)
+                call = Call(step.type, args, step.out_operands, relaxed, self)
+                try:
+                    results = _observed(step, call) if observed else step.kernel(call)
+                except NnrtError:
+                    raise
+                except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
+                        MemoryError) as e:
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"{step.name} failed: {type(e).__name__}: {e}") from e
+                if len(results) != len(step.outputs):
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"{step.name} kernel returned {len(results)} outputs, "
+                                    f"expected {len(step.outputs)} (bug in the kernel)")
+                for (j, i, dtype, dims), result in zip(step.results, results):
+                    # An array of the operand's element type and declared
+                    # shape is right as it is; anything else is checked.
+                    if result.__class__ is not np.ndarray or result.dtype != dtype \
+                            or result.shape != dims:
+                        result = _checked_output(step, j, result)
+                    values[i] = result
+        finally:
+            self._frames.pop()
+        return list(map(values.__getitem__, plan.output_indexes))
 
 
 def _observed(step: _Step, call: Call) -> list:

@@ -26,7 +26,7 @@ from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
 from . import cached
-from .executor import Binding, Executor, RequestPlan
+from .executor import Binding, ExecutionContext, Executor, RequestPlan
 from .blas import limit_blas_threads
 from .heap import keep_freed_memory
 
@@ -150,8 +150,8 @@ class ReferencePreparedModel(PreparedModel):
             if bound is None:
                 bound = self._plan.bind(request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
-            outputs = self.executor.run_values(bound.read_inputs(), loop_timeout=loop_timeout,
-                                               deadline=deadline, checkpoint=stop)
+            context = ExecutionContext(self.executor, loop_timeout, deadline, stop)
+            outputs = context.run_main(bound.read_inputs())
             shapes = bound.output_shapes(outputs)
             bound.write_outputs(outputs)
         except NnrtError as e:
