@@ -309,7 +309,8 @@ class Binding:
     pools of its own request: the next request's pools replace them, never
     mix with them."""
 
-    __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable")
+    __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable",
+                 "_start")
 
     def __init__(self, layout: _Layout, request, sizes: tuple[int, ...]):
         self.layout = layout
@@ -321,10 +322,17 @@ class Binding:
             and request.outputs.__class__ is tuple
         self._request = request if whole else None
         memories = resizable = ()
+        self._start = None
         for p in pools:
-            if p.__class__ is not np.ndarray:   # (numpy arrays, the runtime's pools: nothing)
+            if p.__class__ is not np.ndarray:
                 memories, resizable = _kinds(pools, sizes)
                 break
+        else:
+            # Numpy arrays only (the runtime's pools): the tensor inputs'
+            # views are made here, once. A view of an array keeps alive just
+            # that array, which this binding holds anyway, and sees its
+            # bytes as they are at each execution.
+            self._start = self._values(pools)
         self._memories = memories
         self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
@@ -346,17 +354,23 @@ class Binding:
 
     def read_inputs(self) -> list:
         """Every operand's value as the main subgraph starts (what
-        :meth:`Executor.run_values` takes), the inputs read from the pools:
-        an array view per tensor input (no copy: the pool as it is now), a
-        Python value per scalar, None for an omitted input."""
-        layout = self.layout
+        :meth:`ExecutionContext.run_main` takes), the inputs read from the
+        pools: an array view per tensor input (no copy: the pool as it is
+        now), a Python value per scalar, None for an omitted input."""
+        start = self._start
+        values = list(start) if start is not None else self._values(self._sources)
         sources = self._sources
+        for i, operand, pool, offset, length in self.layout.scalars:
+            values[i] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
+                                                            offset))
+        return values
+
+    def _values(self, sources) -> list:
+        """The main subgraph's starting values with a view per tensor input."""
+        layout = self.layout
         values = list(layout.initial)
         for i, shape, dtype, pool, offset in layout.tensors:
             values[i] = np.ndarray(shape, dtype, sources[pool], offset)
-        for i, operand, pool, offset, length in layout.scalars:
-            values[i] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
-                                                            offset))
         return values
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
