@@ -69,7 +69,7 @@ class _Step:
     kernel: ops.registry.Kernel
     # The kernel's Args, with None where the value is read at run time: an
     # input whose value is fixed has its Arg made once, shared by every
-    # execution (no kernel changes an Arg it is given).
+    # execution (an Arg is immutable).
     args: tuple[Arg | None, ...]
     reads: tuple[tuple, ...]    # (position, operand index, type, scale, zero_point, channel_quant)
     outputs: tuple[int, ...]
