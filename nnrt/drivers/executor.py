@@ -297,10 +297,11 @@ class Binding:
     come out as declared.
 
     It keeps the request's pool objects (a Memory as its own byte view),
-    and no view of its own into them: arrays over the pools are made per
-    execution (one call each) and die with it, because any view kept here
-    would keep a closed Memory mapped (a burst's slots are unmapped when it
-    ends, tests/integration/test_burst.py). The same pool objects with the
+    and no view of its own into them unless they are all numpy arrays:
+    arrays over other pools are made per execution (one call each) and die
+    with it, because a view kept here would keep a closed Memory mapped (a
+    burst's slots are unmapped when it ends, tests/integration/test_burst.py)
+    or a bytearray from being resized. The same pool objects with the
     same arguments are the same valid layout as long as no pool changed
     size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
     checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
