@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .. import ops
+from ..ops import Arg, Call
 from ..errors import ErrorStatus, NnrtError
 from ..hal.types import NO_TIMING, ExecutionResult, OutputShape, Timing
 from ..model.graph import HalModel, Operand, decode_value
@@ -39,6 +40,9 @@ from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
+# Operands whose value is the same in every execution: a constant, a
+# subgraph reference, an omitted optional input.
+_FIXED = (*_CONSTANT, L.SUBGRAPH, L.NO_VALUE)
 
 # Every execution runs with numpy's floating-point errors ignored: kernels
 # compute IEEE results (inf, NaN) as a device does, never a RuntimeWarning,
@@ -63,16 +67,22 @@ class _Step:
     type: OperationType
     name: str                            # type.name, read once (an enum's name is a property)
     kernel: ops.registry.Kernel
-    args: tuple[tuple, ...]     # (operand index, type, scale, zero_point, channel_quant) per input
+    # The kernel's Args, with None where the value is read at run time: an
+    # input whose value is fixed has its Arg made once, shared by every
+    # execution (an Arg is immutable).
+    args: tuple[Arg | None, ...]
+    reads: tuple[tuple, ...]    # (position, operand index, type, scale, zero_point, channel_quant)
     outputs: tuple[int, ...]
     out_operands: tuple[Operand, ...]
     out_dtypes: tuple[np.dtype | None, ...]  # None for a scalar
     out_dims: tuple[tuple[int, ...], ...]  # declared/inferred, 0 = unknown, () = unknown rank
+    results: tuple[tuple, ...]  # (position, operand index, dtype, dims) per output
 
 
 class _SubgraphPlan:
     def __init__(self, model: HalModel, index: int | None, dims: dict[int, tuple[int, ...]]):
         sub = model.subgraph(index)
+        self.index = index
         self.operands = sub.operands
         self.input_indexes = sub.input_indexes
         self.output_indexes = sub.output_indexes
@@ -85,15 +95,34 @@ class _SubgraphPlan:
         steps = []
         for op in sub.operations:
             opdef = ops.definition(op.type)
-            args = tuple((i, sub.operands[i].type, sub.operands[i].scale,
-                          sub.operands[i].zero_point, sub.operands[i].channel_quant)
-                         for i in op.inputs)
+            args, reads = [], []
+            for position, i in enumerate(op.inputs):
+                o = sub.operands[i]
+                if o.lifetime in _FIXED:
+                    args.append(Arg(o.type, self.initial[i], o.scale, o.zero_point,
+                                    o.channel_quant))
+                else:
+                    args.append(None)
+                    reads.append((position, i, o.type, o.scale, o.zero_point, o.channel_quant))
             out_operands = tuple(sub.operands[i] for i in op.outputs)
             out_dtypes = tuple(None if o.type.is_scalar else o.type.dtype for o in out_operands)
-            steps.append(_Step(op.type, op.type.name, opdef.kernel, args, op.outputs,
-                               out_operands, out_dtypes,
-                               tuple(dims.get(i, ()) for i in op.outputs)))
+            out_dims = tuple(dims.get(i, ()) for i in op.outputs)
+            steps.append(_Step(op.type, op.type.name, opdef.kernel, tuple(args), tuple(reads),
+                               op.outputs, out_operands, out_dtypes, out_dims,
+                               tuple(zip(range(len(op.outputs)), op.outputs, out_dtypes,
+                                         out_dims))))
         self.steps = tuple(steps)
+
+    def values(self, inputs: list) -> list:
+        """Every operand's value as a run on ``inputs`` starts."""
+        if len(inputs) != len(self.input_indexes):
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"subgraph {self.index} takes {len(self.input_indexes)} inputs, "
+                            f"got {len(inputs)}")
+        values = list(self.initial)
+        for i, v in zip(self.input_indexes, inputs):
+            values[i] = v
+        return values
 
 
 class Executor:
@@ -102,6 +131,7 @@ class Executor:
         self.relaxed = model.relax_computation_float32_to_float16
         self.plans = {index: _SubgraphPlan(model, index, validated.dims[index])
                       for index in validated.dims}
+        self.main = self.plans[None]
 
     def run(self, inputs: list, *, loop_timeout: float | None = None,
             deadline: float | None = None,
@@ -109,14 +139,7 @@ class Executor:
         """Run the main subgraph on ``inputs`` (arrays/scalars, None = omitted).
         ``checkpoint(context)`` is called at every operation boundary."""
         context = ExecutionContext(self, loop_timeout, deadline, checkpoint)
-        if _FP_STATE is None:
-            with np.errstate(all="ignore"):
-                return context.run_subgraph(None, inputs)
-        token = _FP_STATE.set(_FP_IGNORED)
-        try:
-            return context.run_subgraph(None, inputs)
-        finally:
-            _FP_STATE.reset(token)
+        return context.run_main(self.main.values(inputs))
 
 
 class RequestPlan:
@@ -125,7 +148,8 @@ class RequestPlan:
     (operand types, element types, declared shapes): what
     ``nnrt.hal.request`` does per execution, without looking anything up.
 
-    :meth:`bind` validates a request (through the
+    :meth:`serving` gives the last binding when it serves a request;
+    :meth:`bind` validates any other request (through the
     :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
     for a layout it has not seen valid last) and resolves it into a
     :class:`Binding`: where each input is read and each output written. What
@@ -134,7 +158,7 @@ class RequestPlan:
 
     - a request with the same arguments and the same pool objects is bound
       already: an execution like the last one validates nothing and resolves
-      nothing again;
+      nothing again (the very same request is recognised by identity);
     - a request with the same arguments over other pools of the same sizes
       (the runtime's fresh output arrays, a caller's new buffers) keeps the
       layout and binds only the pools: their sizes are checked against it,
@@ -142,12 +166,14 @@ class RequestPlan:
 
     Tested by tests/unit/test_executor_plan.py."""
 
-    __slots__ = ("_validator", "_inputs", "_outputs", "_last")
+    __slots__ = ("_validator", "_initial", "_inputs", "_outputs", "_last")
 
-    def __init__(self, model: HalModel):
+    def __init__(self, executor: Executor):
+        model = executor.model
         sub = model.main
         self._validator = RequestValidator(model)
-        self._inputs = tuple((sub.operands[i], sub.operands[i].type.is_tensor,
+        self._initial = executor.main.initial
+        self._inputs = tuple((i, sub.operands[i], sub.operands[i].type.is_tensor,
                               sub.operands[i].type.dtype, sub.operands[i].dimensions)
                              for i in sub.input_indexes)
         self._outputs = tuple((i, sub.operands[i].type.dtype, sub.operands[i].dimensions)
@@ -156,17 +182,23 @@ class RequestPlan:
         # a stale read only costs a binding made again.
         self._last: Binding | None = None
 
-    def bind(self, request) -> "Binding":
-        """``request`` validated and resolved; INVALID_ARGUMENT as
-        :func:`nnrt.hal.validate.validate_request` gives it."""
+    def serving(self, request) -> "Binding | None":
+        """The last binding if it serves ``request`` (valid still), else None."""
         last = self._last
         if last is not None and last.serves(request):
             return last
+        return None
+
+    def bind(self, request) -> "Binding":
+        """``request``, which :meth:`serving` did not serve, validated and
+        resolved; INVALID_ARGUMENT as
+        :func:`nnrt.hal.validate.validate_request` gives it."""
+        last = self._last
         sizes = self._validator.check(request)
         layout = last.layout if last is not None else None
         if layout is None or not layout.describes(request):
             layout = _Layout(self, request)
-        binding = Binding(layout, request.pools, sizes)
+        binding = Binding(layout, request, sizes)
         self._last = binding
         return binding
 
@@ -203,32 +235,33 @@ class _Output:
 
 class _Layout:
     """A request's arguments resolved against a :class:`RequestPlan`,
-    whatever pools they point into: per tensor input its shape, element
-    type, pool index and offset; per scalar input its region; per output an
-    :class:`_Output`; and the output shapes and result of an execution whose
-    outputs come out as declared. Immutable once made; shared by every
-    :class:`Binding` of these arguments."""
+    whatever pools they point into: per tensor input its operand, shape,
+    element type, pool index and offset; per scalar input its operand and
+    region; per output an :class:`_Output`; and the output shapes and result
+    of an execution whose outputs come out as declared. Immutable once made;
+    shared by every :class:`Binding` of these arguments."""
 
-    __slots__ = ("inputs", "outputs", "omitted", "tensors", "scalars", "outs", "declared",
-                 "done")
+    __slots__ = ("inputs", "outputs", "initial", "tensors", "scalars", "outs", "declared",
+                 "fits", "done")
 
     def __init__(self, plan: RequestPlan, request):
         # Tuples (tuple() of a tuple is that tuple): only an immutable
         # container may be recognised by identity in describes().
         self.inputs = tuple(request.inputs)
         self.outputs = tuple(request.outputs)
+        # The main subgraph's values as an execution starts, an omitted
+        # input's (None) included: the inputs read are put in a copy.
+        self.initial = plan._initial
         tensors, scalars = [], []
-        for k, (arg, (operand, is_tensor, dtype, declared)) in enumerate(
-                zip(self.inputs, plan._inputs)):
+        for arg, (i, operand, is_tensor, dtype, declared) in zip(self.inputs, plan._inputs):
             if arg.has_no_value:
                 continue
             loc = arg.location
             if is_tensor:
-                tensors.append((k, tuple(arg.dimensions) or declared, dtype, loc.pool_index,
+                tensors.append((i, tuple(arg.dimensions) or declared, dtype, loc.pool_index,
                                 loc.offset))
             else:
-                scalars.append((k, operand, loc.pool_index, loc.offset, loc.length))
-        self.omitted = (None,) * len(self.inputs)    # None: an omitted input
+                scalars.append((i, operand, loc.pool_index, loc.offset, loc.length))
         self.tensors = tuple(tensors)
         self.scalars = tuple(scalars)
         self.outs = tuple(
@@ -238,6 +271,7 @@ class _Layout:
         # The output shapes, and the result, of an execution whose outputs
         # all came out as declared: made once, not per execution.
         self.declared = tuple(out.declared for out in self.outs)
+        self.fits = all(s.is_sufficient for s in self.declared)
         self.done = ExecutionResult(ErrorStatus.NONE, self.declared)
 
     def describes(self, request) -> bool:
@@ -263,10 +297,11 @@ class Binding:
     come out as declared.
 
     It keeps the request's pool objects (a Memory as its own byte view),
-    and no view of its own into them: arrays over the pools are made per
-    execution (one call each) and die with it, because any view kept here
-    would keep a closed Memory mapped (a burst's slots are unmapped when it
-    ends, tests/integration/test_burst.py). The same pool objects with the
+    and no view of its own into them unless they are all numpy arrays:
+    arrays over other pools are made per execution (one call each) and die
+    with it, because a view kept here would keep a closed Memory mapped (a
+    burst's slots are unmapped when it ends, tests/integration/test_burst.py)
+    or a bytearray from being resized. The same pool objects with the
     same arguments are the same valid layout as long as no pool changed
     size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
     checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
@@ -275,16 +310,30 @@ class Binding:
     pools of its own request: the next request's pools replace them, never
     mix with them."""
 
-    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable")
+    __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable",
+                 "_start")
 
-    def __init__(self, layout: _Layout, pools, sizes: tuple[int, ...]):
+    def __init__(self, layout: _Layout, request, sizes: tuple[int, ...]):
         self.layout = layout
-        self._pools = pools = tuple(pools)
+        self._pools = pools = tuple(request.pools)
+        # The request itself when all it holds is immutable (tuples of frozen
+        # arguments, as the layout recognises them): it is then served on
+        # its identity, its pools checked as any other's.
+        whole = pools is request.pools and request.inputs.__class__ is tuple \
+            and request.outputs.__class__ is tuple
+        self._request = request if whole else None
         memories = resizable = ()
+        self._start = None
         for p in pools:
-            if p.__class__ is not np.ndarray:   # (numpy arrays, the runtime's pools: nothing)
+            if p.__class__ is not np.ndarray:
                 memories, resizable = _kinds(pools, sizes)
                 break
+        else:
+            # Numpy arrays only (the runtime's pools): the tensor inputs'
+            # views are made here, once. A view of an array keeps alive just
+            # that array, which this binding holds anyway, and sees its
+            # bytes as they are at each execution.
+            self._start = self._values(pools)
         self._memories = memories
         self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
@@ -294,38 +343,58 @@ class Binding:
 
     def serves(self, request) -> bool:
         """Whether ``request`` is the request this binding was made for."""
-        pools = self._pools
-        return (len(request.pools) == len(pools)
-                and all(map(operator.is_, request.pools, pools))
-                and self.layout.describes(request)
-                and not (self._memories and any(m.closed for m in self._memories))
+        if request is not self._request:
+            pools = self._pools
+            if not (len(request.pools) == len(pools)
+                    and all(map(operator.is_, request.pools, pools))
+                    and self.layout.describes(request)):
+                return False
+        return (not (self._memories and any(m.closed for m in self._memories))
                 and not (self._resizable and any(as_buffer(p).nbytes != n
                                                  for p, n in self._resizable)))
 
     def read_inputs(self) -> list:
-        """An array view per tensor input (no copy: the pool as it is now), a
-        Python value per scalar, None for an omitted input."""
-        layout = self.layout
+        """Every operand's value as the main subgraph starts (what
+        :meth:`ExecutionContext.run_main` takes), the inputs read from the
+        pools: an array view per tensor input (no copy: the pool as it is
+        now), a Python value per scalar, None for an omitted input."""
+        start = self._start
+        values = list(start) if start is not None else self._values(self._sources)
         sources = self._sources
-        inputs = list(layout.omitted)
-        for k, shape, dtype, pool, offset in layout.tensors:
-            inputs[k] = np.ndarray(shape, dtype, sources[pool], offset)
-        for k, operand, pool, offset, length in layout.scalars:
-            inputs[k] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
+        for i, operand, pool, offset, length in self.layout.scalars:
+            values[i] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
                                                             offset))
-        return inputs
+        return values
+
+    def _values(self, sources) -> list:
+        """The main subgraph's starting values with a view per tensor input."""
+        layout = self.layout
+        values = list(layout.initial)
+        for i, shape, dtype, pool, offset in layout.tensors:
+            values[i] = np.ndarray(shape, dtype, sources[pool], offset)
+        return values
 
     def output_shapes(self, outputs: list) -> tuple[OutputShape, ...]:
-        """Each output's shape and whether its region holds it."""
-        declared = shapes = self.layout.declared
-        for k, (value, out) in enumerate(zip(outputs, self.layout.outs)):
+        """Each output's shape and whether its region holds it;
+        OUTPUT_INSUFFICIENT_SIZE, with these shapes, when one does not."""
+        layout = self.layout
+        declared = shapes = layout.declared
+        for k, (value, out) in enumerate(zip(outputs, layout.outs)):
             if value.__class__ is not np.ndarray:
                 value = np.asarray(value)
             if value.shape != out.declared.dimensions:
                 if shapes is declared:
                     shapes = list(shapes)
                 shapes[k] = OutputShape(value.shape, value.nbytes <= out.length)
-        return shapes if shapes is declared else tuple(shapes)
+        if shapes is declared:
+            if layout.fits:
+                return shapes
+        else:
+            shapes = tuple(shapes)
+        if not all(s.is_sufficient for s in shapes):
+            raise NnrtError(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, "an output buffer is too small",
+                            output_shapes=shapes)
+        return shapes
 
     def write_outputs(self, outputs: list) -> None:
         """Copy ``outputs`` (arrays of their operands' element types, as the
@@ -358,6 +427,8 @@ class Binding:
 class ExecutionContext:
     """One execution's state: what kernels reach through ``call.executor``."""
 
+    __slots__ = ("executor", "loop_timeout", "deadline", "_checkpoint", "_frames")
+
     def __init__(self, executor: Executor, loop_timeout: float | None, deadline: float | None,
                  checkpoint: Callable[["ExecutionContext"], None] | None = None):
         self.executor = executor
@@ -385,64 +456,75 @@ class ExecutionContext:
         if self._checkpoint is not None:
             self._checkpoint(self)
 
+    def run_main(self, values: list) -> list:
+        """The main subgraph's outputs from ``values``, every operand's value
+        as it starts (what ``main.values(inputs)`` gives and a
+        :class:`Binding` reads from a request's pools)."""
+        if _FP_STATE is None:
+            with np.errstate(all="ignore"):
+                return self._run(self.executor.main, values)
+        token = _FP_STATE.set(_FP_IGNORED)
+        try:
+            return self._run(self.executor.main, values)
+        finally:
+            _FP_STATE.reset(token)
+
     def run_subgraph(self, index: int | None, inputs: list) -> list:
         plan = self.executor.plans[index]
-        values = list(plan.initial)
-        if len(inputs) != len(plan.input_indexes):
-            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"subgraph {index} takes {len(plan.input_indexes)} inputs, "
-                            f"got {len(inputs)}")
-        for i, v in zip(plan.input_indexes, inputs):
-            values[i] = v
+        return self._run(plan, plan.values(inputs))
+
+    def _run(self, plan: _SubgraphPlan, values: list) -> list:
+        checkpoint = self._checkpoint
         relaxed = self.executor.relaxed
-        trace = vlog_on("cpuexe")
-        frame = [index, 0]
+        # Read once per subgraph run: a kernel is called directly unless
+        # tracing or the cpuexe log is on.
+        observed = tracing.enabled() or vlog_on("cpuexe")
+        frame = [plan.index, 0]
         self._frames.append(frame)
         try:
-            self._run_steps(plan, values, frame, relaxed, trace)
+            if checkpoint is not None and plan.index is not None:
+                checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
+            for k, step in enumerate(plan.steps):
+                frame[1] = k
+                if checkpoint is not None:
+                    checkpoint(self)
+                args = list(step.args)
+                for position, i, t, s, z, c in step.reads:
+                    args[position] = Arg(t, values[i], s, z, c)
+                call = Call(step.type, args, step.out_operands, relaxed, self)
+                try:
+                    results = _observed(step, call) if observed else step.kernel(call)
+                except NnrtError:
+                    raise
+                except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
+                        MemoryError) as e:
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"{step.name} failed: {type(e).__name__}: {e}") from e
+                if len(results) != len(step.outputs):
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"{step.name} kernel returned {len(results)} outputs, "
+                                    f"expected {len(step.outputs)} (bug in the kernel)")
+                for (j, i, dtype, dims), result in zip(step.results, results):
+                    # An array of the operand's element type and declared
+                    # shape is right as it is; anything else is checked.
+                    if result.__class__ is not np.ndarray or result.dtype != dtype \
+                            or result.shape != dims:
+                        result = _checked_output(step, j, result)
+                    values[i] = result
         finally:
             self._frames.pop()
-        return [values[i] for i in plan.output_indexes]
+        return list(map(values.__getitem__, plan.output_indexes))
 
-    def _run_steps(self, plan: _SubgraphPlan, values: list, frame: list, relaxed: bool,
-                   trace: bool) -> None:
-        checkpoint = self._checkpoint
-        if checkpoint is not None and frame[0] is not None:
-            checkpoint(self)   # entering a referenced subgraph: once per WHILE iteration
-        traced = tracing.enabled()
-        for k, step in enumerate(plan.steps):
-            frame[1] = k
-            if checkpoint is not None:
-                checkpoint(self)
-            args = [ops.Arg(t, values[i], s, z, c) for i, t, s, z, c in step.args]
-            call = ops.Call(step.type, args, step.out_operands, relaxed, self)
-            start = time.perf_counter() if trace else 0.0
-            try:
-                if traced:
-                    results = tracing.call(step.name, step.kernel, call)
-                else:
-                    results = step.kernel(call)
-            except NnrtError:
-                raise
-            except (ValueError, TypeError, IndexError, KeyError, ArithmeticError,
-                    MemoryError) as e:
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.name} failed: {type(e).__name__}: {e}") from e
-            if trace:
-                vlog("cpuexe", "%s %.3f ms", step.name, (time.perf_counter() - start) * 1e3)
-            if len(results) != len(step.outputs):
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"{step.name} kernel returned {len(results)} outputs, "
-                                f"expected {len(step.outputs)} (bug in the kernel)")
-            for j, i in enumerate(step.outputs):
-                result = results[j]
-                # An array of the operand's element type and declared shape
-                # is right as it is; anything else goes through the checks.
-                if result.__class__ is not np.ndarray or result.dtype != step.out_dtypes[j] \
-                        or result.shape != step.out_dims[j]:
-                    result = _checked_output(step, j, result)
-                values[i] = result
-        frame[1] = len(plan.steps)
+
+def _observed(step: _Step, call: Call) -> list:
+    """``step``'s kernel on ``call``, traced and logged as they are enabled."""
+    start = time.perf_counter()
+    if tracing.enabled():
+        results = tracing.call(step.name, step.kernel, call)
+    else:
+        results = step.kernel(call)
+    vlog("cpuexe", "%s %.3f ms", step.name, (time.perf_counter() - start) * 1e3)
+    return results
 
 
 def _checked_output(step: _Step, k: int, result):

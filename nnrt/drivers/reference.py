@@ -26,7 +26,7 @@ from ..model.graph import HalModel
 from ..model.types import OperandType
 from ..vlog import vlog
 from . import cached
-from .executor import Executor, RequestPlan
+from .executor import Binding, ExecutionContext, Executor, RequestPlan
 from .blas import limit_blas_threads
 from .heap import keep_freed_memory
 
@@ -121,7 +121,7 @@ class ReferencePreparedModel(PreparedModel):
         self.app = app    # who prepared it: the only app whose buffers it may use
         # Resolved once, used by every execution (issue 16): the operand
         # facts, and the last request bound (see RequestPlan).
-        self._plan = RequestPlan(model)
+        self._plan = RequestPlan(executor)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -130,26 +130,29 @@ class ReferencePreparedModel(PreparedModel):
         """Validate ``request``, run every operation (``checkpoint`` between
         any two), write the outputs. A failure is a result. A request naming
         driver buffers by token runs through the buffer registry."""
-        if uses_tokens(request):
+        # The request bound last (the same again, as a caller that reuses
+        # its request passes) is valid still and names no driver buffer: a
+        # bound request's pools are never tokens.
+        bound = self._plan.serving(request)
+        if bound is None and uses_tokens(request):
             return self.buffers.execute(
                 self, self.app, request,
-                lambda bound: self._execute(bound, measure, deadline, loop_timeout, checkpoint))
-        return self._execute(request, measure, deadline, loop_timeout, checkpoint)
+                lambda plain: self._execute(plain, None, measure, deadline, loop_timeout,
+                                            checkpoint))
+        return self._execute(request, bound, measure, deadline, loop_timeout, checkpoint)
 
-    def _execute(self, request: Request, measure: bool, deadline: float | None,
-                 loop_timeout: float | None, checkpoint: Checkpoint | None) -> ExecutionResult:
-        started = time.perf_counter_ns()
+    def _execute(self, request: Request, bound: Binding | None, measure: bool,
+                 deadline: float | None, loop_timeout: float | None,
+                 checkpoint: Checkpoint | None) -> ExecutionResult:
+        started = time.perf_counter_ns() if measure else 0
         shapes: tuple[OutputShape, ...] = ()
         try:
-            bound = self._plan.bind(request)
+            if bound is None:
+                bound = self._plan.bind(request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
-            outputs = self.executor.run(bound.read_inputs(), loop_timeout=loop_timeout,
-                                        deadline=deadline, checkpoint=stop)
+            context = ExecutionContext(self.executor, loop_timeout, deadline, stop)
+            outputs = context.run_main(bound.read_inputs())
             shapes = bound.output_shapes(outputs)
-            for s in shapes:
-                if not s.is_sufficient:
-                    return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
-                                           message="an output buffer is too small")
             bound.write_outputs(outputs)
         except NnrtError as e:
             return ExecutionResult(e.status, tuple(e.output_shapes or ()) or shapes,

@@ -302,7 +302,9 @@ class RequestValidator:
         if key != self._last:
             _check_request(self.model, request, sizes)
             self._last = key
-        self._last_args = (sizes, request.inputs, request.outputs)
+        if request.inputs.__class__ is tuple and request.outputs.__class__ is tuple:
+            # (a list can change under the same object)
+            self._last_args = (sizes, request.inputs, request.outputs)
         return sizes
 
 

@@ -24,7 +24,7 @@ enough to add its operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -138,10 +138,12 @@ class OpView:
                 raise self.fail(f"input {i} (operand {self.operation.inputs[i]}) must be a constant")
 
 
-@dataclass(slots=True)
-class Arg:
+class Arg(NamedTuple):
     """One input of a kernel call. ``value`` is a numpy array (tensors), a
-    Python scalar (scalars) or None (omitted optional input)."""
+    Python scalar (scalars) or None (omitted optional input).
+
+    Immutable: the executor makes the Arg of a constant input once and
+    hands the same one to every execution."""
 
     type: OperandType
     value: Any

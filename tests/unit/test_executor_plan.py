@@ -389,3 +389,98 @@ def test_an_execution_ignores_the_calling_threads_fp_error_state():
         assert prepared.execute_synchronously(_request(big, big, out)).status == ErrorStatus.NONE
         assert np.geterr()["over"] == "raise"
     assert np.isinf(out).all()
+
+
+def _constants_model():
+    """((x + c) * c) + y with c a constant read by two operations, and a
+    WHILE-free chain: every operation reads a fixed Arg made once per plan."""
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    y = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    c = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    m.set_operand_value(c, np.array([[0.5, -2, 3, 0]], np.float32))
+    acts = []
+    for value in (0, 0, 2):                  # NONE, NONE, RELU1
+        act = m.add_operand(T.INT32)
+        m.set_operand_value(act, value)
+        acts.append(act)
+    t1, t2, out = (m.add_operand(T.TENSOR_FLOAT32, [1, 4]) for _ in range(3))
+    m.add_operation(Op.ADD, [x, c, acts[0]], [t1])
+    m.add_operation(Op.MUL, [t1, c, acts[1]], [t2])
+    m.add_operation(Op.ADD, [t2, y, acts[2]], [out])
+    m.identify_inputs_and_outputs([x, y], [out])
+    return m.finish().hal_model
+
+
+def test_a_plan_reused_by_many_executions_computes_what_a_fresh_one_does():
+    """One prepared model, one request object run again and again over pools
+    whose contents change: each result equals a freshly prepared model's,
+    and the constants' shared Args are left as they were made."""
+    model = _constants_model()
+    prepared = _prepared(model)
+    x, y, out = (np.zeros((1, 4), np.float32) for _ in range(3))
+    request = _request(x, y, out)
+    rng = np.random.default_rng(16)
+    fixed = [step.args for step in prepared.executor.main.steps]
+    for _ in range(6):
+        x[:] = rng.normal(size=(1, 4))
+        y[:] = rng.normal(size=(1, 4))
+        assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+        fresh_out = np.zeros((1, 4), np.float32)
+        assert _prepared(model).execute_synchronously(
+            _request(x.copy(), y.copy(), fresh_out)).status == ErrorStatus.NONE
+        np.testing.assert_array_equal(out, fresh_out)
+        c = np.array([[0.5, -2, 3, 0]], np.float32)
+        np.testing.assert_array_equal(out, np.clip((x + c) * c + y, -1, 1))
+    assert [step.args for step in prepared.executor.main.steps] == fixed
+    assert prepared._plan._last.serves(request)
+
+
+def test_a_request_of_lists_is_not_recognised_by_identity():
+    """A request whose arguments are in lists can change under the same
+    object: it is compared and validated again at each execution."""
+    prepared = _prepared(_add_model())
+    x, y, out = np.ones((1, 4), np.float32), np.full((1, 4), 2, np.float32), \
+        np.zeros((1, 4), np.float32)
+    good = _request(x, y, out)
+    inputs = list(good.inputs)
+    request = Request(inputs, good.outputs, good.pools)
+    assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(out, x + y)
+    inputs[1] = RequestArgument(False, DataLocation(1, 0, 8))    # too short for [1, 4]
+    result = prepared.execute_synchronously(request)
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "needs 16 bytes" in result.message
+    inputs[1] = good.inputs[1]
+    assert prepared.execute_synchronously(request).status == ErrorStatus.NONE
+
+
+def test_a_request_naming_a_driver_buffer_goes_through_the_registry_every_time():
+    """Once a plain request is bound, a request naming a buffer by token --
+    the same object at every execution -- is still bound by the registry:
+    its output is kept in the buffer and read back as the next input."""
+    import anyio
+    from nnrt.hal import BufferDesc, BufferRole
+    from nnrt.memory import DeviceToken
+
+    async def main():
+        device = ReferenceDevice()
+        prepared = await device.prepare_model(_add_model())
+        buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)],
+                                              [BufferRole(0, 0)])
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        out = np.zeros((1, 4), np.float32)
+        assert prepared.execute_synchronously(_request(x, x, out)).status == ErrorStatus.NONE
+        with Memory.create(16) as mem:
+            mem.array(np.float32, (1, 4))[:] = 0
+            await buffer.copy_from(mem, (1, 4))
+            # state = state + x, in the buffer
+            request = Request((RequestArgument(False, DataLocation(0, 0, 0)),
+                               RequestArgument(False, DataLocation(1, 0, 16))),
+                              (RequestArgument(False, DataLocation(0, 0, 0)),),
+                              (DeviceToken(token), x.reshape(-1).view(np.uint8)))
+            for _ in range(3):
+                result = prepared.execute_synchronously(request)
+                assert result.status == ErrorStatus.NONE, result.message
+            await buffer.copy_to(mem)
+            np.testing.assert_array_equal(mem.array(np.float32, (1, 4)), 3 * x)
+    anyio.run(main)
