@@ -279,10 +279,12 @@ async def test_a_cancelled_execution_counts_as_failed(model_fn):
         with anyio.CancelScope() as scope:
             scope.cancel()
             await compiled.execute([X, Y])
+        got.append(compiled.statistics().failures)
         got.append(await run(compiled, [X, Y]))
         return got
 
-    await both(lambda: [ReferenceDevice()], model_fn, scenario)
+    got = await both(lambda: [ReferenceDevice()], model_fn, scenario)
+    assert got[5] == 1 and got[6] == got[0]
 
 
 @MODELS
