@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import sniffio
 
-from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel
+from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel, Request
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import STATUS_NONE as _NONE, ErrorStatus, NnrtError, bad_state, invalid
@@ -563,7 +563,6 @@ class CompiledModel:
         self.preference = preference
         self._runtime = runtime
         self._validated = validated
-        self._steps = steps
         self._fallback_allowed = fallback_allowed
         # Prepared models live in their drivers (maybe another process) until
         # released: release them when this object goes away or is closed.
@@ -577,10 +576,12 @@ class CompiledModel:
         self._finalizer.atexit = False
         hal = model.hal_model
         self._main = hal.main
-        self._whole_steps = self._whole(steps)
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
+        self._input_dtypes = tuple(o.type.dtype for o in self._inputs)
+        self._output_dtypes = tuple(o.type.dtype for o in self._outputs)
         self._signature = signature.Signature(model)
+        self._use_steps(steps)
         self._state_tried = False   # whether device memories for the state were tried
         self._input_names = [i.name for i in signature.describe(model).inputs]
         # Per input: (dtype, shape) an array must have to be taken as it is
@@ -666,6 +667,28 @@ class CompiledModel:
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed."""
+        steps = self._steps
+        if steps is self._lane_steps and measure_timing is False:
+            step = steps[0]
+            lane = step.lane
+            made = None if lane is None else self._lane_request(lane, inputs, outputs, deadline)
+            if made is not None:
+                hal_request, outs = made
+                try:
+                    result = await step.prepared.execute(hal_request, False, deadline,
+                                                         loop_timeout)
+                except BaseException:
+                    self._failures += 1
+                    raise
+                # Unchanged lane: the step's state is as when its request was
+                # made, so run_inputs would give the outputs as they are.
+                if result.status == _NONE and result.output_shapes is lane.reported \
+                        and step.lane is lane:
+                    self._executions += 1
+                    return Result(outs, list(lane.result_shapes), None)
+                return await self._execute(
+                    inputs, outputs, False, deadline, loop_timeout, None,
+                    (steps, (hal_request, result, outs, lane.sized if outputs is None else None)))
         sig = self._signature
         if sig.stateful:
             await self._ready_state()
@@ -673,6 +696,44 @@ class CompiledModel:
         result = await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout,
                                      None)
         return sig.carry_state(result) if sig.stateful else result
+
+    def _lane_request(self, lane, inputs, outputs, deadline) -> tuple[Request, list] | None:
+        """The request and output arrays of an execution on ``lane`` (the
+        whole step's): when the model is open, tracing is off, the deadline
+        is None or a float (as ``check_deadline`` would give it), and the
+        inputs (a list or tuple) and any outputs given are arrays that the
+        general path would take as they are, laid out as the lane. Else
+        None: the general path decides, and raises any error in its order
+        (so the one error raised here is the last it checks, an overlap)."""
+        if (inputs.__class__ is not list and inputs.__class__ is not tuple) \
+                or len(inputs) != len(lane.input_shapes) or self._closed \
+                or self._runtime._devices is None or trace.enabled() \
+                or (deadline is not None and (deadline.__class__ is not float
+                                              or deadline != deadline)):   # (NaN)
+            return None
+        # An array of a tensor operand's dtype is taken as it is whenever one
+        # of its shape was (``_stage_input``): the lane's came from it.
+        for value, dtype, shape in zip(inputs, self._input_dtypes, lane.input_shapes):
+            if value.__class__ is not np.ndarray or value.dtype != dtype \
+                    or value.shape != shape or not value.flags.c_contiguous:
+                return None
+        if outputs is None:
+            if lane.sized is None:
+                return None
+            outs = list(map(np.empty, *lane.sized))
+        else:
+            if (outputs.__class__ is not list and outputs.__class__ is not tuple) \
+                    or len(outputs) != len(lane.output_shapes):
+                return None
+            for value, dtype, shape in zip(outputs, self._output_dtypes, lane.output_shapes):
+                # (carray: C-contiguous, writable and aligned; an unaligned
+                # array is the general path's to take)
+                if value.__class__ is not np.ndarray or value.dtype != dtype \
+                        or value.shape != shape or not value.flags.carray:
+                    return None
+            request.check_no_overlap(inputs, outputs)
+            outs = list(outputs)
+        return Request(lane.input_arguments, lane.output_arguments, (*inputs, *outs)), outs
 
     async def _ready_state(self) -> None:
         """A stateful model keeps its state in device memories (two per
@@ -740,13 +801,22 @@ class CompiledModel:
 
     @trace.traced("app: execute")
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
-                       sessions: dict | None) -> Result:
-        arrays, user_outputs, measure, deadline = self._check_request(inputs, outputs,
-                                                                      measure_timing, deadline)
+                       sessions: dict | None, tried: tuple | None = None) -> Result:
+        """``tried``: (steps, the step's ``run_inputs(tried=)``) of an
+        execution ``execute`` started on the lane, with inputs and outputs
+        it checked: finished here as if it had started here."""
+        if tried is None:
+            steps = self._steps
+            arrays, user_outputs, measure, deadline = self._check_request(
+                inputs, outputs, measure_timing, deadline)
+        else:
+            steps, arrays, measure = tried[0], list(inputs), False
+            user_outputs = None if outputs is None else list(outputs)
         try:
             try:
-                result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
-                                         loop_timeout, sessions)
+                result = await self._run(steps, arrays, user_outputs, measure, deadline,
+                                         loop_timeout, sessions,
+                                         None if tried is None else tried[1])
             except _DriverFailure as failure:
                 memories = [v for v in (*arrays, *(user_outputs or ()))
                             if isinstance(v, DeviceMemory) and v.on_device]
@@ -754,8 +824,7 @@ class CompiledModel:
                 # the dead driver left them readable (a service's mirrors).
                 moved = [m.move_off_device() for m in memories]
                 self._fall_back(failure)
-                self._steps = await self._cpu_steps()
-                self._whole_steps = self._whole(self._steps)
+                self._use_steps(await self._cpu_steps())
                 if not all(moved):
                     raise failure.error from None   # they died with the driver
                 if memories:
@@ -816,7 +885,8 @@ class CompiledModel:
 
     async def _run(self, steps: list[Step], arrays: list, user_outputs, measure: bool,
                    deadline: float | None, loop_timeout: float | None,
-                   sessions: dict | None = None) -> Result:
+                   sessions: dict | None = None, tried: tuple | None = None) -> Result:
+        """``tried``: the first attempt of the one step, made on its lane."""
         main = self._main
         single = len(steps) == 1
         # The one step of a whole-model compilation reads the model's inputs
@@ -836,7 +906,7 @@ class CompiledModel:
                 return runner.execute(request, measure, deadline, loop_timeout)
             result, outs = await step.run_inputs(
                 arrays if whole else [values[i] for i in step.plan.inputs], execute,
-                user_outputs if single else None)
+                user_outputs if single else None, tried=tried)
             if result.status != _NONE:
                 self._step_failed(step, result)
             if not whole:
@@ -861,15 +931,23 @@ class CompiledModel:
                                      in_driver if measured else None)
         return Result(outputs, shapes, timing)
 
-    def _whole(self, steps: list[Step]) -> list[Step] | None:
-        """``steps`` when they are one step that is the whole model (its
-        inputs and outputs the model's, in order), else None: decided once
-        per list of steps, not per execution (``_run``)."""
+    def _use_steps(self, steps: list[Step]) -> None:
+        """Run on ``steps`` from now on. Decided here once per list of
+        steps, not per execution: whether they are one step that is the
+        whole model (its inputs and outputs the model's, in order: ``_run``
+        needs no table of values), and whether ``execute`` may run that
+        step's lane (not for a stateful model: its state is not the app's
+        inputs; nor with a scalar input: an array is staged reshaped)."""
         main = self._main
+        self._steps = steps
+        self._whole_steps = None
         if len(steps) == 1 and steps[0].plan.inputs == main.input_indexes \
                 and steps[0].plan.outputs == main.output_indexes:
-            return steps
-        return None
+            self._whole_steps = steps
+        self._lane_steps = None
+        if self._whole_steps is not None and not self._signature.stateful \
+                and all(o.type.is_tensor for o in self._inputs):
+            self._lane_steps = steps
 
     def _step_failed(self, step: Step, result) -> NoReturn:
         """Raise the error of a step's failed ``result``: a ``_DriverFailure``

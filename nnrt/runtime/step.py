@@ -19,8 +19,9 @@ an execution reported are the next execution's first guess.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -139,6 +140,28 @@ def _array_shapes(values: Sequence) -> tuple | None:
 Execute = Callable[[Request], Awaitable[ExecutionResult]]
 
 
+class Lane(NamedTuple):
+    """What a step's next execution needs when it is laid out as the last
+    one that returned its output arrays as they are: C-contiguous numpy
+    arrays of the operands' dtypes, each its own pool, shaped
+    ``input_shapes`` and ``output_shapes``. Its request has these argument
+    tuples; when the driver answers with ``reported`` (the very object: a
+    driver's result made once for its layout), the outputs are the arrays
+    given, shaped ``result_shapes``. ``sized`` is the step's ``_sized`` the
+    outputs may be made at (None: the lane serves outputs given by the app
+    only). ``CompiledModel.execute`` runs an execution on it with none of
+    ``run_inputs``'s work, and finishes anything else (a failure, other
+    shapes) through ``run_inputs(tried=)``."""
+
+    input_shapes: tuple
+    output_shapes: tuple
+    input_arguments: tuple
+    output_arguments: tuple
+    sized: tuple | None
+    reported: tuple
+    result_shapes: tuple
+
+
 class Step:
     """One prepared step of a compiled model and the shapes it last produced."""
 
@@ -164,6 +187,10 @@ class Step:
         self._last_layout: tuple | None = None
         # The output shapes the last execution reported, and their dimensions.
         self._reported: tuple = (None, None)
+        # What an execution laid out as the last one needs, while the three
+        # above stay as they were when it ran (each assignment of them drops
+        # it): see ``Lane``.
+        self.lane: Lane | None = None
 
     def sized(self) -> bool:
         """Whether every output's shape is known before running."""
@@ -178,22 +205,29 @@ class Step:
 
     async def run_inputs(self, inputs: list, execute: Execute,
                          user_outputs: Sequence | None = None,
-                         allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array):
+                         allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array,
+                         tried: tuple | None = None):
         """Run the step on ``inputs`` (its input values, in order) with
         ``execute`` (the prepared model's, a burst session's, ...), into
         ``user_outputs`` when given, else into outputs made by ``allocate``
         (retrying larger ones after OUTPUT_INSUFFICIENT_SIZE). Returns the
-        HAL result and the output values, shaped as reported on success."""
+        HAL result and the output values, shaped as reported on success.
+        ``tried``: (request, result, outputs, sized) of a first attempt the
+        caller made itself on the step's lane, taken as this loop's first."""
         for _attempt in range(MAX_RESIZE_RETRIES + 1):
-            sized = None
-            if user_outputs is not None:
-                outs = list(user_outputs)
-            elif allocate is allocate_array and self._sized is not None:
-                sized = self._sized
-                outs = list(map(np.empty, *sized))   # (no frame per array, as a listcomp has)
+            if tried is not None:
+                (request, result, outs, sized), tried = tried, None
             else:
-                outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
-            result = await execute(self.request(inputs, outs, sized))
+                sized = None
+                if user_outputs is not None:
+                    outs = list(user_outputs)
+                elif allocate is allocate_array and self._sized is not None:
+                    sized = self._sized
+                    outs = list(map(np.empty, *sized))   # (no frame per array, as a listcomp has)
+                else:
+                    outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
+                request = self.request(inputs, outs, sized)
+                result = await execute(request)
             status = result.status
             if status == _INSUFFICIENT and user_outputs is None and result.output_shapes:
                 self._guess([s.dimensions for s in result.output_shapes])
@@ -206,8 +240,12 @@ class Step:
             if sized is not None and sized is self._sized:
                 # Arrays made at the shapes expected, which the driver's
                 # result (made once for its layout) reports: as they are.
+                lane = self.lane
+                if lane is None or lane.sized is not sized:
+                    self._keep_lane(request, outs, sized)
                 return result, outs
             shapes = self._reported[1]
+            keep = self.lane is None
         else:
             shapes = [s.dimensions for s in reported]
             if shapes != self._output_guess:
@@ -215,9 +253,22 @@ class Step:
             # Kept with the (immutable) shapes it came from, which it keeps
             # alive; forgotten whenever the guess changes.
             self._reported = (reported, shapes)
-        return result, [out if out.__class__ is np.ndarray and out.shape == shape
-                        else shaped(out, shape, o)
-                        for out, shape, o in zip(outs, shapes, self.outputs)]
+            self.lane = None
+            keep = False   # a lane when the driver answers with this object again
+        values = [out if out.__class__ is np.ndarray and out.shape == shape
+                  else shaped(out, shape, o)
+                  for out, shape, o in zip(outs, shapes, self.outputs)]
+        if keep and all(map(operator.is_, values, outs)):
+            self._keep_lane(request, outs, None)
+        return result, values
+
+    def _keep_lane(self, request: Request, outs: list, sized: tuple | None) -> None:
+        """Keep the lane of this execution, which returned ``outs`` as they
+        are, when its request was the last layout's."""
+        last = self._last_layout
+        if last is not None and request.inputs is last[2] and request.outputs is last[3]:
+            self.lane = Lane(last[0], last[1], last[2], last[3], sized, self._reported[0],
+                             tuple(out.shape for out in outs))
 
     @property
     def output_guess(self) -> list[tuple[int, ...]]:
@@ -233,6 +284,7 @@ class Step:
         shapes and the dtypes the next execution's arrays are made at."""
         self._output_guess = shapes
         self._reported = (None, None)
+        self.lane = None
         self._sized = ((tuple(shapes), tuple(o.type.dtype for o in self.outputs))
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)
@@ -260,4 +312,5 @@ class Step:
         request = build_request(inputs, self.inputs, outputs)
         if all(v.size for v in pools):
             self._last_layout = (shapes, out_shapes, request.inputs, request.outputs)
+            self.lane = None
         return request
