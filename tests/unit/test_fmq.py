@@ -644,9 +644,21 @@ def test_closing_a_ring_from_another_thread_takes_its_epoll_off_the_loop():
         ring = Ring.create(256)
         peer = Ring.attach(*[os.dup(fd) for fd in ring.fds()])
         try:
-            threading.Timer(0.001, peer.write, (b"x",)).start()
-            with anyio.fail_after(5):
+            async def write_once_it_waits():
+                # Only a reader that has to wait sets up its loop watch: the
+                # peer writes once it has (a timer instead lost that race
+                # on a busy machine: the reader found the byte already there).
+                while not ring._watches:
+                    await anyio.sleep(0)
+                peer.write(b"x")
+
+            async def read():
                 assert await ring.read_async() == b"x"
+
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(read)
+                    tg.start_soon(write_once_it_waits)
             (watch,) = ring._watches.values()
             fd = watch.ep.fileno()
             await anyio.to_thread.run_sync(ring.close)    # while the loop runs
