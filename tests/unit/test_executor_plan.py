@@ -16,6 +16,8 @@ from nnrt.hal.validate import RequestValidator, validate_request
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 
+from .test_runtime import add_model_activation_input
+
 
 def _add_model(dims=(1, 4)):
     m = nnrt.Model()
@@ -243,14 +245,7 @@ def test_a_binding_keeps_no_memory_mapped():
 
 
 def test_a_scalar_input_is_read_at_every_execution_of_a_binding():
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    act = m.add_operand(T.INT32)
-    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    m.add_operation(Op.ADD, [a, b, act], [out])
-    m.identify_inputs_and_outputs([a, b, act], [out])
-    prepared = _prepared(m.finish().hal_model)
+    prepared = _prepared(add_model_activation_input().hal_model)
     x = np.array([[-3, -1, 1, 3]], np.float32)
     y = np.zeros((1, 4), np.float32)
     activation = np.array([7, 0], np.int32)    # the scalar at byte 4 of an int32 pool

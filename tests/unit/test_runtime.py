@@ -26,6 +26,18 @@ def add_model(dims=(1, 4), out_dims=None) -> nnrt.Model:
     return m.finish()
 
 
+def add_model_activation_input() -> nnrt.Model:
+    """out = a + b (1x4) with the fused activation a third input: a scalar INT32."""
+    m = nnrt.Model()
+    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    act = m.add_operand(T.INT32)
+    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b, act], [out])
+    return m.finish()
+
+
 @pytest.mark.skipif(not DESIGN.exists(), reason="../shared/DESIGN.md is not beside the checkout")
 async def test_design_md_example_runs_as_written():
     text = DESIGN.read_text()

@@ -9,23 +9,12 @@ import numpy as np
 import pytest
 
 import nnrt
-from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
+from nnrt import ErrorStatus, NnrtError
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.hal import DeviceType, ExecutionResult, OutputShape
 from nnrt.runtime.runtime import CompiledModel
 
-
-def add_model(dims=(1, 4)) -> nnrt.Model:
-    """out = a + b; dims 0 are any."""
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, list(dims))
-    b = m.add_operand(T.TENSOR_FLOAT32, list(dims))
-    act = m.add_operand(T.INT32)
-    m.set_operand_value(act, 0)
-    out = m.add_operand(T.TENSOR_FLOAT32, list(dims))
-    m.add_operation(Op.ADD, [a, b, act], [out])
-    m.identify_inputs_and_outputs([a, b], [out])
-    return m.finish()
+from .test_runtime import add_model, add_model_activation_input
 
 
 class Npu(ReferenceDevice):
@@ -333,14 +322,7 @@ async def test_steps_shared_with_bursts_and_concurrent_executions(model_fn):
 async def test_no_lane_with_a_scalar_input():
     """A scalar input's array is staged reshaped: the step's layout is not
     the app's, so the general path takes every call."""
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    act = m.add_operand(T.INT32)
-    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    m.add_operation(Op.ADD, [a, b, act], [out])
-    m.identify_inputs_and_outputs([a, b, act], [out])
-    m.finish()
+    m = add_model_activation_input()
     async with nnrt.Runtime(devices=[ReferenceDevice()], discover=False) as rt:
         compiled = await rt.compile(m)
         assert compiled._whole_steps is compiled._steps and compiled._lane_steps is None
