@@ -74,9 +74,8 @@ class _Step:
     reads: tuple[tuple, ...]    # (position, operand index, type, scale, zero_point, channel_quant)
     outputs: tuple[int, ...]
     out_operands: tuple[Operand, ...]
-    out_dtypes: tuple[np.dtype | None, ...]  # None for a scalar
     out_dims: tuple[tuple[int, ...], ...]  # declared/inferred, 0 = unknown, () = unknown rank
-    results: tuple[tuple, ...]  # (position, operand index, dtype, dims) per output
+    results: tuple[tuple, ...]  # (position, operand index, dtype (None: a scalar), dims) per output
 
 
 class _SubgraphPlan:
@@ -108,7 +107,7 @@ class _SubgraphPlan:
             out_dtypes = tuple(None if o.type.is_scalar else o.type.dtype for o in out_operands)
             out_dims = tuple(dims.get(i, ()) for i in op.outputs)
             steps.append(_Step(op.type, op.type.name, opdef.kernel, tuple(args), tuple(reads),
-                               op.outputs, out_operands, out_dtypes, out_dims,
+                               op.outputs, out_operands, out_dims,
                                tuple(zip(range(len(op.outputs)), op.outputs, out_dtypes,
                                          out_dims))))
         self.steps = tuple(steps)

@@ -241,8 +241,7 @@ class _Event(enum.Enum):
 
 # The states and events every execution reads, bound once as the statuses
 # are (nnrt.errors.STATUS_NONE: a member read off its class is slow on 3.11).
-_QUEUED, _RUNNING, _PREEMPTED, _DONE = (JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTED,
-                                        JobState.DONE)
+_RUNNING, _PREEMPTED, _DONE = JobState.RUNNING, JobState.PREEMPTED, JobState.DONE
 _DISPATCH = _Event.DISPATCH
 
 _TRANSITIONS = {
@@ -393,14 +392,10 @@ class _App:
     lag: float = 0.0                             # virtual seconds it was owed when it went idle (F5)
     settings: AppSettings = DEFAULT_SETTINGS
     held: deque = field(default_factory=deque)   # Jobs beyond the queue limit, oldest first
-    weight: float = 1.0                          # settings.weight (read on every run: a field)
 
-    def __post_init__(self):
-        self.weight = self.settings.weight
-
-    def apply(self, settings: AppSettings) -> None:
-        self.settings = settings
-        self.weight = settings.weight
+    @property
+    def weight(self) -> float:
+        return self.settings.weight
 
     @property
     def settled(self) -> float:
@@ -734,7 +729,7 @@ class Scheduler:
         queue whose limit grew."""
         self._settings = settings
         for state in self._apps.values():
-            state.apply(self._settings_of(state.key))
+            state.settings = self._settings_of(state.key)
             self._promote(state)
         self._fill_slots(self.clock())
 
@@ -922,9 +917,11 @@ class Scheduler:
 
     def _least_other(self, app: _App) -> float | None:
         """The least *settled* virtual time of the active apps other than
-        ``app``; None when none is active. Its callers skip the call when
-        ``app`` is the only app (the common case in process)."""
-        active = [a.settled / a.weight for a in self._apps.values()
+        ``app``; None when none is active."""
+        apps = self._apps
+        if len(apps) == 1:
+            return None     # only ``app`` (always one of them): the common case in process
+        active = [a.settled / a.weight for a in apps.values()
                   if a is not app and (a.queue or a.running)]
         return min(active) if active else None
 
@@ -935,7 +932,7 @@ class Scheduler:
         the system's virtual time at its own (F7)."""
         if app.queue or app.running or app.held:
             return
-        least = None if len(self._apps) == 1 else self._least_other(app)
+        least = self._least_other(app)
         if least is None:
             self._vtime = max(self._vtime, app.service / app.weight)
             app.lag = 0.0
@@ -959,7 +956,7 @@ class Scheduler:
         alone for a while, or beside a flood that then ended, waited for
         the newcomer to catch up with all of it (seconds: measured in
         ``benchmarks/qos_apps.py``, docs/qos.md)."""
-        least = None if len(self._apps) == 1 else self._least_other(app)
+        least = self._least_other(app)
         floor = self._vtime if least is None else least
         service = (floor - app.lag) * app.weight
         if service > app.service:
@@ -1023,10 +1020,7 @@ class Scheduler:
         resumed = job.state is _PREEMPTED
         if queued:
             self._dequeue(app, job)
-        if resumed or job.state is _QUEUED:
-            job.state = _RUNNING      # (_move's DISPATCH, without its table look-up)
-        else:
-            job._move(_DISPATCH)      # raises: no such transition
+        job._move(_DISPATCH)
         c = job._cls or self._class(job)
         c.running += 1
         if job.started_at is None:
