@@ -161,7 +161,10 @@ class RequestPlan:
     - a request with the same arguments over other pools of the same sizes
       (the runtime's fresh output arrays, a caller's new buffers) keeps the
       layout and binds only the pools: their sizes are checked against it,
-      nothing else is resolved again (issue 16).
+      nothing else is resolved again (issue 16); when those arguments are
+      the very tuples of the last binding and every pool is a numpy array
+      of the size it replaces, the binding moves to the new pools without
+      going through the validator (:meth:`Binding.moved`).
 
     Tested by tests/unit/test_executor_plan.py."""
 
@@ -182,11 +185,18 @@ class RequestPlan:
         self._last: Binding | None = None
 
     def serving(self, request) -> "Binding | None":
-        """The last binding if it serves ``request`` (valid still), else None."""
+        """The last binding if it serves ``request`` (valid still), or that
+        binding moved to ``request``'s pools (see :meth:`Binding.moved`);
+        else None."""
         last = self._last
-        if last is not None and last.serves(request):
+        if last is None:
+            return None
+        if last.serves(request):
             return last
-        return None
+        moved = last.moved(request)
+        if moved is not None:
+            self._last = moved
+        return moved
 
     def bind(self, request) -> "Binding":
         """``request``, which :meth:`serving` did not serve, validated and
@@ -240,8 +250,8 @@ class _Layout:
     of an execution whose outputs come out as declared. Immutable once made;
     shared by every :class:`Binding` of these arguments."""
 
-    __slots__ = ("inputs", "outputs", "initial", "tensors", "scalars", "outs", "declared",
-                 "fits", "done")
+    __slots__ = ("inputs", "outputs", "initial", "tensors", "scalars", "reads", "outs",
+                 "declared", "fits", "done")
 
     def __init__(self, plan: RequestPlan, request):
         # Tuples (tuple() of a tuple is that tuple): only an immutable
@@ -263,6 +273,8 @@ class _Layout:
                 scalars.append((i, operand, loc.pool_index, loc.offset, loc.length))
         self.tensors = tuple(tensors)
         self.scalars = tuple(scalars)
+        # The pools the inputs are read from.
+        self.reads = tuple({t[3] for t in tensors} | {t[2] for t in scalars})
         self.outs = tuple(
             _Output(index, dtype, tuple(arg.dimensions) or declared, arg.location.pool_index,
                     arg.location.offset, arg.location.length)
@@ -351,6 +363,40 @@ class Binding:
         return (not (self._memories and any(m.closed for m in self._memories))
                 and not (self._resizable and any(as_buffer(p).nbytes != n
                                                  for p, n in self._resizable)))
+
+    def moved(self, request) -> "Binding | None":
+        """A binding of this layout over ``request``'s pools, when ``request``
+        has this binding's very argument tuples and numpy pools only, each
+        C-contiguous and of the size of the pool it replaces (the runtime's
+        fresh output arrays at every execution); else None. Nothing is
+        validated again: the validator's answer for these arguments over
+        pools of these sizes was given for this binding (by induction, for
+        the binding it moved from). The tensor inputs' views are kept when
+        the pools they are read from are the same objects."""
+        start = self._start
+        layout = self.layout
+        if start is None or request.inputs is not layout.inputs \
+                or request.outputs is not layout.outputs:
+            return None
+        pools, old = request.pools, self._pools
+        if pools.__class__ is not tuple or len(pools) != len(old):
+            return None
+        for p, q in zip(pools, old):
+            if p is not q and (p.__class__ is not np.ndarray or p.nbytes != q.nbytes
+                               or not p.flags.c_contiguous):
+                return None
+        moved = object.__new__(Binding)
+        moved.layout = layout
+        moved._request = request
+        moved._pools = moved._sources = pools
+        moved._memories = moved._resizable = ()
+        for i in layout.reads:
+            if pools[i] is not old[i]:
+                moved._start = moved._values(pools)
+                break
+        else:
+            moved._start = start
+        return moved
 
     def read_inputs(self) -> list:
         """Every operand's value as the main subgraph starts (what

@@ -316,7 +316,11 @@ def pool_sizes(pools) -> tuple[int, ...]:
         if p.__class__ is np.ndarray and p.flags.c_contiguous:
             sizes.append(p.nbytes)
         else:
-            sizes.append(as_buffer(p).nbytes)
+            try:
+                sizes.append(as_buffer(p).nbytes)
+            except (TypeError, ValueError) as e:   # no buffer, or not a contiguous one
+                raise invalid(f"request pool {len(sizes)} is not a contiguous buffer: "
+                              f"{e}") from None
     return tuple(sizes)
 
 

@@ -323,6 +323,46 @@ def test_new_output_arrays_keep_the_layout_and_never_receive_another_calls_resul
     assert prepared._plan._last._pools[2] is outs[-1]
 
 
+def test_a_binding_moves_to_new_arrays_of_its_sizes_and_reads_the_new_inputs(monkeypatch):
+    """Issue 16: the very argument tuples over new numpy pools of the sizes
+    of the last ones move the binding without the validator; a new input
+    array is read, not the old one's view; a pool of another size or kind
+    goes through the validator again."""
+    import nnrt.hal.validate as validate
+    prepared = _prepared(_add_model())
+    sizes = _counting(monkeypatch, validate, "pool_sizes")
+    x, y = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+    template = _request(x, y, np.zeros((1, 4), np.float32))
+    inputs, outputs = template.inputs, template.outputs
+    assert prepared.execute_synchronously(template).status == ErrorStatus.NONE
+    assert len(sizes) == 1
+    first = prepared._plan._last
+    for k in range(3):
+        x2, out = np.full((1, 4), k, np.float32), np.zeros((1, 4), np.float32)
+        assert prepared.execute_synchronously(
+            Request(inputs, outputs, (x2, y, out))).status == ErrorStatus.NONE
+        np.testing.assert_array_equal(out, x2 + y)
+    assert len(sizes) == 1 and prepared._plan._last.layout is first.layout
+    # The same input arrays: their views are the binding's, kept.
+    bound = prepared._plan._last
+    out = np.zeros((1, 4), np.float32)
+    prepared.execute_synchronously(Request(inputs, outputs, (bound._pools[0], y, out)))
+    assert prepared._plan._last._start is bound._start
+    # Another size (bigger: valid), a bytearray, a non-contiguous array (not
+    # a pool: refused as such, not a driver failure): the validator sees each.
+    for pool, status in ((np.zeros((1, 8), np.float32), ErrorStatus.NONE),
+                         (bytearray(16), ErrorStatus.NONE),
+                         (np.zeros((1, 8), np.float32)[:, ::2], ErrorStatus.INVALID_ARGUMENT)):
+        result = prepared.execute_synchronously(Request(inputs, outputs, (x, y, pool)))
+        assert result.status == status, result
+    assert "pool 2 is not a contiguous buffer" in result.message
+    assert len(sizes) == 4
+    # Equal arguments in other tuples: validated (the validator's fast path
+    # recognises only its own tuples by identity).
+    assert prepared.execute_synchronously(_request(x, y, out)).status == ErrorStatus.NONE
+    np.testing.assert_array_equal(out, x + y)
+
+
 def test_a_new_shape_after_a_bound_layout_is_validated_and_resolved_again(monkeypatch):
     import nnrt.drivers.executor as executor
     import nnrt.hal.validate as validate
