@@ -472,6 +472,20 @@ def test_segments_compute_what_one_interpreter_computes_with_a_checkpoint_betwee
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_pool_that_is_not_a_contiguous_buffer_is_refused_not_raised():
+    """On main before 2026-11-27 execute_synchronously raised the TypeError
+    of ``memoryview(pool).cast`` out of the HAL call."""
+    model = mobilenet_like()
+    prepared = LiteRTDevice().prepare_model_synchronously(model.hal_model)
+    x = random_input(model)
+    arrays = [x, np.empty((1, 10), np.float32)[:, ::2], np.empty((1, 8, 8, 8), np.float32)]
+    args = tuple(RequestArgument(False, DataLocation(k, 0, a.nbytes)) for k, a in enumerate(arrays))
+    result = prepared.execute_synchronously(Request(args[:1], args[1:], tuple(arrays)))
+    assert result.status == ErrorStatus.INVALID_ARGUMENT
+    assert "pool 1 is not a contiguous buffer" in result.message
+    assert _execute(prepared, x)[0].status == ErrorStatus.NONE
+
+
 def test_a_checkpoint_that_raises_stops_the_execution_with_its_status():
     model = mobilenet_like()
     prepared = LiteRTDevice(segments=3).prepare_model_synchronously(model.hal_model)
