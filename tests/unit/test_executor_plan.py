@@ -348,6 +348,7 @@ def test_a_binding_moves_to_new_arrays_of_its_sizes_and_reads_the_new_inputs(mon
     out = np.zeros((1, 4), np.float32)
     prepared.execute_synchronously(Request(inputs, outputs, (bound._pools[0], y, out)))
     assert prepared._plan._last._start is bound._start
+    np.testing.assert_array_equal(out, bound._pools[0] + y)
     # Another size (bigger: valid), a bytearray, a non-contiguous array (not
     # a pool: refused as such, not a driver failure): the validator sees each.
     for pool, status in ((np.zeros((1, 8), np.float32), ErrorStatus.NONE),
@@ -361,6 +362,7 @@ def test_a_binding_moves_to_new_arrays_of_its_sizes_and_reads_the_new_inputs(mon
     # recognises only its own tuples by identity).
     assert prepared.execute_synchronously(_request(x, y, out)).status == ErrorStatus.NONE
     np.testing.assert_array_equal(out, x + y)
+    assert len(sizes) == 5
 
 
 def test_a_new_shape_after_a_bound_layout_is_validated_and_resolved_again(monkeypatch):
