@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import NnrtError, invalid
 from .. import ops
-from ..memory import as_buffer
+from ..memory import as_buffer, pool_view
 from ..model.extensions import MAX_PREFIX, check_extension_name
 from ..model.graph import HalModel, Operand, Subgraph
 from ..model.types import HalVersion, OperandLifeTime as L, OperandType, OperationType
@@ -309,18 +309,14 @@ class RequestValidator:
 
 
 def pool_sizes(pools) -> tuple[int, ...]:
-    """Each pool's size in bytes (``as_buffer(pool).nbytes``; a C-contiguous
+    """Each pool's size in bytes (``pool_view(pool, k).nbytes``; a C-contiguous
     numpy array, the runtime's usual pool, without making a view of it)."""
     sizes = []
     for p in pools:
         if p.__class__ is np.ndarray and p.flags.c_contiguous:
             sizes.append(p.nbytes)
         else:
-            try:
-                sizes.append(as_buffer(p).nbytes)
-            except (TypeError, ValueError) as e:   # no buffer, or not a contiguous one
-                raise invalid(f"request pool {len(sizes)} is not a contiguous buffer: "
-                              f"{e}") from None
+            sizes.append(pool_view(p, len(sizes)).nbytes)
     return tuple(sizes)
 
 

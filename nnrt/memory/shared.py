@@ -277,6 +277,16 @@ def as_buffer(pool) -> memoryview:
     return memoryview(pool).cast("B")
 
 
+def pool_view(pool, k: int) -> memoryview:
+    """``as_buffer`` of request pool ``k``, with INVALID_ARGUMENT (not the
+    TypeError or ValueError of a cast) for an object that is not a
+    contiguous buffer: a non-contiguous array, or no buffer at all."""
+    try:
+        return as_buffer(pool)
+    except (TypeError, ValueError) as e:
+        raise invalid(f"request pool {k} is not a contiguous buffer: {e}") from None
+
+
 SEALS_NEEDED = fcntl.F_SEAL_SHRINK
 _HOW_TO_SEAL = ("a driver service maps only memfds sealed against shrinking: use "
                 "nnrt.Memory.create, or memfd_create(name, MFD_ALLOW_SEALING) and "

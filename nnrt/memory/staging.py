@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from ..errors import ErrorStatus, NnrtError
 from .device import DeviceToken
-from .shared import Memory
+from .shared import Memory, pool_view
 
 ALIGN = 64   # every staged pool starts on a cache line of the arena
 
@@ -230,10 +230,7 @@ def _stage(pools, inputs, outputs, arenas):
         if isinstance(pool, DeviceToken):   # a driver buffer: nothing to place
             places.append(pool)
             continue
-        try:
-            raw = memoryview(pool).cast("B")
-        except (TypeError, ValueError) as e:
-            raise _invalid(f"request pool {k} is not a contiguous buffer: {e}") from None
+        raw = pool_view(pool, k)
         if k in output_pools and raw.readonly:
             raise _invalid(f"request pool {k} holds an output but is read-only")
         staged[k] = (raw, total)
