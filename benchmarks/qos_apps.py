@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import shutil
@@ -48,10 +49,12 @@ def pct(values, q):
     return values[max(int(np.ceil(q * len(values))) - 1, 0)]
 
 
-async def frames(compiled, n):
-    """n frames at 30 fps; end-to-end latency of each (s), and how many
-    completed successfully."""
-    latencies, ok = [], 0
+async def frames(compiled, n, between=None):
+    """n frames at 30 fps; the (start, end) of each (the loop's clock, which
+    is the service scheduler's: CLOCK_MONOTONIC), and how many completed
+    successfully. ``between`` is awaited after every tenth frame, in the
+    time left before the next one."""
+    spans, ok = [], 0
     start = anyio.current_time()
     for k in range(n):
         t0 = anyio.current_time()
@@ -60,9 +63,40 @@ async def frames(compiled, n):
             ok += r.outputs[0][0] == k + 2.0
         except nnrt.NnrtError:
             pass
-        latencies.append(anyio.current_time() - t0)
+        spans.append((t0, anyio.current_time()))
+        if between is not None and k % 10 == 9:
+            await between()
         await anyio.sleep(max(0.0, start + (k + 1) / 30 - anyio.current_time()))
-    return latencies, ok
+    return spans, ok
+
+
+def split(spans, mine):
+    """Each frame's end-to-end time in three, by its job's scheduler record:
+    before (A's runtime, the socket and the service's loop, up to the
+    submit), in (submit to finish: the scheduler and the run) and after
+    (the reply, to A's loop resuming). Frames whose record is missing are
+    left out (there are none when the records were collected as they came)."""
+    by_submit = sorted((r.submitted_at, r) for r in mine)
+    keys = [k for k, _ in by_submit]
+    parts = []
+    for t0, t1 in spans:
+        k = bisect.bisect_left(keys, t0)
+        if k < len(keys) and keys[k] <= t1:
+            r = by_submit[k][1]
+            parts.append((t1 - t0, r.submitted_at - t0, r.finished_at - r.submitted_at,
+                          t1 - r.finished_at, r))
+    return parts
+
+
+def print_split(label, parts):
+    cols = list(zip(*parts))
+    tail = sorted(parts, key=lambda part: part[0], reverse=True)[:max(1, len(parts) // 50)]
+    print(f"    {label:7} " + "  ".join(
+        f"{name} {1e3 * pct(col, .5):.2f} / {1e3 * pct(col, .99):.2f}"
+        for name, col in zip(("before", "in", "after"), cols[1:4]))
+          + f"  | slowest {len(tail)}: " + "  ".join(
+              f"{name} {1e3 * float(np.mean(col)):.2f}"
+              for name, col in zip(("before", "in", "after"), list(zip(*tail))[1:4])))
 
 
 async def latency(args, folder):
@@ -74,32 +108,44 @@ async def latency(args, folder):
         light = await rt.compile(chain_model(2, (16,)), priority=Priority.HIGH, devices=["npu"])
         await frames(light, 10)                          # warm up
         alone, flooded, completed, b_ops, preempted, firsts = [], [], 0, [], 0, []
-        seen = {}
+        seen, alone_jobs = {}, {}
         for _ in range(args.blocks):
-            lat, _ = await frames(light, args.frames)
-            alone += lat
+            spans, _ = await frames(light, args.frames)
+            alone += spans
+            # (A's are the latest of the 256 records the service keeps)
+            alone_jobs.update((r.seq, r) for r in await rt.finished_jobs("npu"))
             proc = flooder(socket_path, folder, args.frames / 30 + 3.0, 3)
             other = ("pid", proc.pid)
             while not (await rt.statistics("npu")).of(other, Priority.LOW).running:
                 await anyio.sleep(0.005)
-            lat, ok = await frames(light, args.frames)
-            flooded += lat
-            firsts.append(lat[0])
-            completed += ok
-            seen.update((r.seq, r) for r in await rt.finished_jobs("npu"))
+
+            async def collect():
+                # B's jobs push A's out of the service's latest 256 records
+                # (about a second of them): read them as they come, between
+                # two frames (a read takes the service's loop for several ms).
+                seen.update((r.seq, r) for r in await rt.finished_jobs("npu"))
+
+            spans, ok = await frames(light, args.frames, collect)
+            await collect()
+            preempted += (await rt.statistics("npu")).of(other, Priority.LOW).preempted
             proc.wait()
-            seen.update((r.seq, r) for r in await rt.finished_jobs("npu"))
+            flooded += spans
+            firsts.append(spans[0][1] - spans[0][0])
+            completed += ok
             b = [r for r in seen.values() if r.app == other and r.started_at is not None]
             b_ops += [r.ran / 30 for r in b if r.preemptions == 0]
-            preempted += sum(r.preemptions for r in b)
         me = ("pid", os.getpid())
-        mine = [r for r in seen.values() if r.app == me and r.wait is not None]
+        parts_alone = split(alone, [r for r in alone_jobs.values() if r.app == me])
+        parts_flooded = split(flooded, [r for r in seen.values() if r.app == me])
+        mine = [part[-1] for part in parts_flooded if part[-1].wait is not None]
         waits = [r.wait for r in mine]
         # Where A's time goes in the service, by its scheduler's timestamps:
         # the queue wait (for B's boundary), the hand-off (dispatch to run:
         # zero when it ran on B's preempted thread) and its run.
         handoffs = [r.finished_at - r.started_at - r.ran for r in mine]
         in_service = [r.finished_at - r.submitted_at for r in mine]
+        alone = [t1 - t0 for t0, t1 in alone]
+        flooded = [t1 - t0 for t0, t1 in flooded]
     op = float(np.median(b_ops))
     goal = pct(alone, 0.99) + op + 0.002
     print(f"A alone:      p50 {1e3 * pct(alone, .5):6.2f} ms  p99 {1e3 * pct(alone, .99):6.2f} ms"
@@ -116,8 +162,13 @@ async def latency(args, folder):
     print(f"  A in the service (submitted to finished) p50 {1e3 * pct(in_service, .5):.2f} ms "
           f"p99 {1e3 * pct(in_service, .99):.2f} ms; hand-off to its thread p99 "
           f"{1e3 * pct(handoffs, .99):.2f} ms ({sum(h == 0 for h in handoffs)} of {len(mine)} "
-          f"frames ran on a preempted thread); the rest of A's end-to-end time is outside "
-          f"the scheduler (A's client, sockets, the service's loop)")
+          f"frames ran on a preempted thread)")
+    print(f"  A's frames split by their scheduler records (p50 / p99 ms; of {len(parts_alone)} "
+          f"and {len(parts_flooded)} frames): before = A's runtime, the socket and the "
+          f"service's loop up to the submit; in = submit to finish; after = the reply to A's "
+          f"loop resuming; and the mean split of the slowest 2%")
+    print_split("alone", parts_alone)
+    print_split("vs B", parts_flooded)
     print(f"  ratio A p99 flood/alone {pct(flooded, .99) / pct(alone, .99):.2f}")
 
 
