@@ -24,6 +24,10 @@ batches, under each event loop.
     driver and the result write), medians over the traced frames.
 (c) a 1x224x224x3 float input (x + x) through a burst with input and output
     in a Memory (zero copy) against the same as numpy arrays (copied).
+(d) where one ``execute`` over the socket goes, from nnrt's own trace
+    (``NNRT_TRACE``: the app's and the service's trace points on one
+    CLOCK_MONOTONIC timeline), back to back and paced at 30 fps (a camera
+    loop: every thread on the path has gone idle between two frames).
 
     .venv/bin/python benchmarks/burst.py [--rounds 2000] [--batches 5]
         [--loops asyncio,uvloop,trio] [--no-frame]
@@ -35,6 +39,7 @@ thread does not use the service's loop).
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import select
 import statistics
@@ -462,6 +467,97 @@ async def bench_breakdown(folder: str, frames: int) -> None:
     print(f"{'  of which in the gate checkpoint (in the driver)':62} {gate_us:8.1f}")
     print(f"{'whole frame (app: execute called -> returned)':62} {total:8.1f}")
     await driver_warm_and_cold()
+    await bench_socket_breakdown(folder, frames)
+
+
+# (label, the trace event that starts the stage, the one that ends it):
+# "app start"/"app end" are the benchmark's own marks around the call.
+SOCKET_STAGES = [
+    ("app: stage pools in shared memory, encode the call", "app start", "client: send"),
+    ("hand-off app -> service: socket, the service's loop wakes", "client: send",
+     "service: readable"),
+    ("service: read, decode, start the call's task", "service: readable",
+     "service: handler starts"),
+    ("service: request pools, QoS front: submit", "service: handler starts", "queue wait"),
+    ("QoS front: queue wait, hand-off to a job thread", "queue wait", "scheduled run"),
+    ("driver: validate, run, write outputs", "scheduled run", "scheduled run end"),
+    ("finish, reply from the job thread, the app's reader wakes", "scheduled run end",
+     "client: received"),
+    ("app: decode, the app's loop wakes, copy outputs back", "client: received", "app end"),
+]
+
+
+async def bench_socket_breakdown(folder: str, frames: int) -> None:
+    import json
+
+    from nnrt import trace
+
+    trace_path = os.path.join(folder, "socket-trace.json")
+    path = os.path.join(folder, "socket-traced.sock")
+    trace.start(trace_path)      # this process, and the service: it inherits NNRT_TRACE
+    marks: dict[str, list[tuple[int, int]]] = {"back to back": [], "30 fps": []}
+    try:
+        proc = start_service(path)
+        try:
+            dev = await ServiceDevice.connect(path)
+            try:
+                remote = await dev.prepare_model(add_model((1, 4)))
+                x = np.arange(4, dtype=np.float32).reshape(1, 4)
+                request = numpy_request([x, x], [np.zeros((1, 4), np.float32)])
+                for _ in range(50):
+                    await remote.execute(request)
+                for pace, n in (("back to back", frames), ("30 fps", 90)):
+                    for _ in range(n):
+                        t0 = time.monotonic_ns()
+                        await remote.execute(request)
+                        marks[pace].append((t0 // 1000, time.monotonic_ns() // 1000))
+                        if pace == "30 fps":
+                            await anyio.sleep(max(0.0, 1 / 30 - (time.monotonic_ns() - t0) / 1e9))
+            finally:
+                dev.close()
+        finally:
+            proc.terminate()     # its trace fragment is written as it exits
+            proc.wait(10)
+    finally:
+        trace.stop()             # merges the fragments into trace_path
+        os.environ.pop(trace.ENV, None)
+        os.environ.pop(trace.OWNER_ENV, None)
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    starts: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") in ("i", "b", "X"):
+            starts.setdefault(e["name"], []).append(e["ts"])
+            if e["ph"] == "X":
+                starts.setdefault(e["name"] + " end", []).append(e["ts"] + e["dur"])
+    for times in starts.values():
+        times.sort()
+
+    def first(name, t0, t1):
+        times = starts.get(name, [])
+        k = bisect.bisect_left(times, t0)
+        return times[k] if k < len(times) and times[k] <= t1 else None
+
+    columns = {}
+    for pace, spans in marks.items():
+        rows = []
+        for t0, t1 in spans:
+            at = {"app start": t0, "app end": t1}
+            for _, a, b in SOCKET_STAGES:
+                for name in (a, b):
+                    if name not in at:
+                        at[name] = first(name, t0, t1)
+            if all(v is not None for v in at.values()):
+                rows.append(at)
+        columns[pace] = rows
+    print(f"\n(d) one execute over the socket (HAL, numpy pools, ADD 1x4), stage by stage: "
+          f"medians of {len(columns['back to back'])} and {len(columns['30 fps'])} traced calls, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'stage':62} {'back to back':>13} {'30 fps':>8}")
+    for label, a, b in SOCKET_STAGES + [("whole call", "app start", "app end")]:
+        cells = [statistics.median(r[b] - r[a] for r in rows) if rows else float("nan")
+                 for rows in columns.values()]
+        print(f"{label:62} {cells[0]:13.1f} {cells[1]:8.1f}")
 
 
 async def driver_warm_and_cold(rounds: int = 2000) -> None:

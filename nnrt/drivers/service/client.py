@@ -74,6 +74,7 @@ import weakref
 
 import anyio
 
+from ... import trace
 from ...burst.controller import BurstController, BurstLink
 from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
@@ -184,6 +185,7 @@ class _Channel:
             if self.dead is not None:
                 raise self.dead
             call_id, data, fds = make(self.proto)
+            trace.instant("client: send")
             try:
                 self._send_locked(data, fds)
             except OSError as e:
@@ -271,6 +273,7 @@ class _Channel:
                     reason = f"the connection to the service failed: {e}"
                     return
                 fds = received_fds(ancdata)
+                trace.instant("client: received")
                 if not data:
                     for fd in fds:
                         os.close(fd)

@@ -420,6 +420,7 @@ class ServiceConnection:
         self._tg = tg
         while True:
             await anyio.wait_readable(self.sock)
+            trace.instant("service: readable")
             try:
                 data, ancdata, flags, _ = self.sock.recvmsg(_RECV_SIZE, _CMSG_SPACE,
                                                             socket.MSG_CMSG_CLOEXEC)
@@ -560,6 +561,7 @@ class ServiceConnection:
     async def _handle(self, call) -> None:
         """Answer ``call`` with its handler's value, or the error it raised;
         a driver bug becomes GENERAL_FAILURE, never a dead service."""
+        trace.instant("service: handler starts")
         try:
             try:
                 reply = p.reply_for(call, await _HANDLERS[call.method](self, call))
