@@ -194,7 +194,7 @@ def _freeze_heap(name: str) -> None:
     """Keep what the service holds once it is set up (the modules, the
     driver, the policy: all of it lives as long as the process) out of the
     garbage collector's passes. Otherwise every full pass walks all of it --
-    about 35k objects, 10-28 ms on a 2-vCPU VM, measured in the middle of
+    about 40k objects, 9-28 ms on a 2-vCPU VM, measured in the middle of
     apps' executions (docs/qos.md, "Ninth session") -- and stalls the
     service's loop and job threads meanwhile. What apps make later (models,
     connections, requests) is collected as before."""

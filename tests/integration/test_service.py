@@ -752,7 +752,7 @@ async def test_a_compiled_model_collected_under_its_channels_send_lock_is_releas
 def test_the_service_keeps_what_it_set_up_out_of_the_garbage_collector(tmp_path):
     # A full pass of the collector walks every object it tracks: the ~40k of
     # the service's setup (modules, driver, policy), which live as long as it
-    # does, stalled its loop and job threads 10-28 ms mid-execution. They are
+    # does, stalled its loop and job threads 9-28 ms mid-execution. They are
     # frozen once it listens (docs/qos.md, "Ninth session").
     path = str(tmp_path / "gc.sock")
     proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "gc", "--driver",
