@@ -109,6 +109,14 @@ async def latency(args, folder):
         await frames(light, 10)                          # warm up
         alone, flooded, completed, b_ops, preempted, firsts = [], [], 0, [], 0, []
         seen, alone_jobs = {}, {}
+
+        async def collect():
+            # B's jobs push A's out of the service's latest 256 records
+            # (about a second of them): read them as they come, between
+            # two frames (a read every 0.1 s, its 256 records decoded by
+            # A's loop beside the frames, took A's p99 to 11-31 ms).
+            seen.update((r.seq, r) for r in await rt.finished_jobs("npu"))
+
         for _ in range(args.blocks):
             spans, _ = await frames(light, args.frames)
             alone += spans
@@ -118,14 +126,6 @@ async def latency(args, folder):
             other = ("pid", proc.pid)
             while not (await rt.statistics("npu")).of(other, Priority.LOW).running:
                 await anyio.sleep(0.005)
-
-            async def collect():
-                # B's jobs push A's out of the service's latest 256 records
-                # (about a second of them): read them as they come, between
-                # two frames (a read every 0.1 s, its 256 records decoded by
-                # A's loop beside the frames, took A's p99 to 11-31 ms).
-                seen.update((r.seq, r) for r in await rt.finished_jobs("npu"))
-
             spans, ok = await frames(light, args.frames, collect)
             await collect()
             preempted += (await rt.statistics("npu")).of(other, Priority.LOW).preempted
