@@ -1,6 +1,8 @@
 """The thread/loop hand-off primitives of nnrt/drivers/handoff.py and the
 allocator settings of nnrt/drivers/heap.py."""
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -8,6 +10,7 @@ import threading
 import anyio
 import pytest
 
+from nnrt import handoff
 from nnrt.handoff import Waiter, WorkerThreads, schedule_point
 
 TIMEOUT = 10.0
@@ -61,6 +64,73 @@ def test_a_schedule_point_lets_the_other_tasks_run_and_stops_a_cancelled_task(ba
         assert scope.cancelled_caught and ran == ["other"]
 
     anyio.run(main, backend=backend)
+
+
+@pytest.fixture
+def long_quantum(monkeypatch):
+    """Schedule points skip I/O-only turns for a minute, not 0.5 ms: what
+    they decide, without depending on how fast this machine runs the test."""
+    monkeypatch.setattr(handoff, "IO_QUANTUM", 60.0)
+
+
+def test_a_schedule_point_skips_a_turn_that_would_only_poll_io(long_quantum):
+    async def main():
+        loop = asyncio.get_running_loop()
+        readable = []
+        r, w = socket.socketpair()
+        loop.add_reader(r, lambda: readable.append(r.recv(1)))
+        try:
+            await schedule_point()         # a turn: the quantum starts
+            w.send(b"x")
+            await schedule_point()         # only the socket would be polled: skipped
+            await schedule_point()
+            assert readable == []
+            handoff.IO_QUANTUM = 0.0       # the quantum is over: the loop polls
+            await schedule_point()         # (the loop runs the reader after this task)
+            await schedule_point()
+            assert readable == [b"x"]
+        finally:
+            loop.remove_reader(r)
+            r.close()
+            w.close()
+
+    asyncio.run(main())
+
+
+def test_a_schedule_point_still_turns_for_a_ready_callback_or_a_due_timer(long_quantum):
+    async def main():
+        loop = asyncio.get_running_loop()
+        ran = []
+        await schedule_point()
+        loop.call_soon(ran.append, "ready")
+        await schedule_point()
+        assert ran == ["ready"]
+        loop.call_later(0, ran.append, "timer")
+        await schedule_point()             # (the loop runs a due timer after this task)
+        await schedule_point()
+        assert ran == ["ready", "timer"]
+        loop.call_later(30, ran.append, "later")   # not due: no turn for it
+        await schedule_point()
+        await schedule_point()
+        assert ran == ["ready", "timer"]
+
+    asyncio.run(main())
+
+
+def test_within_the_quantum_a_cancelled_task_still_stops_at_a_schedule_point(long_quantum):
+    async def main():
+        await schedule_point()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await schedule_point()
+            raise AssertionError("not reached: the task stops at the schedule point")
+        assert scope.cancelled_caught
+        with anyio.move_on_after(0) as scope:     # a deadline that is due
+            await schedule_point()
+            raise AssertionError("not reached: the deadline stops it")
+        assert scope.cancelled_caught
+
+    anyio.run(main)
 
 
 def test_the_delivering_thread_can_wait_until_the_task_took_the_value():
