@@ -264,7 +264,7 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
         over_socket = await rt_remote.compile(model)
         assert [d.name for d in over_socket.devices] == [dev2.name], over_socket.devices
         async with await remote.configure_burst() as burst, over_socket.burst() as cburst:
-            p50 = report(f"(a) ADD of two 1x4 tensors [{loop}]", await measure({
+            samples = await measure({
                 FLOOR: floor,
                 AWAITED: awaited,
                 DRIVER: driver_alone,
@@ -274,8 +274,20 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
                 BURST: lambda: burst.execute(request),
                 BURST_MEM: lambda: burst.execute(mem_request),
                 BURST_COMPILED: lambda: cburst.execute([x, y]),
-            }, rounds, batches), FLOOR, DRIVER)
+            }, rounds, batches)
     mem.close()
+    p50 = report(f"(a) ADD of two 1x4 tensors [{loop}]", samples, FLOOR, DRIVER)
+    # This VM switches between a fast and a slow phase (the driver alone at
+    # ~9 and ~15 us) within a run, and a gap over the driver grows with the
+    # phase: the in-process batch beside each driver-alone batch (a few ms
+    # apart) shows the gap within one phase; the goal line below takes the
+    # whole run's medians, as the issue states it.
+    n = max(1, rounds // batches)
+    pairs = [(statistics.median(samples[DRIVER][k:k + n]) * 1e6,
+              statistics.median(samples[INPROC][k:k + n]) * 1e6)
+             for k in range(0, len(samples[DRIVER]), n)]
+    print("in process - driver alone, batch by batch (driver alone): " + ", ".join(
+        f"{i - d:+.1f} ({d:.1f})" for d, i in pairs))
     goals = [
         ("driver alone <= 15 us", p50[DRIVER] <= 15, f"{p50[DRIVER]:.1f} us"),
         ("in-process compiled.execute <= driver alone + 25 us",
