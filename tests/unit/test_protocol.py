@@ -247,6 +247,21 @@ def test_statistics_reply_round_trips():
     assert anyio.run(ReferenceDevice().finished_jobs) == ()  # no scheduler of its own
 
 
+def test_a_job_record_with_an_unknown_priority_or_status_is_refused():
+    value = statistics_value()
+    job = value.jobs[0]
+    data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
+    at = data.index(p._JOB_FIXED.pack(job.priority, job.seq, job.submitted_at, math.nan,
+                                      job.finished_at, job.ran, job.preemptions,
+                                      job.longest_step, job.status))
+    status_at = at + p._JOB_FIXED.size - 4
+    for where, value, what in ((at, 7, "priority: 7 is not a Priority"),
+                               (status_at, 99999, "job status: 99999 is not a ErrorStatus")):
+        bad = data[:where] + struct.pack("<I", value) + data[where + 4:]
+        with pytest.raises(p.ProtocolError, match=what):
+            p.decode_body(bad[p.FRAME_HEADER_SIZE:], fds)
+
+
 def test_every_method_has_one_codec_and_sample_messages_cover_it():
     covered = {m.method for m in sample_messages() + all_method_messages()}
     assert set(p.CODECS) == set(p.Method) == covered
