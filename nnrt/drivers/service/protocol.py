@@ -541,6 +541,22 @@ def transition(state: State, event: Event) -> State:
 
 # -- the bytes: reader and writer ----------------------------------------------
 
+_MEMBERS: dict[type, dict] = {}    # per enum class read off the wire: its members by value
+
+
+def _member(cls, value: int, what: str):
+    """``cls(value)`` from a table (an Enum call costs a look-up through its
+    metaclass: per field of up to 256 job records in a STATISTICS reply);
+    ProtocolError for a value that is none of its members."""
+    members = _MEMBERS.get(cls)
+    if members is None:
+        members = _MEMBERS[cls] = {m.value: m for m in cls}
+    member = members.get(value)
+    if member is None:
+        raise ProtocolError(f"{what}: {value} is not a {cls.__name__}")
+    return member
+
+
 class _Reader(Reader):
     """The shared bounds-checked reader, plus this protocol's compound
     fields (flags, counted lists, strings, enums, fds beside the frame)."""
@@ -594,11 +610,7 @@ class _Reader(Reader):
         return None if math.isnan(v) else v
 
     def enum(self, cls, what: str):
-        v = self.u32(what)
-        try:
-            return cls(v)
-        except ValueError:
-            raise ProtocolError(f"{what}: {v} is not a {cls.__name__}") from None
+        return _member(cls, self.u32(what), what)
 
     def fd(self, what: str) -> int:
         if self.fd_pos >= len(self.fds):
@@ -1275,10 +1287,10 @@ def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
         app = _get_app(r)
         (priority, seq, submitted, started, finished, ran, preemptions, longest,
          status) = r.take(_JOB_FIXED, "job record")
-        jobs.append(WireJobRecord(app, _member(_PRIORITIES, priority, "priority", Priority),
+        jobs.append(WireJobRecord(app, _member(Priority, priority, "priority"),
                                   seq, submitted, None if math.isnan(started) else started,
                                   finished, ran, preemptions, longest,
-                                  _member(_STATUSES, status, "job status", ErrorStatus),
+                                  _member(ErrorStatus, status, "job status"),
                                   r.str_("job message")))
     return StatisticsValue(st, tuple(jobs))
 
@@ -1287,16 +1299,6 @@ def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
 # seq, submitted at, started at (NaN: never), finished at, run time,
 # preemptions, longest step, status.
 _JOB_FIXED = struct.Struct("<IQddddIdI")
-_PRIORITIES = {int(m): m for m in Priority}
-_STATUSES = {int(m): m for m in ErrorStatus}
-
-
-def _member(members: dict, value: int, what: str, cls):
-    """``value``'s member of ``cls`` (``members``: its members by value)."""
-    member = members.get(value)
-    if member is None:
-        raise ProtocolError(f"{what}: {value} is not a {cls.__name__}")
-    return member
 
 
 def _put_roles(w: _Writer, roles) -> None:
