@@ -183,11 +183,9 @@ def schedule_point() -> Awaitable[None]:
     that became readable waits, for at most the quantum. Loops that do not
     show their ready queue (uvloop) always turn."""
     global _last_turn
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:   # no asyncio loop running on this thread
-        return anyio.lowlevel.checkpoint()
-    if asyncio.current_task(loop) is None:
+    loop = _running_loop()
+    if loop is None or _current_task(loop) is None:
+        # Not an asyncio task: trio, or trio as a guest of an asyncio loop.
         return anyio.lowlevel.checkpoint()
     now = loop.time()
     last_loop, last = _last_turn
@@ -199,14 +197,22 @@ def schedule_point() -> Awaitable[None]:
     return _bare_yield()
 
 
+_running_loop = asyncio._get_running_loop    # (None off a loop, where the public one raises)
+# The task running on a loop: on 3.11 ``asyncio.current_task`` is a Python
+# function around a look-up in this dict (the C one's), built in from 3.12.
+_current_task = asyncio.tasks._current_tasks.get if sys.version_info < (3, 12) \
+    else asyncio.current_task
+
+
 class _NoTurn:
-    """An awaitable that completes at once (a skipped turn)."""
+    """An awaitable that completes at once (a skipped turn): its iterator
+    is an exhausted one, shared (built in, where a generator would be made
+    per await)."""
 
     __slots__ = ()
-
-    def __await__(self):
-        return
-        yield   # (a generator that returns before its first yield)
+    # A built-in method is not bound on look-up: ``__await__()`` returns
+    # the exhausted iterator itself, whose first step ends the await.
+    __await__ = iter(()).__iter__
 
 
 _NO_TURN = _NoTurn()

@@ -191,12 +191,16 @@ class RequestPlan:
         last = self._last
         if last is None:
             return None
-        if last.serves(request):
-            return last
-        moved = last.moved(request)
-        if moved is not None:
-            self._last = moved
-        return moved
+        if request is not last._request:
+            # A new request (the runtime's, with fresh output arrays at every
+            # execution): moving the binding to its pools is tried first, as
+            # it decides at the first pool that differs, where ``serves``
+            # would have compared them all and found one that differs.
+            moved = last.moved(request)
+            if moved is not None:
+                self._last = moved
+                return moved
+        return last if last.serves(request) else None
 
     def bind(self, request) -> "Binding":
         """``request``, which :meth:`serving` did not serve, validated and
@@ -368,7 +372,8 @@ class Binding:
         """A binding of this layout over ``request``'s pools, when ``request``
         has this binding's very argument tuples and numpy pools only, each
         C-contiguous and of the size of the pool it replaces (the runtime's
-        fresh output arrays at every execution); else None. Nothing is
+        fresh output arrays at every execution), or this binding itself when
+        they are its very pools; else None. Nothing is
         validated again: the validator's answer for these arguments over
         pools of these sizes was given for this binding (by induction, for
         the binding it moved from). The tensor inputs' views are kept when
@@ -381,10 +386,15 @@ class Binding:
         pools, old = request.pools, self._pools
         if pools.__class__ is not tuple or len(pools) != len(old):
             return None
+        same = True
         for p, q in zip(pools, old):
-            if p is not q and (p.__class__ is not np.ndarray or p.nbytes != q.nbytes
-                               or not p.flags.c_contiguous):
-                return None
+            if p is not q:
+                if p.__class__ is not np.ndarray or p.nbytes != q.nbytes \
+                        or not p.flags.c_contiguous:
+                    return None
+                same = False
+        if same:
+            return self     # its very pools (in new tuples): this binding serves it
         moved = object.__new__(Binding)
         moved.layout = layout
         moved._request = request

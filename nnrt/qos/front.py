@@ -305,7 +305,7 @@ class ScheduledPreparedModel(PreparedModel):
             # cancelled caller stops here, with nothing queued), then the
             # inline run if the job gets its slot at once.
             await schedule_point()
-            started = time.perf_counter_ns()
+            started = time.perf_counter_ns() if measure else 0   # (only a timing reads it)
             try:
                 job, owned = self._gate.submit_here(
                     self.app, self.priority, model=self.key,

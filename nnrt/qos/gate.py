@@ -74,6 +74,7 @@ from ..hal.types import Priority
 from .scheduler import (_RUNNING, Job, JobRecord, JobState, Scheduler, SchedulerStatistics,
                         Verdict)
 
+_get_ident = threading.get_ident
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs
 
 
@@ -154,14 +155,18 @@ class ExecutionGate:
         (False) it waits as any job: the caller then ``claim``s it, or hands
         it ``give_work`` (a caller that must not block)."""
         scheduler = self.scheduler
-        with self._lock:
+        lock = self._lock
+        lock.acquire()    # (not ``with``: this and ``finish`` run at every execution)
+        try:
             job = scheduler.submit(app, priority, deadline=deadline, model=model)
             owned = job.state is _RUNNING
-            self._tickets[job] = _Ticket(None, threading.get_ident() if owned else None)
+            self._tickets[job] = _Ticket(None, _get_ident() if owned else None)
             woken = scheduler.take_wakeups()
             if owned:
                 woken.remove(job)     # its owner is right here, awake
             starts = self._deliver(woken) if woken else woken
+        finally:
+            lock.release()
         if starts:
             self._start(starts)
         return job, owned
@@ -244,7 +249,9 @@ class ExecutionGate:
         for this thread, which runs it once its ``work`` returns
         (continuation)."""
         scheduler = self.scheduler
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             final = scheduler.finish(job, status, message)
             woken = scheduler.take_wakeups()
             self._tickets.pop(job, None)
@@ -252,6 +259,8 @@ class ExecutionGate:
                 return final
             following = self._continuation(woken)
             starts = self._deliver(woken, skip=following)
+        finally:
+            lock.release()
         if following is not None:
             self._local.following = following
         self._start(starts)

@@ -917,10 +917,9 @@ class Scheduler:
 
     def _least_other(self, app: _App) -> float | None:
         """The least *settled* virtual time of the active apps other than
-        ``app``; None when none is active."""
+        ``app``; None when none is active. (Its callers skip the call when
+        ``app`` is the only app: the common case in process.)"""
         apps = self._apps
-        if len(apps) == 1:
-            return None     # only ``app`` (always one of them): the common case in process
         active = [a.settled / a.weight for a in apps.values()
                   if a is not app and (a.queue or a.running)]
         return min(active) if active else None
@@ -932,13 +931,16 @@ class Scheduler:
         the system's virtual time at its own (F7)."""
         if app.queue or app.running or app.held:
             return
-        least = self._least_other(app)
+        weight = app.settings.weight    # (app.weight, inlined: this and _place run per job)
+        least = None if len(self._apps) == 1 else self._least_other(app)
         if least is None:
-            self._vtime = max(self._vtime, app.service / app.weight)
+            vtime = app.service / weight
+            if vtime > self._vtime:
+                self._vtime = vtime
             app.lag = 0.0
             return
-        behind = least - app.service / app.weight
-        app.lag = min(max(behind, 0.0), job.ran / app.weight)
+        behind = least - app.service / weight
+        app.lag = min(max(behind, 0.0), job.ran / weight)
 
     def _place(self, app: _App) -> None:
         """Idle or new -> active (F5, F7): no credit for the idle time, and
@@ -956,9 +958,9 @@ class Scheduler:
         alone for a while, or beside a flood that then ended, waited for
         the newcomer to catch up with all of it (seconds: measured in
         ``benchmarks/qos_apps.py``, docs/qos.md)."""
-        least = self._least_other(app)
+        least = None if len(self._apps) == 1 else self._least_other(app)
         floor = self._vtime if least is None else least
-        service = (floor - app.lag) * app.weight
+        service = (floor - app.lag) * app.settings.weight
         if service > app.service:
             app.service = service
         app.lag = 0.0
@@ -1020,7 +1022,9 @@ class Scheduler:
         resumed = job.state is _PREEMPTED
         if queued:
             self._dequeue(app, job)
-        job._move(_DISPATCH)
+            job._move(_DISPATCH)
+        else:
+            job.state = _RUNNING    # (_move: a job just made is QUEUED)
         c = job._cls or self._class(job)
         c.running += 1
         if job.started_at is None:

@@ -713,14 +713,22 @@ class CompiledModel:
             return None
         # An array of a tensor operand's dtype is taken as it is whenever one
         # of its shape was (``_stage_input``): the lane's came from it.
+        # (A dtype is compared by identity first: numpy's built-in dtypes are
+        # singletons, and ``!=`` on two dtypes is a slow call.)
         for value, dtype, shape in zip(inputs, self._input_dtypes, lane.input_shapes):
-            if value.__class__ is not np.ndarray or value.dtype != dtype \
+            if value.__class__ is not np.ndarray \
+                    or (value.dtype is not dtype and value.dtype != dtype) \
                     or value.shape != shape or not value.flags.c_contiguous:
                 return None
         if outputs is None:
-            if lane.sized is None:
+            sized = lane.sized
+            if sized is None:
                 return None
-            outs = list(map(np.empty, *lane.sized))
+            shapes, dtypes = sized
+            # One output (the usual case) in one call: a map and a list
+            # around it cost as much again.
+            outs = [np.empty(shapes[0], dtypes[0])] if len(shapes) == 1 \
+                else list(map(np.empty, shapes, dtypes))
         else:
             if (outputs.__class__ is not list and outputs.__class__ is not tuple) \
                     or len(outputs) != len(lane.output_shapes):
@@ -728,7 +736,8 @@ class CompiledModel:
             for value, dtype, shape in zip(outputs, self._output_dtypes, lane.output_shapes):
                 # (carray: C-contiguous, writable and aligned; an unaligned
                 # array is the general path's to take)
-                if value.__class__ is not np.ndarray or value.dtype != dtype \
+                if value.__class__ is not np.ndarray \
+                        or (value.dtype is not dtype and value.dtype != dtype) \
                         or value.shape != shape or not value.flags.carray:
                     return None
             request.check_no_overlap(inputs, outputs)
