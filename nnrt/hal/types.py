@@ -119,11 +119,24 @@ class RequestArgument:
     dimensions: tuple[int, ...] = ()  # () = as declared by the operand
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Request:
     inputs: tuple[RequestArgument, ...]
     outputs: tuple[RequestArgument, ...]
     pools: tuple  # buffer-protocol objects the driver reads inputs from and writes outputs to
+
+    def __init__(self, inputs: tuple[RequestArgument, ...], outputs: tuple[RequestArgument, ...],
+                 pools: tuple):
+        # Stored through the slots' descriptors, as nnrt.Result is: a request
+        # is made per execution, and a frozen dataclass's own __init__ (an
+        # object.__setattr__ per field) cost half as much again (issue 16).
+        _set_inputs(self, inputs)
+        _set_outputs(self, outputs)
+        _set_pools(self, pools)
+
+
+_set_inputs, _set_outputs, _set_pools = (getattr(Request, f).__set__
+                                         for f in ("inputs", "outputs", "pools"))
 
 
 @dataclass(frozen=True, slots=True)
