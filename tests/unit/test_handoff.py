@@ -83,7 +83,7 @@ def test_a_schedule_point_skips_a_turn_that_would_only_poll_io(long_quantum):
             await schedule_point()         # a turn: the quantum starts
             w.send(b"x")
             await schedule_point()         # only the socket would be polled: skipped
-            await schedule_point()
+            assert await schedule_point() is None   # (the skipped point's shared iterator, again)
             assert readable == []
             handoff.IO_QUANTUM = 0.0       # the quantum is over: the loop polls
             await schedule_point()         # (the loop runs the reader after this task)
