@@ -193,9 +193,9 @@ class RequestPlan:
             return None
         if request is not last._request:
             # A new request (the runtime's, with fresh output arrays at every
-            # execution): moving the binding to its pools is tried first, as
-            # it decides at the first pool that differs, where ``serves``
-            # would have compared them all and found one that differs.
+            # execution): moving the binding to its pools is tried first.
+            # ``serves`` would only find a pool that differs, and the move
+            # would be tried after it anyway.
             moved = last.moved(request)
             if moved is not None:
                 self._last = moved
