@@ -74,7 +74,6 @@ from ..hal.types import Priority
 from .scheduler import (_RUNNING, Job, JobRecord, JobState, Scheduler, SchedulerStatistics,
                         Verdict)
 
-_get_ident = threading.get_ident
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs
 
 
@@ -160,7 +159,7 @@ class ExecutionGate:
         try:
             job = scheduler.submit(app, priority, deadline=deadline, model=model)
             owned = job.state is _RUNNING
-            self._tickets[job] = _Ticket(None, _get_ident() if owned else None)
+            self._tickets[job] = _Ticket(None, threading.get_ident() if owned else None)
             woken = scheduler.take_wakeups()
             if owned:
                 woken.remove(job)     # its owner is right here, awake
