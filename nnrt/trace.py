@@ -54,8 +54,14 @@ class _State:
 _state = _State()
 
 
+# Whether events are being recorded: what ``enabled()`` says, as a module
+# attribute for the per-execution paths (``trace.recording``), where the
+# call costs more than the rest of the check (issue 16).
+recording = False
+
+
 def enabled() -> bool:
-    return _state.path is not None
+    return recording
 
 
 def _now_us() -> float:
@@ -94,9 +100,11 @@ def start(path: str, *, process_name: str | None = None) -> None:
 
 
 def _begin(path: str, process_name: str | None) -> None:
+    global recording
     if _state.path == path:
         return
     _state.path = path
+    recording = True
     name = process_name or _process_label()
     _state.events.append({"name": "process_name", "ph": "M", "pid": os.getpid(), "tid": 0,
                           "args": {"name": name}})
@@ -133,11 +141,13 @@ def _write_fragment() -> None:
 def stop() -> str | None:
     """Stop recording. The owner merges every fragment into the trace file
     and returns its path; another process writes its fragment (None)."""
+    global recording
     path = _state.path
     if path is None:
         return None
     _write_fragment()
     _state.path = None
+    recording = False
     _state.named_threads.clear()
     if not _is_owner():
         return None

@@ -39,6 +39,13 @@ from ..memory import Memory, as_buffer
 from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
 
+# The cpuexe log's switch, read once: NNRT_VLOG is read when nnrt.vlog is
+# imported and never again.
+_CPUEXE = vlog_on("cpuexe")
+# An Arg made as NamedTuple's own ``__new__`` makes it, without that Python
+# call per input of every operation (issue 16).
+_new_arg = tuple.__new__
+
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
 # Operands whose value is the same in every execution: a constant, a
 # subgraph reference, an omitted optional input.
@@ -228,7 +235,8 @@ _FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be r
 class _Output:
     """Where one output of a request's layout goes."""
 
-    __slots__ = ("index", "dtype", "pool_index", "offset", "length", "declared", "as_declared")
+    __slots__ = ("index", "dtype", "pool_index", "offset", "length", "declared", "as_declared",
+                 "at_start")
 
     def __init__(self, index: int, dtype: np.dtype, dims: tuple[int, ...], pool_index: int,
                  offset: int, length: int):
@@ -244,6 +252,8 @@ class _Output:
         # check, as nnrt.hal.request.write_outputs does).
         self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
         self.as_declared = bool(dims) and self.declared.is_sufficient
+        # Whether the region starts at its pool's first byte.
+        self.at_start = offset == 0
 
 
 class _Layout:
@@ -458,7 +468,15 @@ class Binding:
         sources = self._sources
         for value, out in zip(outputs, self.layout.outs):
             if out.as_declared and value.shape == out.declared.dimensions:
-                target = np.ndarray(value.shape, out.dtype, sources[out.pool_index], out.offset)
+                pool = sources[out.pool_index]
+                if out.at_start and pool.__class__ is np.ndarray and pool.dtype is out.dtype \
+                        and pool.flags.carray and pool.shape == value.shape:
+                    # The region is the whole of a numpy pool of this very
+                    # shape and element type (the runtime's output arrays):
+                    # written through the pool itself, with no view made.
+                    pool[...] = value
+                    continue
+                target = np.ndarray(value.shape, out.dtype, pool, out.offset)
                 if target.flags.writeable:    # (an array over a read-only pool is read-only)
                     target[...] = value
                     continue
@@ -533,7 +551,7 @@ class ExecutionContext:
         relaxed = self.executor.relaxed
         # Read once per subgraph run: a kernel is called directly unless
         # tracing or the cpuexe log is on.
-        observed = tracing.enabled() or vlog_on("cpuexe")
+        observed = _CPUEXE or tracing.recording
         frame = [plan.index, 0]
         self._frames.append(frame)
         try:
@@ -545,7 +563,7 @@ class ExecutionContext:
                     checkpoint(self)
                 args = list(step.args)
                 for position, i, t, s, z, c in step.reads:
-                    args[position] = Arg(t, values[i], s, z, c)
+                    args[position] = _new_arg(Arg, (t, values[i], s, z, c))
                 call = Call(step.type, args, step.out_operands, relaxed, self)
                 try:
                     results = _observed(step, call) if observed else step.kernel(call)

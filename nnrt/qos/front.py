@@ -408,7 +408,7 @@ class ScheduledPreparedModel(PreparedModel):
         after the slot is given back. Traced as the span "scheduled run"."""
         gate = self._gate
         checkpoint = partial(gate.checkpoint, job) if self._stops and not inline else None
-        traced = time.monotonic_ns() if trace.enabled() else 0   # the span's start
+        traced = time.monotonic_ns() if trace.recording else 0   # the span's start
         ran = time.perf_counter_ns()
         try:
             result = self.prepared.execute_synchronously(

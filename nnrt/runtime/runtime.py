@@ -707,7 +707,7 @@ class CompiledModel:
         (so the one error raised here is the last it checks, an overlap)."""
         if (inputs.__class__ is not list and inputs.__class__ is not tuple) \
                 or len(inputs) != len(lane.input_shapes) or self._closed \
-                or self._runtime._devices is None or trace.enabled() \
+                or self._runtime._devices is None or trace.recording \
                 or (deadline is not None and (deadline.__class__ is not float
                                               or deadline != deadline)):   # (NaN)
             return None

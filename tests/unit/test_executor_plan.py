@@ -413,6 +413,26 @@ def test_a_bad_pool_after_a_good_one_with_the_same_arguments_is_refused():
     np.testing.assert_array_equal(out, x + y)
 
 
+def test_an_output_is_written_where_its_region_lies_in_any_numpy_pool():
+    """An output whose region is the whole of a numpy pool of its shape and
+    element type is written through the pool; any other numpy pool (another
+    shape, element type, offset) gets the same bytes where the region says."""
+    prepared = _prepared(_add_model())
+    x, y = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+    good = _request(x, y, np.zeros((1, 4), np.float32))
+    expected = (x + y).reshape(-1)
+    for pool, offset in [(np.zeros((1, 4), np.float32), 0), (np.zeros(4, np.float32), 0),
+                         (np.zeros((2, 4), np.float32), 16), (np.zeros(2, np.float64), 0),
+                         (np.zeros(24, np.uint8), 8)]:
+        out = (RequestArgument(False, DataLocation(2, offset, 16)),)
+        result = prepared.execute_synchronously(Request(good.inputs, out, (x, y, pool)))
+        assert result.status == ErrorStatus.NONE, pool
+        written = pool.reshape(-1).view(np.uint8)[offset:offset + 16].view(np.float32)
+        np.testing.assert_array_equal(written, expected)
+        assert not pool.reshape(-1).view(np.uint8)[:offset].any()
+        assert not pool.reshape(-1).view(np.uint8)[offset + 16:].any()
+
+
 def test_an_execution_ignores_the_calling_threads_fp_error_state():
     """Kernels give IEEE results (inf) whatever np.seterr the calling thread
     set -- an inline run executes on the app's thread -- and the caller's
