@@ -117,7 +117,11 @@ def finish_output(x: np.ndarray, act: int, out: Operand) -> np.ndarray:
     """Apply fused activation ``act`` to real values and convert to ``out``'s type."""
     dtype = _FLOAT_DTYPES.get(out.type)
     if dtype is not None:
-        return apply_activation(x, act).astype(dtype, copy=False)
+        if act != _NO_ACTIVATION:
+            x = apply_activation(x, act)
+        # (already of the output's type: the float path's usual case, returned
+        # without the astype call)
+        return x if x.dtype is dtype else x.astype(dtype, copy=False)
     if out.type.is_quantized:
         lo, hi = quantized_activation_range(act, out)
         q = round_half_away(np.asarray(x, np.float64) / out.scale) + out.zero_point
