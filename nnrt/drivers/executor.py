@@ -322,7 +322,8 @@ class Binding:
     come out as declared.
 
     It keeps the request's pool objects (a Memory as its own byte view),
-    and no view of its own into them unless they are all numpy arrays:
+    and no view of its own into them unless they are all numpy arrays (then
+    a view per tensor input and per output of declared shape, made once):
     arrays over other pools are made per execution (one call each) and die
     with it, because a view kept here would keep a closed Memory mapped (a
     burst's slots are unmapped when it ends, tests/integration/test_burst.py)
@@ -336,7 +337,7 @@ class Binding:
     mix with them."""
 
     __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable",
-                 "_start")
+                 "_start", "_targets")
 
     def __init__(self, layout: _Layout, request, sizes: tuple[int, ...]):
         self.layout = layout
@@ -348,17 +349,18 @@ class Binding:
             and request.outputs.__class__ is tuple
         self._request = request if whole else None
         memories = resizable = ()
-        self._start = None
+        self._start = self._targets = None
         for p in pools:
             if p.__class__ is not np.ndarray:
                 memories, resizable = _kinds(pools, sizes)
                 break
         else:
             # Numpy arrays only (the runtime's pools): the tensor inputs'
-            # views are made here, once. A view of an array keeps alive just
-            # that array, which this binding holds anyway, and sees its
-            # bytes as they are at each execution.
+            # views, and the outputs' targets, are made here, once. A view
+            # of an array keeps alive just that array, which this binding
+            # holds anyway, and sees its bytes as they are at each execution.
             self._start = self._values(pools)
+            self._targets = self._targets_in(pools)
         self._memories = memories
         self._resizable = resizable
         # What arrays are made over: the pool itself, a Memory's own view
@@ -410,6 +412,10 @@ class Binding:
         moved._request = request
         moved._pools = moved._sources = pools
         moved._memories = moved._resizable = ()
+        # No views of the outputs' regions: a moved binding's outputs are
+        # new arrays (the runtime's at every execution), written as they
+        # come; a view made here would serve one execution.
+        moved._targets = None
         for i in layout.reads:
             if pools[i] is not old[i]:
                 moved._start = moved._values(pools)
@@ -430,6 +436,14 @@ class Binding:
             values[i] = decode_value(operand, np.frombuffer(sources[pool], np.uint8, length,
                                                             offset))
         return values
+
+    def _targets_in(self, pools) -> tuple:
+        """Per output, a view of its region as declared (None for an output
+        of open shape), what its value is written into when it comes out as
+        declared. Numpy pools only."""
+        return tuple(np.ndarray(out.declared.dimensions, out.dtype, pools[out.pool_index],
+                                out.offset) if out.as_declared else None
+                     for out in self.layout.outs)
 
     def _values(self, sources) -> list:
         """The main subgraph's starting values with a view per tensor input."""
@@ -466,28 +480,46 @@ class Binding:
         executor checks them) into their regions, which ``output_shapes``
         said are big enough; INVALID_ARGUMENT for a read-only pool."""
         sources = self._sources
+        targets = self._targets
+        if targets is not None:
+            # Views made with the binding (a request served again); a pool is
+            # asked whether it is writable now: a view made before keeps the
+            # flag it had then.
+            for value, out, target in zip(outputs, self.layout.outs, targets):
+                if target is not None and value.shape == out.declared.dimensions \
+                        and sources[out.pool_index].flags.writeable:
+                    target[...] = value
+                else:
+                    self._write(value, out)
+            return
         for value, out in zip(outputs, self.layout.outs):
             if out.as_declared and value.shape == out.declared.dimensions:
                 pool = sources[out.pool_index]
                 if out.at_start and pool.__class__ is np.ndarray and pool.dtype is out.dtype \
                         and pool.flags.carray and pool.shape == value.shape:
                     # The region is the whole of a numpy pool of this very
-                    # shape and element type (the runtime's output arrays):
-                    # written through the pool itself, with no view made.
+                    # shape and element type (the runtime's new output
+                    # arrays): written through the pool itself, no view made.
                     pool[...] = value
                     continue
                 target = np.ndarray(value.shape, out.dtype, pool, out.offset)
                 if target.flags.writeable:    # (an array over a read-only pool is read-only)
                     target[...] = value
                     continue
-            arr = np.ascontiguousarray(value, dtype=out.dtype)
-            if not arr.nbytes:
-                continue
-            if as_buffer(self._pools[out.pool_index]).readonly:
-                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                f"output operand {out.index}: pool {out.pool_index} is read-only")
-            np.frombuffer(sources[out.pool_index], np.uint8, arr.nbytes, out.offset)[:] = \
-                arr.reshape(-1).view(np.uint8)
+            self._write(value, out)
+
+    def _write(self, value, out: _Output) -> None:
+        """``value`` into ``out``'s region byte by byte, for what
+        :meth:`write_outputs` does not write through an array of the
+        region's shape (another shape than declared, a read-only pool)."""
+        arr = np.ascontiguousarray(value, dtype=out.dtype)
+        if not arr.nbytes:
+            return
+        if as_buffer(self._pools[out.pool_index]).readonly:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"output operand {out.index}: pool {out.pool_index} is read-only")
+        np.frombuffer(self._sources[out.pool_index], np.uint8, arr.nbytes, out.offset)[:] = \
+            arr.reshape(-1).view(np.uint8)
 
     def succeeded(self, shapes: tuple[OutputShape, ...], timing: Timing) -> ExecutionResult:
         """The result of an execution that wrote outputs of ``shapes``."""

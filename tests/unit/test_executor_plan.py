@@ -433,6 +433,25 @@ def test_an_output_is_written_where_its_region_lies_in_any_numpy_pool():
         assert not pool.reshape(-1).view(np.uint8)[offset + 16:].any()
 
 
+def test_the_same_request_again_writes_each_result_and_sees_a_pool_made_read_only():
+    """A request served again writes through the views its binding made, and
+    still refuses a pool that became read-only since (a view made before
+    keeps the flag it had then)."""
+    prepared = _prepared(_add_model())
+    x, y = np.ones((1, 4), np.float32), np.arange(4, dtype=np.float32).reshape(1, 4)
+    out = np.zeros((1, 4), np.float32)
+    req = _request(x, y, out)
+    for k in range(3):
+        x[...] = k
+        assert prepared.execute_synchronously(req).status == ErrorStatus.NONE
+        np.testing.assert_array_equal(out, x + y)
+    req.pools[2].flags.writeable = False
+    x[...] = 7
+    result = prepared.execute_synchronously(req)
+    assert result.status == ErrorStatus.INVALID_ARGUMENT and "read-only" in result.message
+    np.testing.assert_array_equal(out, np.full((1, 4), 2, np.float32) + y)
+
+
 def test_an_execution_ignores_the_calling_threads_fp_error_state():
     """Kernels give IEEE results (inf) whatever np.seterr the calling thread
     set -- an inline run executes on the app's thread -- and the caller's
