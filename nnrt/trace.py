@@ -45,7 +45,6 @@ _ids = itertools.count(1)
 
 class _State:
     def __init__(self):
-        self.path: str | None = None
         self.events: list[dict] = []
         self.lock = threading.Lock()
         self.named_threads: set[int] = set()
@@ -54,14 +53,14 @@ class _State:
 _state = _State()
 
 
-# Whether events are being recorded: what ``enabled()`` says, as a module
-# attribute for the per-execution paths (``trace.recording``), where the
-# call costs more than the rest of the check (issue 16).
-recording = False
+# The file events are recorded to; None when not recording. A module
+# attribute, read as ``trace.recording`` on the per-execution paths, where
+# a call of ``enabled()`` costs more than the rest of the check (issue 16).
+recording: str | None = None
 
 
 def enabled() -> bool:
-    return recording
+    return recording is not None
 
 
 def _now_us() -> float:
@@ -101,10 +100,9 @@ def start(path: str, *, process_name: str | None = None) -> None:
 
 def _begin(path: str, process_name: str | None) -> None:
     global recording
-    if _state.path == path:
+    if recording == path:
         return
-    _state.path = path
-    recording = True
+    recording = path
     name = process_name or _process_label()
     _state.events.append({"name": "process_name", "ph": "M", "pid": os.getpid(), "tid": 0,
                           "args": {"name": name}})
@@ -127,12 +125,12 @@ def _is_owner() -> bool:
 
 
 def _write_fragment() -> None:
-    if _state.path is None:
+    if recording is None:
         return
     with _state.lock:
         events, _state.events = _state.events, []
     if events:
-        fragment = f"{_state.path}.{os.getpid()}.part"
+        fragment = f"{recording}.{os.getpid()}.part"
         with open(fragment, "a") as f:
             for event in events:
                 f.write(json.dumps(event) + "\n")
@@ -142,12 +140,11 @@ def stop() -> str | None:
     """Stop recording. The owner merges every fragment into the trace file
     and returns its path; another process writes its fragment (None)."""
     global recording
-    path = _state.path
+    path = recording
     if path is None:
         return None
     _write_fragment()
-    _state.path = None
-    recording = False
+    recording = None
     _state.named_threads.clear()
     if not _is_owner():
         return None
@@ -165,7 +162,7 @@ def stop() -> str | None:
 
 
 def _at_exit() -> None:
-    if _state.path is not None:
+    if recording is not None:
         stop()
 
 
@@ -173,14 +170,14 @@ def _at_exit() -> None:
 
 def instant(name: str, **args) -> None:
     """A point in time on this thread (e.g. a fence signaled)."""
-    if _state.path is not None:
+    if recording is not None:
         _emit({"name": name, "ph": "i", "s": "t", "ts": _now_us(), "cat": "nnrt",
                "args": _clean(args)})
 
 
 def complete(name: str, start_us: float, end_us: float, **args) -> None:
     """A span on this thread, from two ``monotonic_ns() / 1000`` times."""
-    if _state.path is not None:
+    if recording is not None:
         _emit({"name": name, "ph": "X", "ts": start_us, "dur": max(end_us - start_us, 0.0),
                "cat": "nnrt", "args": _clean(args)})
 
@@ -189,7 +186,7 @@ def interval(name: str, start: float | None, end: float | None, **args) -> None:
     """A span known after the fact, from two ``time.monotonic()`` times
     (seconds; a scheduler's timestamps), as an async span: such spans may
     overlap on one thread (the queue waits of concurrent executions)."""
-    if _state.path is None or start is None or end is None:
+    if recording is None or start is None or end is None:
         return
     ident = next(_ids)
     common = {"name": name, "cat": "nnrt", "id": ident}
@@ -215,14 +212,14 @@ def traced(name: str):
             # resume (a per-frame cost on the hot path, issue 16).
             @functools.wraps(fn)
             def run_async(*a, **kw):
-                if _state.path is None:
+                if recording is None:
                     return fn(*a, **kw)
                 return traced_async(*a, **kw)
             return run_async
 
         @functools.wraps(fn)
         def run(*a, **kw):
-            if _state.path is None:
+            if recording is None:
                 return fn(*a, **kw)
             t0 = _now_us()
             try:
@@ -236,7 +233,7 @@ def traced(name: str):
 def call(name: str, fn, *args, **extra):
     """``fn(*args)`` as a span named ``name`` (one operation of a driver);
     ``extra`` become the span's arguments."""
-    if _state.path is None:
+    if recording is None:
         return fn(*args)
     t0 = _now_us()
     try:

@@ -235,8 +235,7 @@ _FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be r
 class _Output:
     """Where one output of a request's layout goes."""
 
-    __slots__ = ("index", "dtype", "pool_index", "offset", "length", "declared", "as_declared",
-                 "at_start")
+    __slots__ = ("index", "dtype", "pool_index", "offset", "length", "declared", "as_declared")
 
     def __init__(self, index: int, dtype: np.dtype, dims: tuple[int, ...], pool_index: int,
                  offset: int, length: int):
@@ -252,8 +251,6 @@ class _Output:
         # check, as nnrt.hal.request.write_outputs does).
         self.declared = OutputShape(dims, dtype.itemsize * math.prod(dims) <= length)
         self.as_declared = bool(dims) and self.declared.is_sufficient
-        # Whether the region starts at its pool's first byte.
-        self.at_start = offset == 0
 
 
 class _Layout:
@@ -495,7 +492,7 @@ class Binding:
         for value, out in zip(outputs, self.layout.outs):
             if out.as_declared and value.shape == out.declared.dimensions:
                 pool = sources[out.pool_index]
-                if out.at_start and pool.__class__ is np.ndarray and pool.dtype is out.dtype \
+                if not out.offset and pool.__class__ is np.ndarray and pool.dtype is out.dtype \
                         and pool.flags.carray and pool.shape == value.shape:
                     # The region is the whole of a numpy pool of this very
                     # shape and element type (the runtime's new output
