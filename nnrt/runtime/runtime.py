@@ -661,12 +661,15 @@ class CompiledModel:
 
     async def execute(self, inputs: Sequence[Any], *, outputs: Sequence[np.ndarray] | None = None,
                       measure_timing: bool = False, deadline: float | None = None,
-                      loop_timeout: float | None = None) -> Result:
+                      loop_timeout: float | None = None, _sessions: dict | None = None
+                      ) -> Result:
         """Run the model once. ``inputs`` are numpy arrays (or values numpy can
         convert), None for an omitted optional input. ``outputs`` may give
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
-        state inputs and outputs are carried by the runtime, not passed."""
+        state inputs and outputs are carried by the runtime, not passed.
+        (``_sessions``: a :class:`Burst`'s HAL sessions, by step, that run
+        its frames: ``Burst.execute`` is this, under the burst's lock.)"""
         steps = self._steps
         if steps is self._lane_steps and measure_timing is False:
             step = steps[0]
@@ -674,9 +677,12 @@ class CompiledModel:
             made = None if lane is None else self._lane_request(lane, inputs, outputs, deadline)
             if made is not None:
                 hal_request, outs = made
+                # (a step a burst has no session for, after a fall back to the
+                # CPU: a plain execution, as in _run)
+                runner = step.prepared if _sessions is None \
+                    else _sessions.get(id(step), step.prepared)
                 try:
-                    result = await step.prepared.execute(hal_request, False, deadline,
-                                                         loop_timeout)
+                    result = await runner.execute(hal_request, False, deadline, loop_timeout)
                 except BaseException:
                     self._failures += 1
                     raise
@@ -687,14 +693,14 @@ class CompiledModel:
                     self._executions += 1
                     return Result(outs, list(lane.result_shapes), None)
                 return await self._execute(
-                    inputs, outputs, False, deadline, loop_timeout, None,
+                    inputs, outputs, False, deadline, loop_timeout, _sessions,
                     (steps, (hal_request, result, outs, lane.sized if outputs is None else None)))
         sig = self._signature
         if sig.stateful:
             await self._ready_state()
         inputs, outputs = self._order(inputs, outputs)
         result = await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout,
-                                     None)
+                                     _sessions)
         return sig.carry_state(result) if sig.stateful else result
 
     def _lane_request(self, lane, inputs, outputs, deadline) -> tuple[Request, list] | None:
@@ -1166,21 +1172,22 @@ class Burst:
 
     async def execute(self, inputs: Sequence[Any], *, outputs=None, measure_timing: bool = False,
                       deadline: float | None = None, loop_timeout: float | None = None) -> Result:
-        if self._sessions is None:
+        sessions = self._sessions
+        if sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
-        sig = self._compiled._signature
-        if sig.stateful:
-            await self._compiled._ready_state()
-        inputs, outputs = self._compiled._order(inputs, outputs)
+        # A frame is an execution of the compiled model run by the sessions
+        # (its lane too: a frame laid out as the last one skips the general
+        # path's per-call work, as any execution does).
         async with self._lock:  # a burst runs its requests in order, one at a time
             try:
-                result = await self._compiled._execute(inputs, outputs, measure_timing, deadline,
-                                                       loop_timeout, self._sessions)
+                result = await self._compiled.execute(
+                    inputs, outputs=outputs, measure_timing=measure_timing, deadline=deadline,
+                    loop_timeout=loop_timeout, _sessions=sessions)
             except BaseException:
                 self._failures += 1
                 raise
             self._frames += 1
-            return sig.carry_state(result)
+            return result
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,6 +262,13 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
             rng = np.random.default_rng(16)
             async with nnrt.Runtime(devices=[dev], discover=False) as rt:
                 compiled = await rt.compile(public_add_model())
+                general = []
+                run_general = compiled._execute
+
+                def counted(*a, **k):
+                    general.append(a)
+                    return run_general(*a, **k)
+                compiled._execute = counted
                 async with compiled.burst() as burst:
                     for _ in range(40):
                         x, y = (rng.standard_normal((1, 4)).astype(np.float32) for _ in "xy")
@@ -270,6 +277,10 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
                     session, = burst.statistics().sessions
                     assert (session.executions, session.layouts_staged) == (40, 1)
                     assert session.bytes_staged == 40 * 48
+                # The first two frames teach the step its layout and its
+                # result; every later one runs on the step's lane, by the
+                # session, without the runtime's general path.
+                assert len(general) <= 2
             assert svc.burst_statistics().layouts == 1
             prepared = await dev.prepare_model(add_model())
             x, y = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)

@@ -319,6 +319,64 @@ async def test_steps_shared_with_bursts_and_concurrent_executions(model_fn):
     assert got[-1] == got[0]
 
 
+async def test_a_burst_takes_the_lane_once_a_layout_repeats():
+    """A burst's frames are executions of the compiled model run by its
+    sessions: laid out as the last, they skip the general path too."""
+    async with nnrt.Runtime(devices=[ReferenceDevice()], discover=False) as rt:
+        compiled = await rt.compile(add_model())
+        general = Counted(compiled)
+        async with compiled.burst() as burst:
+            results = [await burst.execute([X, Y]) for _ in range(3)]
+            before = general.calls
+            results += [await burst.execute((X, Y)) for _ in range(20)]
+            assert general.calls == before
+            assert burst.statistics().frames == 23
+        for r in results:
+            np.testing.assert_array_equal(r.outputs[0], X + Y)
+            assert r.output_shapes == [(1, 4)] and r.timing is None
+        assert len({id(r.outputs[0]) for r in results}) == len(results)
+        assert compiled.statistics().executions == 23
+
+
+@MODELS
+async def test_a_bursts_frames_see_what_the_general_path_gives(model_fn):
+    """Resizes, the app's own outputs, a driver failure that moves the model
+    to the CPU mid-burst, refusals and a cancelled frame: the same outcomes,
+    statistics and driver calls with the lane as without it."""
+    async def scenario(compiled, device):
+        got = []
+        async with compiled.burst() as burst:
+            got += [await run(burst, [X, Y]) for _ in range(5)]
+            device.script.append(ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
+                                                 (OutputShape((1, 4), False),)))
+            got.append(await run(burst, [X, Y]))
+            got.append(await run(burst, [X, Y], outputs=[np.zeros((1, 4), np.float32)]))
+            got.append(await run(burst, [X, Y], outputs=[np.zeros((2, 4), np.float32)]))
+            got.append(await run(burst, [X, Y], deadline=float("nan")))
+            device.script.append(ExecutionResult(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                                                 message="late"))
+            got.append(await run(burst, [X, Y]))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await burst.execute([X, Y])
+            device.script.append(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                                 message="the NPU hung"))
+            got.append(await run(burst, [X, Y]))     # on the CPU from here, the burst goes on
+            got.append([d.name for d in compiled.devices])
+            got += [await run(burst, [X, Y]) for _ in range(3)]
+            stats = burst.statistics()
+            got.append((stats.frames, stats.failures, stats.fallbacks))
+        return got
+
+    got = await both(lambda: [Npu(), ReferenceDevice()], model_fn, scenario)
+    assert got[5] == got[6] == got[7] == got[0] and got[10] == got[0]
+    assert got[8][1] == ErrorStatus.INVALID_ARGUMENT
+    assert got[9][1] == ErrorStatus.MISSED_DEADLINE_TRANSIENT
+    # Twelve frames ran; two failed (the deadline refused, the late one);
+    # the frame cancelled before it started is neither.
+    assert got[11] == ["nnrt-reference"] and got[-1] == (12, 2, 1)
+
+
 async def test_no_lane_with_a_scalar_input():
     """A scalar input's array is staged reshaped: the step's layout is not
     the app's, so the general path takes every call."""
