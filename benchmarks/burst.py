@@ -229,9 +229,28 @@ async def main(rounds: int, batches: int, loop: str, frame: bool, breakdown: boo
             await bench_breakdown(folder, max(200, rounds // 4))
 
 
+def idle_cpus() -> str:
+    """How this machine's idle CPUs wait, when the kernel says: it decides
+    what waking a process on the other core costs. A virtual machine's
+    guest whose idle vCPUs halt at once (haltpoll with
+    ``guest_halt_poll_ns`` 0) is woken through its host; on the 2-vCPU VM
+    of docs/burst.md that made the floor, and a burst's hand-off back to
+    the app, 90-320 us instead of about 10 (docs/burst.md, "Twelfth pass")."""
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+    driver = read("/sys/devices/system/cpu/cpuidle/current_driver")
+    if driver is None:
+        return "idle CPUs: not reported"
+    poll = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+    return f"idle CPUs: {driver}" + ("" if poll is None else f", guest_halt_poll_ns {poll}")
+
+
 async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds: int, batches: int, loop: str) -> None:
     print(f"\n=== {loop}: {rounds} rounds per path in {batches} interleaved batches, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {idle_cpus()}")
     tiny = add_model((1, 4))
     remote = await dev.prepare_model(tiny)
     local = await ReferenceDevice().prepare_model(tiny)
