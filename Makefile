@@ -1,11 +1,14 @@
 # Quick start: `make demo` runs the main job, `make test` the whole suite,
 # `make bench` the standard benchmark (report in build/bench/report.html).
+# While editing: `make check` (the fast tier, under a minute); before a
+# commit that touches tests/: `make test-loaded` (scripts/before-commit does
+# both as a git hook: `make hooks`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test cts conformance bench clean
+.PHONY: demo check test test-loaded hooks cts conformance bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +20,26 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m nnrt.demo
 
+# The tiers are markers (tests/conftest.py): check runs the unit tests that
+# start no process and take no seconds; test runs everything, one pytest
+# worker per core.
+JOBS ?= $(shell nproc)
+FAST := not slow and not service and not conformance and not fuzz
+
+check: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) -m "$(FAST)"
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS)
+
+# The whole suite while two processes burn a CPU each: a test that passes
+# only on an idle machine fails here.
+test-loaded: $(STAMP)
+	yes > /dev/null & a=$$!; yes > /dev/null & b=$$!; \
+	$(PY) -m pytest -q -n $(JOBS); status=$$?; kill $$a $$b; exit $$status
+
+hooks:
+	ln -sf ../../scripts/before-commit .git/hooks/pre-commit
 
 cts: $(STAMP)
 	$(PY) -m nnrt.testing.cts ../shared/cts/V1_0 ../shared/cts/V1_1 ../shared/cts/V1_2 \

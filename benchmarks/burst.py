@@ -234,8 +234,8 @@ def idle_cpus() -> str:
     what waking a process on the other core costs. A virtual machine's
     guest whose idle vCPUs halt at once (haltpoll with
     ``guest_halt_poll_ns`` 0) is woken through its host; on the 2-vCPU VM
-    of docs/burst.md that made the floor, and a burst's hand-off back to
-    the app, 90-320 us instead of about 10 (docs/burst.md, "Twelfth pass")."""
+    nnrt was measured on, that made the eventfd floor, and a burst's
+    hand-off back to the app, 90-320 us instead of about 10."""
     def read(path: str) -> str | None:
         try:
             return Path(path).read_text().strip()

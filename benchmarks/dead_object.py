@@ -66,7 +66,14 @@ def start(path: str) -> subprocess.Popen:
     return proc
 
 
-async def one_round(path: str, model, latencies: dict[str, list[float]]) -> None:
+async def one_round(path: str, model, latencies: dict[str, list[float]],
+                    freeze: bool = False) -> None:
+    """Start a service, leave calls of every kind pending on it, SIGKILL it,
+    and add how long after the kill each learnt of it (DEAD_OBJECT) to
+    ``latencies``. With ``freeze`` the service is SIGSTOPped before the
+    executions and the burst frame are sent, so all of them are certainly
+    pending when it dies (tests/integration/test_hostile_limits.py); without,
+    they are sent to a running service, which may have answered some."""
     proc = start(path)
     try:
         dev = await ServiceDevice.connect(path)
@@ -103,6 +110,8 @@ async def one_round(path: str, model, latencies: dict[str, list[float]]) -> None
                 status, _, _ = await callback.wait_execution_info()
                 record("fenced callback", status == ErrorStatus.DEAD_OBJECT)
 
+            if freeze:
+                os.kill(proc.pid, signal.SIGSTOP)
             for mem in mems[:3]:
                 tg.start_soon(execute, mem)
             tg.start_soon(burst_execute, mems[3])

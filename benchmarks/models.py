@@ -29,7 +29,7 @@ unless ``--segment-ms 0`` (one segment).
                                           [--segments-of MODEL]
 
 ``--segments-of MODEL`` instead times MODEL end to end through the driver cut
-into 1, 4 and 16 segments (the granularity cost in docs/qos.md). ``--ab``
+into 1, 4 and 16 segments (the granularity cost in docs/design/scheduler.md). ``--ab``
 instead times, per model, only LiteRT direct, the driver, and the driver's
 own interpreter invoked bare (``set_tensor`` + ``invoke``), in alternating
 blocks of 100: what the conversion costs (bare vs direct) and what the

@@ -195,7 +195,7 @@ def _freeze_heap(name: str) -> None:
     driver, the policy: all of it lives as long as the process) out of the
     garbage collector's passes. Otherwise every full pass walks all of it --
     about 40k objects, 9-28 ms on a 2-vCPU VM, measured in the middle of
-    apps' executions (docs/qos.md, "Ninth session") -- and stalls the
+    apps' executions (docs/design/scheduler.md) -- and stalls the
     service's loop and job threads meanwhile. What apps make later (models,
     connections, requests) is collected as before."""
     gc.collect()
@@ -478,12 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--group", metavar="NAME",
                        help="also let members of this group connect (socket 0660 and its "
                             "folder 0710, both given to the group; default: only this user, "
-                            "socket 0600 in a 0700 folder). See docs/security.md")
+                            "socket 0600 in a 0700 folder). See docs/operators/security.md")
     from .drivers.service.server import ServiceLimits
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=N",
                        help="a resource limit (repeatable): " + ", ".join(
                            f"{f.name}={f.default}" for f in dataclasses.fields(ServiceLimits))
-                       + " (the defaults; see docs/security.md)")
+                       + " (the defaults; see docs/operators/security.md)")
     serve.add_argument("--statistics", choices=["own", "all"], default="own",
                        help="what STATISTICS (and nnrt driver status) shows a caller: its own "
                             "app's work (default) or every app's")
@@ -494,13 +494,13 @@ def main(argv: list[str] | None = None) -> int:
                             "spawns the service)")
     serve.add_argument("--policy", metavar="FILE",
                        help="per-app QoS policy (TOML: weights, priority caps, limits, "
-                            "deadlines; see docs/qos.md), re-read on SIGHUP")
+                            "deadlines; see docs/operators/policy.md), re-read on SIGHUP")
     serve.add_argument("--realtime", type=_fifo_priority, nargs="?", const=1, default=None,
                        metavar="PRIORITY",
                        help="run the event loop's thread (only that thread: never an app's "
                             "work) at SCHED_FIFO PRIORITY (default 1), so requests are read "
                             "and answered without waiting for a CPU behind busy clients; "
-                            "needs root or CAP_SYS_NICE (docs/qos.md)")
+                            "needs root or CAP_SYS_NICE (docs/operators/security.md)")
     serve.set_defaults(func=_driver_serve)
     status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
                                "and misses of driver services, refreshed live")

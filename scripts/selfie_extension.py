@@ -5,7 +5,7 @@ XNNPACK output stored beside the model.
 
     python scripts/selfie_extension.py [--service] [MODELS_DIR]
 
-The app must be on the extensions allowlist (docs/extensions.md); this
+The app must be on the extensions allowlist (docs/vendors/extensions.md); this
 script lists its own interpreter in a temporary XDG_CONFIG_HOME so that it
 runs anywhere. With --service the extension driver runs as a driver service
 (``nnrt driver serve mediapipe --driver mediapipe``) that checks the same

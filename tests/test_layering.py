@@ -1,4 +1,4 @@
-"""The import graph keeps the layers of docs/architecture.md.
+"""The import graph keeps the layers of docs/design/architecture.md.
 
 Every top-level package and module of nnrt has a rank; a module may import
 only from its own package or from a lower rank, and there is no import

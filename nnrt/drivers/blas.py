@@ -6,7 +6,7 @@ own worker threads, one per CPU, and keeps those workers spinning for a
 while after each call. The reference driver's convolutions and fully
 connected layers are such products, one per operation: CONV_2D 3x3 on
 1x32x32x16 is a 1024x144 by 144x16 product. A trace of a HIGH job waiting
-behind a flood of those (docs/qos.md, "Convolutions: the trace") showed
+behind a flood of those (summed up in docs/design/scheduler.md) showed
 where the time went on a shared 2-vCPU host: each product forked to a
 worker and joined it; the join waited until the worker got a CPU, and the
 spinning workers took the CPU the app's event loop and the HIGH job needed.

@@ -1,6 +1,6 @@
 """Lock-free SPSC ring buffer in shared memory with an eventfd event flag (the
 FMQ analogue). Imports nothing of nnrt; see :mod:`nnrt.fmq.ring` for the
-theory of operation and ``docs/fmq.md`` for the API and measurements."""
+theory of operation and ``docs/design/ring.md`` for the design."""
 from .ring import (HEADER_SIZE, MAGIC, NATIVE_AVAILABLE, PREFIX, VERSION, FrameTooLarge, Ready,
                    Ring, RingClosed, RingCorrupted, RingError, RingStatistics, WouldBlock)
 

@@ -236,7 +236,7 @@ NATIVE_AVAILABLE = _native is not None
 # The whole wait of read_or in C (a helper built from an older _native.c
 # lacks it: the Python loop then does the same).
 _NATIVE_READ_OR = _native is not None and hasattr(_native.Shared, "take_blocking_or")
-# ... and its spin, the GIL released (issue 16, fourth pass).
+# ... and its spin, the GIL released (a burst server's REQUEST_SPIN).
 _NATIVE_SPIN = _native is not None and hasattr(_native.Shared, "take_spinning_or")
 _ALSO = -7    # take_blocking_or: ``also`` became readable, no frame
 

@@ -6,7 +6,7 @@ default where one is right for most drivers.
 
 A driver writes the queries of :class:`Device`, ``prepare_model`` and
 :meth:`PreparedModel.execute_synchronously`; that is all (see
-docs/adding-a-driver.md). It does not schedule: the QoS front
+docs/vendors/adding-a-driver.md). It does not schedule: the QoS front
 (:class:`nnrt.qos.ScheduledDevice`) wraps every device, in process and inside
 every driver service, and calls ``execute_synchronously`` on a thread it
 owns, passing a ``checkpoint`` the driver calls at the boundaries it
@@ -162,7 +162,7 @@ class PreparedModel(abc.ABC):
         result on the thread that produced it, before this returns it; it
         must not raise or block, and returns True when it answered whoever
         waits for the result itself (a driver service writing the reply
-        from that thread: docs/qos.md, "Reply from the job's thread"). An
+        from that thread: docs/design/scheduler.md, "In a driver service"). An
         implementation may never call it; this default does not."""
         waiter = Waiter()
 
@@ -292,7 +292,7 @@ class Device(abc.ABC):
         queue key; a driver may use it to own what it allocates); None means
         the device's own process. ``cache`` (:class:`nnrt.hal.cache.CacheFiles`,
         only for a driver that needs cache files) holds fds the driver writes
-        its compiled artifacts into before it returns (see docs/adding-a-driver.md);
+        its compiled artifacts into before it returns (see docs/vendors/adding-a-driver.md);
         failing to write them does not fail the preparation."""
 
     async def prepare_model_from_cache(self, cache: CacheFiles,

@@ -1,5 +1,5 @@
 """Quality of service: priorities, deadlines and the per-app priority
-scheduler that fronts every driver (see ``docs/qos.md``)."""
+scheduler that fronts every driver (see ``docs/design/scheduler.md``)."""
 from .clock import ManualClock
 from .front import ScheduledDevice, ScheduledPreparedModel, model_bytes
 from .gate import ExecutionGate

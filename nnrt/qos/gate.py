@@ -39,7 +39,7 @@ Donation. When a running job is preempted on a one-slot device, its thread
 that job came with ``work`` and has no thread running it, and runs
 ``work(job)`` itself before parking. The preempting job's path then has no
 thread wake-up in it at all (the one that made HIGH's latency under a LOW
-flood jump: docs/qos.md). Only with one slot: the donated job runs on top of
+flood jump: docs/design/scheduler.md). Only with one slot: the donated job runs on top of
 the preempted job's stack, so the preempted job cannot move until it ends;
 with one slot nothing else could have run it meanwhile (its app's more
 important job holds the only slot, and the app's queue serves that
@@ -383,7 +383,7 @@ class ExecutionGate:
         a wake-up per job, and on a busy host the two woken threads (the
         next job's and the event loop's, for this job's result) were queued
         on one CPU, the loop behind the job for up to a scheduler tick
-        (docs/qos.md)."""
+        (docs/design/scheduler.md)."""
         local = self._local
         if not getattr(local, "serving", False) or getattr(local, "depth", 0) > 0:
             return None

@@ -9,7 +9,7 @@ must match. The first matching rule gives the app's
 ``[default]``, and what that leaves out from the device (its queue and
 memory limits).
 
-Example (``docs/qos.md``)::
+Example (``docs/operators/policy.md``)::
 
     [default]
     weight = 1

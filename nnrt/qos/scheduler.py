@@ -957,7 +957,7 @@ class Scheduler:
         everything the others had ever run -- a light app that had run
         alone for a while, or beside a flood that then ended, waited for
         the newcomer to catch up with all of it (seconds: measured in
-        ``benchmarks/qos_apps.py``, docs/qos.md)."""
+        ``benchmarks/qos_apps.py``, docs/design/scheduler.md)."""
         least = None if len(self._apps) == 1 else self._least_other(app)
         floor = self._vtime if least is None else least
         service = (floor - app.lag) * app.settings.weight

@@ -42,8 +42,8 @@ The returned fence is the runtime's own: the launcher signals it after every
 step's callback has settled (so no driver still touches a buffer), after
 copying results into app-given output arrays, and after recording the
 outcome in the callback; whoever wakes on it finds ``get_execution_info``
-and ``get_result`` ready. Before that both raise BAD_STATE (rule of
-docs/fences.md).
+and ``get_result`` ready. Before that both raise BAD_STATE (the rule of
+docs/guide/fences-and-pipelines.md).
 
 Not done here, unlike ``execute``: a step that fails because of its driver
 is not rerun on the CPU (the chain's fence may already be in other hands

@@ -22,7 +22,7 @@ from a service's mirror) and reruns on the CPU.
 
 A device memory is used whole (no regions). The same memory may not be an
 input and an output of one execution: alternate two memories (as the
-stateful-model example of docs/api.md does).
+stateful-model example of docs/guide/memory-domains.md does).
 """
 from __future__ import annotations
 

@@ -263,7 +263,7 @@ class Runtime:
         ``compiled.placement`` says which happened. With ``fallback=False``
         each of these is an error instead.
 
-        ``cache_dir`` turns on compilation caching (docs/api.md): the
+        ``cache_dir`` turns on compilation caching (docs/guide/models.md): the
         compiled steps are kept in that folder and a later compilation of
         the same model for the same devices prepares from them. ``token``
         (32 bytes) is the app's name for the model, mixed into the key with
@@ -992,7 +992,7 @@ class CompiledModel:
         """Start an execution that waits for every fence in ``wait_for`` and
         return ``(fence, callback)`` at once: the fence is signaled when the
         execution ends; ``callback.get_result()`` / ``await callback.result()``
-        give the outputs after that (see docs/fences.md). Steps on several
+        give the outputs after that (see docs/guide/fences-and-pipelines.md). Steps on several
         devices are chained by fences, not by waiting in the app."""
         inputs, outputs = self._order(inputs, outputs)
         if self._signature.stateful:

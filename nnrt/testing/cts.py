@@ -23,7 +23,7 @@ nested) are built as SCHEMA §5.1 says.
 default ``execute`` runs the suites above; ``sync``, ``burst``, ``fenced``,
 ``memory``, ``dynamic``, ``relaxed`` and ``domain`` (device memories from
 roles) rerun the cases another way (see
-the comment above :data:`MODES` and docs/conformance.md).
+the comment above :data:`MODES` and docs/vendors/conformance.md).
 
 A run is skipped only when the device reports an operation of the model
 unsupported; every skip is listed with its reason. The last line is
@@ -696,9 +696,9 @@ def run(paths: list[str], *, pattern: str | None = None, device: str | None = No
     # Big files first so the workers finish together.
     files.sort(key=lambda f: -os.path.getsize(f))
     jobs = 1 if devices is not None else max(1, jobs or os.cpu_count() or 1)
-    if jobs > 1 and spawn:
+    if spawn:
         # Each worker starts its own services; group the files so that
-        # happens once per worker, not once per spec file.
+        # happens once per worker, not once per spec file (with one job, once).
         tasks = [(files[k::jobs], pattern, device, list(spawn), modes, None, fallback)
                  for k in range(jobs)]
     else:

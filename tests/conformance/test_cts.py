@@ -8,29 +8,50 @@ plus nnrt's SignedIdentity check: for every single-operation quant8 case
 LSH_PROJECTION, PAD_V2 and QUANTIZED_16BIT_LSTM, as the CTS harness selects
 them), the TENSOR_QUANT8_ASYMM_SIGNED results equal the unsigned ones minus
 128 exactly."""
-from pathlib import Path
+
+from collections import Counter
 
 import pytest
 
 from nnrt.testing import cts
+from tests.conftest import SHARED
 
-CTS = Path(__file__).resolve().parents[3] / "shared" / "cts"
+CTS = SHARED / "cts"
 VERSIONS = ["V1_0", "V1_1", "V1_2"]
+# Each version's spec files in shards of about equal size, so pytest's
+# workers share the whole run evenly; each shard runs on one process (jobs=1)
+# as the workers already take every core.
+SHARDS = 3
+VERSION_SHARDS = pytest.mark.parametrize(
+    "version,shard", [(v, k) for v in VERSIONS for k in range(SHARDS)],
+    ids=[f"{v}-{k + 1}of{SHARDS}" for v in VERSIONS for k in range(SHARDS)])
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-def test_cts_version_passes(version):
+def spec_files(version: str, shard: int) -> list[str]:
     folder = CTS / version
     if not folder.exists():
         pytest.skip(f"{folder} is not beside the checkout")
-    outcomes = cts.run([str(folder)])
+    files = sorted((f for f in folder.iterdir()
+                    if f.name.endswith((".json", ".json.gz")) and f.name != "INDEX.json"),
+                   key=lambda f: (-f.stat().st_size, f.name))
+    return [str(f) for f in files[shard::SHARDS]]
+
+
+@pytest.mark.slow
+@VERSION_SHARDS
+def test_cts_version_passes(version, shard):
+    """Every run the CTS harness makes of each case (its suites, SCHEMA §5.4)
+    happened, and passed."""
+    files = spec_files(version, shard)
+    outcomes = cts.run(files, jobs=1)
     failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "failed"]
     skipped = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "skipped"]
     assert outcomes, "no vectors found"
     assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
     assert not skipped, f"{len(skipped)} skipped:\n" + "\n".join(skipped[:50])
-    suites = {o.suite for o in outcomes}
-    assert "GeneratedTests" in suites and "DynamicOutputShapeTest" in suites
+    expected = Counter((case["name"], suite) for _stem, case in cts.load_cases(files)
+                       for suite in cts.suites_of(case))
+    assert Counter((o.name, o.suite) for o in outcomes) == expected
 
 
 @pytest.mark.parametrize("kind", ["reference", "sample-float-fast", "sample-quant"])
@@ -40,7 +61,7 @@ def test_cts_v1_0_on_an_out_of_process_service(kind):
     folder = CTS / "V1_0"
     if not folder.exists():
         pytest.skip(f"{folder} is not beside the checkout")
-    outcomes = cts.run([str(folder)], device=kind, spawn=[kind])
+    outcomes = cts.run([str(folder)], device=kind, spawn=[kind], jobs=1)
     failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status == "failed"]
     assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
     passed = [o for o in outcomes if o.status == "passed"]
@@ -119,22 +140,21 @@ def test_a_harness_mode_catches_what_it_is_for(monkeypatch):
                             for o in outcomes), [o.detail for o in outcomes]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-def test_the_memory_domain_mode_passes_on_the_reference_driver(version):
+@pytest.mark.slow
+@VERSION_SHARDS
+def test_the_memory_domain_mode_passes_on_the_reference_driver(version, shard):
     """Every tensor input and output of every vector through a device memory
     made from its role: each run the execute mode runs as GeneratedTests
     passes, and the memories were the reference driver's own buffers."""
     from nnrt.drivers.reference import ReferenceDevice
 
-    folder = CTS / version
-    if not folder.exists():
-        pytest.skip(f"{folder} is not beside the checkout")
+    files = spec_files(version, shard)
     device = ReferenceDevice()
-    outcomes = cts.run([str(folder)], modes=("domain",), device=device.name, devices=[device])
+    outcomes = cts.run(files, modes=("domain",), device=device.name, devices=[device])
     failed = [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status != "passed"]
     assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed[:50])
     generated = [o for o in outcomes if o.suite == "GeneratedTests"]
-    cases = {case["name"] for _stem, case in cts.load_cases([str(folder)])
+    cases = {case["name"] for _stem, case in cts.load_cases(files)
              if not case["expectFailure"]}
     assert {o.name for o in generated} == cases
     stats = device.buffers.statistics()

@@ -6,7 +6,6 @@ KNOWN_FAILURES lists contract breaks the kit finds in code outside the kit
 (the QoS front and the service protocol) that are not fixed yet; the tests
 require exactly those to fail, so a fix shows up here as a list to shorten.
 """
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from nnrt.drivers.reference import ReferenceDevice
 from nnrt.testing import conformance, cts
 
 from .doubles import WrongAddDevice, WrongStatusDevice
+from tests.conftest import SHARED
 
-CTS = Path(__file__).resolve().parents[3] / "shared" / "cts"
+CTS = SHARED / "cts"
 OWN = str(conformance.OWN_VECTORS / "V1_3")
 
 KNOWN_FAILURES = {

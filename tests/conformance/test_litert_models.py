@@ -17,8 +17,8 @@ import nnrt  # noqa: E402
 import nnrt.tflite  # noqa: E402
 from nnrt.drivers.litert import LiteRTDevice  # noqa: E402
 from nnrt.drivers.reference import ReferenceDevice  # noqa: E402
+from tests.conftest import MODELS
 
-MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 NAMES = [
     "conv/conv3x3_112x112x32to64_float32", "conv/conv3x3_112x112x32to64_int8",
     "generated/mobilenet_v1_0.25_128_float32", "generated/mobilenet_v1_0.25_128_int8",

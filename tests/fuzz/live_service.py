@@ -12,7 +12,7 @@ Run from the tests (`tests/fuzz/test_live_service_fuzz.py`: a short run in
 
     python -m tests.fuzz.live_service --frames 100000 --ring-writes 10000
 
-which prints the figures docs/security.md quotes.
+which prints the figures docs/operators/security.md quotes.
 """
 from __future__ import annotations
 

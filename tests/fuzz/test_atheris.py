@@ -3,7 +3,7 @@ protocol decoder, the burst wire decoders and a service's handling of a
 connection: a short run of each target here. libFuzzer exits non-zero on a
 finding (an exception other than the documented refusal, or a wedge) and
 writes the input as crash-*; the long run is the same command with
--max_total_time (see docs/security.md)."""
+-max_total_time (see docs/operators/security.md)."""
 import os
 import subprocess
 import sys

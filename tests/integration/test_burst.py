@@ -299,7 +299,7 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
 
 
 async def test_what_frames_reuse_follows_every_change_mid_burst(tmp_path):
-    """The per-layout reuse of the fourth pass (the controller's encoded
+    """What frames reuse while their layout holds (the controller's encoded
     frame, kept arena and shared ExecutionResult; the server's decoded
     request, driver Request and result encoding) follows every change: a
     layout changed mid-burst and back, timings asked for on one frame, a

@@ -6,9 +6,6 @@ The service is a real `nnrt driver serve` process (spawned by the runtime);
 fences cross the socket as SCM_RIGHTS. Orderings are asserted through an
 event log and fence states, never through wall-clock times."""
 import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +18,7 @@ from nnrt.drivers.service.client import ServiceDevice, ServicePreparedModel
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 from nnrt.runtime.fenced import execute_fenced
+from tests.conftest import start_service, stop
 
 SHAPE = (1, 8)
 
@@ -51,17 +49,9 @@ X = np.arange(8, dtype=np.float32).reshape(SHAPE)
 def service_path(tmp_path_factory):
     """One `nnrt driver serve` process for the module (spawning costs ~0.7 s)."""
     path = str(tmp_path_factory.mktemp("fenced") / "svc.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "svc",
-                             "--driver", "sample-float-fast", "--socket", path],
-                            stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(path):
-        assert proc.poll() is None, "the service exited"
-        assert time.monotonic() < deadline, "the service did not start"
-        time.sleep(0.02)
+    proc = start_service(path, "sample-float-fast", "svc")
     yield path
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop(proc)
 
 
 @pytest.fixture
@@ -271,14 +261,8 @@ async def test_a_wait_for_fd_that_is_not_an_eventfd_is_refused_and_the_service_k
 
 async def test_a_service_dying_settles_its_pending_fences_with_an_error(tmp_path):
     path = str(tmp_path / "doomed.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "doomed",
-                             "--driver", "sample-float-fast", "--socket", path],
-                            stdout=subprocess.DEVNULL)
+    proc = start_service(path, "sample-float-fast", "doomed")
     try:
-        deadline = time.monotonic() + 20
-        while not os.path.exists(path):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
         svc = await ServiceDevice.connect(path)
         async with nnrt.Runtime(devices=[svc, ReferenceDevice()]) as rt:
             compiled = await rt.compile(affine_model(2, 1), devices=["doomed"])

@@ -29,7 +29,9 @@ from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 import nnrt
 
-from .test_service import GUARD, add_model, numpy_request, start_service, stop
+from tests.conftest import start_service
+
+from .test_service import GUARD, add_model, numpy_request
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 

@@ -27,7 +27,9 @@ from nnrt import ErrorStatus, NnrtError
 from nnrt.drivers.service import protocol as p
 from nnrt.runtime import discovery
 
-from .test_service import GUARD, start_service, stop
+from tests.conftest import start_service, stop
+
+from .test_service import GUARD
 
 OTHER = 65534   # "nobody" / "nogroup"
 needs_root = pytest.mark.skipif(os.geteuid() != 0,

@@ -4,7 +4,6 @@ executions of the same app flood the service starts within one LOW segment
 (plus 2 ms), by the service scheduler's own timestamps; the LOW results are
 still LiteRT's."""
 import os
-from pathlib import Path
 
 import anyio
 import numpy as np
@@ -18,19 +17,13 @@ import nnrt.tflite  # noqa: E402
 
 from .test_qos_inprocess import chain_model  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[3] / "shared" / "models" / "generated" / \
-    "mobilenet_v2_1.0_224_int8"
-
-
 async def test_high_waits_at_most_one_litert_segment_behind_a_low_mobilenet_flood(
-        monkeypatch, tmp_path):
-    if not Path(f"{MODEL}.tflite").exists():
-        pytest.skip(f"{MODEL}.tflite is not beside the checkout")
+        monkeypatch, tmp_path, shared_model):
+    path, image, expected = shared_model("generated/mobilenet_v2_1.0_224_int8")
+    expected = expected.astype(np.int32)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    mobilenet = nnrt.tflite.load(f"{MODEL}.tflite")
-    image = np.load(f"{MODEL}.in0.npy")
-    expected = np.load(f"{MODEL}.out0.npy").astype(np.int32)
+    mobilenet = nnrt.tflite.load(path)
     # Segments of about 1 ms: MobileNet v2 (2-4 ms here) runs in several.
     async with nnrt.Runtime(spawn=[("cpu-fast", "litert", "--app-key", "pid",
                                     "--segment-ms", "1")], litert=False) as rt:

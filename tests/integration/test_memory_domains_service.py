@@ -4,7 +4,6 @@ input; another app's token, an undeclared role and a never-written buffer
 are refused; a buffer of unknown dimensions is resized by the service;
 copies go both ways through shared memory."""
 import os
-import select
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from nnrt.drivers.service.client import ServiceDevice
 from nnrt.hal import BufferDesc, BufferRole, Request, RequestArgument
 from nnrt.memory import DeviceToken, Memory
 from nnrt.model.graph import DataLocation
-from tests.integration.test_service import start_service, stop
+from tests.conftest import start_service, stop
 
 N = 16384   # floats of state: 64 KiB, far more than any control message may carry
 
@@ -36,14 +35,7 @@ def pid_service(tmp_path_factory):
     """A service whose apps are processes (--app-key pid), so a second
     process of ours is another app."""
     path = tmp_path_factory.mktemp("memdom-pid") / "reference.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "memdom-pid",
-                             "--socket", str(path), "--driver", "reference", "--app-key", "pid"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline() if ready else b""
-    if b"listening" not in line:
-        proc.kill()
-        raise RuntimeError(f"service did not start: {line!r}")
+    proc = start_service(path, "reference", "memdom-pid", "--app-key", "pid")
     yield path
     stop(proc)
 

@@ -3,7 +3,6 @@ Unix socket in a temporary folder, the client proxy over it, SIGKILL, a
 second client process, and a flood of malformed frames."""
 import os
 import random
-import select
 import signal
 import socket
 import struct
@@ -26,39 +25,9 @@ from nnrt.drivers.service import protocol as p
 from nnrt.drivers.service.client import ServiceDevice
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
+from tests.conftest import start_service, stop
 
 GUARD = 5.0  # seconds; a guard against hangs, not a timing assertion
-
-
-def start_service(path, kind="reference", name=None, *extra):
-    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", name or kind,
-                             "--socket", str(path), "--driver", kind, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline() if ready else b""
-    if b"listening" not in line:
-        proc.kill()
-        raise RuntimeError(f"service did not start: {line!r} {proc.stderr.read()!r}")
-    return proc
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="module")
-def reference_service(tmp_path_factory):
-    path = tmp_path_factory.mktemp("svc") / "reference.sock"
-    proc = start_service(path, "reference", "remote-reference")
-    yield path
-    stop(proc)
-    assert not path.exists(), "the service removes its socket on SIGTERM"
 
 
 def add_model(dims=(1, 4), out_dims=None, op=Op.ADD):
@@ -525,7 +494,7 @@ async def test_peer_credentials_and_cleanup_when_a_client_goes(tmp_path):
 
 async def test_an_execution_is_answered_by_the_thread_that_ran_its_job(tmp_path):
     """The reply to an EXECUTE is written by the thread that ran the job,
-    not handed to the service's loop first (docs/qos.md, fifth session):
+    not handed to the service's loop first (docs/design/scheduler.md):
     the service counts each such reply. The first execution sends the
     staging arena's fd, which the loop closes before it replies."""
     from nnrt.drivers.service.server import serve
@@ -753,7 +722,7 @@ def test_the_service_keeps_what_it_set_up_out_of_the_garbage_collector(tmp_path)
     # A full pass of the collector walks every object it tracks: the ~40k of
     # the service's setup (modules, driver, policy), which live as long as it
     # does, stalled its loop and job threads 9-28 ms mid-execution. They are
-    # frozen once it listens (docs/qos.md, "Ninth session").
+    # frozen once it listens (docs/design/scheduler.md).
     path = str(tmp_path / "gc.sock")
     proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", "gc", "--driver",
                              "reference", "--socket", path], stdout=subprocess.PIPE,

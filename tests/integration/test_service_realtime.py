@@ -14,7 +14,9 @@ import pytest
 from nnrt.drivers.service.client import ServiceDevice
 from nnrt.hal import Request
 
-from .test_service import add_model, numpy_request, start_service, stop
+from tests.conftest import start_service, stop
+
+from .test_service import add_model, numpy_request
 
 FIFO_ALLOWED = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] >= 1
 

@@ -12,8 +12,9 @@ import pytest
 import nnrt
 import nnrt.tflite
 from nnrt.drivers.reference import ReferenceDevice
+from tests.conftest import MODELS
 
-LSTM = Path(__file__).resolve().parents[3] / "shared" / "models" / "generated" / "lstm_20x40_fused_float32.tflite"
+LSTM = MODELS / "generated" / "lstm_20x40_fused_float32.tflite"
 pytestmark = pytest.mark.skipif(not LSTM.exists(), reason="the shared models folder is absent")
 RUNS = 20
 

@@ -19,9 +19,9 @@ import nnrt
 import nnrt.tflite
 from nnrt import OperationType
 from nnrt.cli import main as cli
+from tests.conftest import MODELS
 
-SHARED = next((p for p in (Path(__file__).resolve().parents[3] / "shared" / "models",
-                           Path("/work/shared/models")) if p.is_dir()), None)
+SHARED = MODELS if MODELS.is_dir() else None
 pytestmark = pytest.mark.skipif(SHARED is None, reason="the shared models folder is absent")
 
 
@@ -129,7 +129,7 @@ def test_quantized_operations_alone_are_within_one_unit_of_litert_reference_kern
 
 def test_an_unknown_custom_op_is_refused_naming_it():
     # selfie_segmentation's custom op is known (the com.nnrt.mediapipe
-    # extension, docs/extensions.md); renamed, it is not.
+    # extension, docs/vendors/extensions.md); renamed, it is not.
     data = _path("selfie_segmentation").read_bytes().replace(b"Convolution2DTransposeBias",
                                                              b"Convolution2DTransposeBiaZ")
     with pytest.raises(nnrt.NnrtError) as info:

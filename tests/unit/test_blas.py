@@ -1,6 +1,6 @@
 """The reference driver runs numpy's BLAS on one thread (nnrt/drivers/blas.py):
 a product split across BLAS worker threads made a HIGH job wait behind LOW
-convolutions for the workers to get a CPU (docs/qos.md). Process-wide state,
+convolutions for the workers to get a CPU (docs/design/scheduler.md). Process-wide state,
 so each case runs in a fresh interpreter."""
 import json
 import os
@@ -10,6 +10,8 @@ import sys
 import numpy  # noqa: F401  (loads the BLAS threadpool_info looks for)
 import pytest
 from threadpoolctl import threadpool_info
+
+pytestmark = pytest.mark.service     # each case is a fresh interpreter
 
 PROBE = """
 import json

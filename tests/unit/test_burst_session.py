@@ -258,7 +258,7 @@ def test_the_result_caches_give_what_encode_and_decode_give():
 
 
 def test_encoding_and_decoding_by_fields_give_what_the_messages_give():
-    """The per-frame forms of the fourth pass: encode_fields writes the
+    """The per-frame forms of the burst wire: encode_fields writes the
     serial and deadline into the last frame's buffer (valid until the next
     call), decode_parts hands back one request or result object per kind
     with the varying fields beside it."""

@@ -17,8 +17,8 @@ from nnrt.drivers.reference import ReferenceDevice
 from nnrt.hal.cache import (CacheFiles, CacheReject, CacheRejected, read_file, read_parts,
                             write_file)
 from nnrt.runtime import cache as rc
+from tests.conftest import MODELS
 
-MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 SMALL = MODELS / "generated" / "mobilenet_v1_0.25_128_int8.tflite"
 OTHER = MODELS / "generated" / "mobilenet_v2_0.35_96_int8.tflite"
 TOKEN = bytes(range(32))
@@ -123,6 +123,7 @@ def test_parts_round_trip_in_one_pass_and_name_each_kind_of_bad_file(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_parts_the_record_does_not_announce_are_not_read_into_memory(tmp_path):
     import resource
     fd = _file(tmp_path, payload=PARTS)
@@ -343,6 +344,7 @@ def test_a_missing_file_is_a_miss_and_the_entry_is_mended(tmp_path, small):
     assert (stats.hits, stats.misses) == (1, 0)
 
 
+@pytest.mark.slow
 def test_a_huge_file_is_refused_without_reading_it_into_memory(tmp_path):
     import resource
     fd = _file(tmp_path)

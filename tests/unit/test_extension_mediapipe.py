@@ -19,9 +19,9 @@ from nnrt.model.graph import DataLocation
 from nnrt.model.types import OperandLifeTime as L
 from nnrt.tflite import load_operators
 from nnrt.tflite.reader import read
-from tests.unit.test_extensions import allow_nobody, allow_this_app  # noqa: F401 (fixtures)
+from tests.conftest import MODELS
 
-SELFIE = Path(__file__).resolve().parents[3] / "shared" / "models" / "mediapipe" / "selfie_segmentation.tflite"
+SELFIE = MODELS / "mediapipe" / "selfie_segmentation.tflite"
 
 
 def transpose_conv_bias_f64(x, w, b, padding, stride_w, stride_h):

@@ -35,25 +35,6 @@ OFFSET = define_extension(Extension(
 
 # --- helpers used by the integration tests too -----------------------------------------
 
-@pytest.fixture
-def allow_this_app(tmp_path, monkeypatch):
-    """An allowlist naming this test process's executable."""
-    (tmp_path / "nnrt").mkdir()
-    (tmp_path / "nnrt" / "extensions-allowlist").write_text(
-        f"# tests\n{os.path.realpath(sys.executable)}\n")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
-def allow_nobody(tmp_path, monkeypatch):
-    (tmp_path / "nnrt").mkdir()
-    (tmp_path / "nnrt" / "extensions-allowlist").write_text("/usr/bin/not-this-app\nsome-app\n")
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    monkeypatch.delenv("NNRT_APP_NAME", raising=False)
-    return tmp_path
-
-
 def example_model(factor=3.0, data=b"negate", offsets=(1.0, 2.0, 3.0, 4.0)):
     """x -> com.example.scale SCALE (factor, with extension data) ->
     com.example.offset ADD_OFFSET (a constant extension tensor) -> RELU."""

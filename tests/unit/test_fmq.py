@@ -492,6 +492,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.service
 def test_fd_handoff_to_a_second_process_and_peer_death():
     """Ring fds travel over SCM_RIGHTS to another process, which echoes
     frames; its exit is seen through a pidfd passed as ``also``."""
@@ -521,6 +522,7 @@ def test_fd_handoff_to_a_second_process_and_peer_death():
         replies.close()
 
 
+@pytest.mark.service
 def test_the_ring_works_without_the_native_helper():
     """An install without a C compiler has no _native module: the ring then
     runs the pure-Python always-signal protocol."""
@@ -672,7 +674,7 @@ def test_closing_a_ring_from_another_thread_takes_its_epoll_off_the_loop():
     anyio.run(main)
 
 
-# -- a serving thread's spin (issue 16, fourth pass) ----------------------------------
+# -- a serving thread's spin (burst REQUEST_SPIN) -------------------------------------
 
 
 @needs_native

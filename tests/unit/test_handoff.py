@@ -235,6 +235,7 @@ def _glibc() -> bool:
 
 
 @pytest.mark.skipif(not _glibc(), reason="mallopt is glibc's")
+@pytest.mark.service
 def test_heap_settings_apply_once_and_can_be_turned_off():
     on = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True,
                         env=dict(os.environ, NNRT_KEEP_FREED_MEMORY="1"), check=True)

@@ -38,6 +38,7 @@ class Counting(Buffer):
         raise AssertionError("a mirror only reads its buffer")
 
 
+@pytest.mark.service
 def test_a_writer_killed_at_any_moment_leaves_one_whole_contents():
     writer = MirrorWriter(Counting(), NBYTES)
     try:
@@ -65,6 +66,7 @@ def test_a_writer_killed_at_any_moment_leaves_one_whole_contents():
 
 
 @pytest.mark.parametrize("die_in_write", [1, 2, 3, 7])
+@pytest.mark.service
 def test_a_writer_killed_halfway_through_a_write_leaves_the_one_before(die_in_write):
     writer = MirrorWriter(Counting(die_in_write), NBYTES)
     try:

@@ -17,8 +17,8 @@ from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operan
 from nnrt.model.types import OperandLifeTime as L
 from nnrt.memory import as_buffer
 from pathlib import Path
+from tests.conftest import MODELS
 
-MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 
 
 def wire_model():

@@ -1,6 +1,5 @@
 """The public API over the in-process reference driver."""
 import re
-from pathlib import Path
 
 import anyio
 import numpy as np
@@ -10,8 +9,9 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
 from nnrt.hal import Request, RequestArgument
 from nnrt.model.graph import DataLocation
+from tests.conftest import SHARED
 
-DESIGN = Path(__file__).resolve().parents[3] / "shared" / "DESIGN.md"
+DESIGN = SHARED / "DESIGN.md"
 
 
 def add_model(dims=(1, 4), out_dims=None) -> nnrt.Model:

@@ -10,10 +10,10 @@ import pytest
 import nnrt
 import nnrt.tflite
 from nnrt import ErrorStatus, OperandType, OperationType
+from tests.conftest import MODELS
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tflite"
-SHARED = next((p for p in (Path(__file__).resolve().parents[3] / "shared" / "models",
-                           Path("/work/shared/models")) if p.is_dir()), None)
+SHARED = MODELS if MODELS.is_dir() else None
 LSTM = SHARED / "generated" / "lstm_20x40_fused_float32.tflite" if SHARED else None
 needs_shared = pytest.mark.skipif(SHARED is None, reason="the shared models folder is absent")
 

@@ -1,6 +1,6 @@
 """The litert driver: its partition of an NNAPI model compiled to a TFLite
 flatbuffer and run by LiteRT (``ai-edge-litert``) with XNNPACK, cut into
-segments a scheduler can preempt between. See docs/litert.md.
+segments a scheduler can preempt between. See docs/vendors/litert.md.
 
 ``available()`` says whether LiteRT is importable; nnrt works without it
 (the driver is then not listed).

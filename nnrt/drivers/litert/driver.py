@@ -37,7 +37,7 @@ from .table import OpInfo, Unsupported, lower
 DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long
 
 # Relative to the reference driver (1.0): LiteRT is 5-30x faster on the
-# shared models on a quiet host (docs/benchmarks.md); 0.1 stays on the safe side.
+# shared models on a quiet host (docs/performance.md); 0.1 stays on the safe side.
 _FAST = PerformanceInfo(exec_time=0.1, power_usage=0.1)
 _NOT_RUN = PerformanceInfo(float("inf"), float("inf"))
 _TYPES_RUN = (OperandType.TENSOR_FLOAT32, OperandType.TENSOR_FLOAT16, OperandType.FLOAT16,
@@ -123,7 +123,7 @@ class LiteRTDevice(Device):
         # as parts (read in one pass, see hal.cache.read_parts). XNNPACK's
         # packed weights are not kept: the Interpreter API has no weight
         # cache, and CompiledModel's (which has one) is slower to create
-        # than our interpreters with packing (docs/adding-a-driver.md).
+        # than our interpreters with packing (docs/vendors/adding-a-driver.md).
         return (1, 1)
 
     def _cache_kinds(self) -> tuple[str, str]:

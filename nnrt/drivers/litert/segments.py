@@ -14,8 +14,8 @@ elements touched for the rest, plus a fixed per-operation cost), and
 consecutive operations are grouped greedily while their estimated time stays
 within the budget. A model that fits the budget is one segment and runs on
 the very interpreter that was timed. Cutting costs a copy of every tensor
-that crosses a cut and the loss of fusion across it (see docs/qos.md for
-MobileNet v2's numbers).
+that crosses a cut and the loss of fusion across it: on MobileNet v2 a few
+segments are nearly free and 16 cost 15-20 % (docs/design/scheduler.md).
 
 Who owns what (:class:`Runner`). An :class:`InterpreterSet` holds one
 interpreter per segment and is used by one execution at a time: the values

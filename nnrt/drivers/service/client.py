@@ -28,7 +28,7 @@ its fds once the call is made.
 Why a reader thread rather than a task on the app's loop: the HAL's
 ``execute_synchronously`` is synchronous, the app may run asyncio or trio,
 and a dead service must be noticed even when nobody is awaiting it. The
-reader thread blocks in ``recvmsg``; when the service dies (EOF,
+reader thread sleeps in ``poll`` on the socket; when the service dies (EOF,
 ECONNRESET, a reply that does not decode) it fails every pending call with
 DEAD_OBJECT at once — executions get an ``ExecutionResult`` with that
 status, other calls raise ``NnrtError(DEAD_OBJECT)`` — and every later call
@@ -257,7 +257,7 @@ class _Channel:
         # thread asleep in recvmsg is woken also each time the service reads
         # one of our requests (the send buffer's space coming back), for
         # nothing -- a context switch per request that, on a busy machine,
-        # preempts whatever ran on that CPU (docs/qos.md, "Fifth session").
+        # preempts whatever ran on that CPU.
         waiter = select.poll()
         waiter.register(self.sock.fileno(), select.POLLIN)
         try:

@@ -54,7 +54,7 @@ preempted job's it was donated to), through the driver's ``on_result``,
 not by the handler task: waking the loop for the result and taking the GIL
 back from a job thread running another app's operations was one hop of a
 light app's frame that queued behind whatever held the loop's CPU
-(docs/qos.md, "Fifth session"). That thread never blocks on the client: it
+(docs/design/scheduler.md, "In a driver service"). That thread never blocks on the client: it
 writes with ``MSG_DONTWAIT`` under ``_wire``, the lock every write of the
 connection takes (and every encoding of a frame: the core counts them),
 and whatever the socket does not take at once (all of
