@@ -1,4 +1,4 @@
-"""The minimal driver of docs/adding-a-driver.md runs as written, behind the
+"""The minimal driver of docs/vendors/adding-a-driver.md runs as written, behind the
 scheduler the runtime puts in front of it, next to the reference device."""
 import os
 import re
@@ -10,7 +10,7 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
 from nnrt.drivers.reference import ReferenceDevice
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-driver.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "vendors" / "adding-a-driver.md"
 
 
 def _guide_driver() -> dict:
