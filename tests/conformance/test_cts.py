@@ -21,7 +21,7 @@ VERSIONS = ["V1_0", "V1_1", "V1_2"]
 # Each version's spec files in shards of about equal size, so pytest's
 # workers share the whole run evenly; each shard runs on one process (jobs=1)
 # as the workers already take every core.
-SHARDS = 3
+SHARDS = 4
 VERSION_SHARDS = pytest.mark.parametrize(
     "version,shard", [(v, k) for v in VERSIONS for k in range(SHARDS)],
     ids=[f"{v}-{k + 1}of{SHARDS}" for v in VERSIONS for k in range(SHARDS)])
