@@ -28,3 +28,19 @@ __all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus"
            "OperandType", "OperationType", "PaddingScheme", "Placement", "Priority", "Result",
            "ResultCode", "Runtime", "SyncCompiledModel", "SyncFence", "SyncRuntime", "deadline_in",
            "copy", "run", "__version__"]
+
+
+def __getattr__(name: str):
+    """The public submodules, imported on first use (``import nnrt`` does not
+    pay for the TFLite reader): ``nnrt.tflite.load(path)`` works after a
+    plain ``import nnrt``, as ``nnrt.qos.Policy`` does."""
+    # (Importing a name from the submodule loads it and binds it here as an
+    # attribute of the package; ``from . import tflite`` would ask this
+    # function again.)
+    if name == "tflite":
+        from .tflite import load  # noqa: F401
+        return globals()["tflite"]
+    if name == "qos":
+        from .qos import Policy  # noqa: F401
+        return globals()["qos"]
+    raise AttributeError(f"module 'nnrt' has no attribute {name!r}")
