@@ -1,0 +1,202 @@
+"""What nnrt costs per inference over what a user would write instead.
+
+    .venv/bin/python benchmarks/overhead.py [--rounds 300] [--models NAME ...] [--no-service]
+
+For each shared model, in one process, alternating call by call so that
+machine load hits every way alike (each round runs every way once, in a
+rotating order), 1 thread everywhere:
+
+- ``litert direct``: LiteRT's Interpreter, set_tensor / invoke / get_tensor,
+  on the caller's thread (what a script does).
+- ``litert to_thread``: the same through ``anyio.to_thread.run_sync`` (what
+  an async app does by hand).
+- ``nnrt sync``: ``SyncRuntime`` ``compiled.execute`` on the in-process
+  ``litert`` device.
+- ``nnrt async``: ``await compiled.execute`` on the in-process ``litert``
+  device.
+- ``service burst`` / ``service execute``: a ``litert`` driver service
+  spawned by the runtime, through ``compiled.burst()`` and a plain
+  ``compiled.execute``.
+
+Prints per way the median and p99 per call (ms) and the ratio of medians to
+``litert direct`` (async ways also to ``litert to_thread``), measured in the
+same run; the machine's load average before and after. Every way's outputs
+are checked against LiteRT direct's once before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+import nnrt
+import nnrt.tflite
+
+MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+DEFAULT_MODELS = [
+    "generated/mobilenet_v1_0.25_128_float32", "generated/mobilenet_v2_0.35_96_float32",
+    "generated/mobilenet_v2_1.0_224_int8", "generated/mobilenet_v1_1.0_224_int8",
+    "mediapipe/face_detection_short_range", "mediapipe/hand_landmark_lite",
+    "mediapipe/palm_detection_lite", "mediapipe/pose_detection",
+]
+WAYS = ["litert direct", "litert to_thread", "nnrt sync", "nnrt async", "service burst",
+        "service execute"]
+
+
+def _direct(path: Path):
+    """A LiteRT interpreter and the call a script makes per inference."""
+    from ai_edge_litert.interpreter import Interpreter
+    interp = Interpreter(model_path=str(path), num_threads=1)
+    interp.allocate_tensors()
+    inputs = [d["index"] for d in interp.get_input_details()]
+    outputs = [d["index"] for d in interp.get_output_details()]
+
+    def run(x: np.ndarray) -> list[np.ndarray]:
+        interp.set_tensor(inputs[0], x)
+        interp.invoke()
+        return [interp.get_tensor(i) for i in outputs]
+    return run
+
+
+def _same(got: list[np.ndarray], want: list[np.ndarray], way: str, name: str) -> None:
+    for g, w in zip(got, want):
+        if g.shape != w.shape or not np.allclose(g.astype(np.float64), w.astype(np.float64),
+                                                 rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w)) or 1)):
+            sys.exit(f"{name}: {way} gave outputs that differ from LiteRT direct's")
+
+
+def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime,
+                loop: asyncio.AbstractEventLoop, rt: nnrt.Runtime) -> dict[str, list[float]]:
+    path = MODELS / f"{name}.tflite"
+    x = np.load(MODELS / f"{name}.in0.npy")
+    model = nnrt.tflite.load(str(path))
+    direct = _direct(path)
+    want = direct(x)
+
+    compiled_sync = sync_rt.compile(model, devices=["litert"])
+    compiled = loop.run_until_complete(rt.compile(model, devices=["litert"]))
+    served = burst = None
+    if service:
+        served = loop.run_until_complete(rt.compile(model, devices=["overhead-litert"]))
+        burst = loop.run_until_complete(served.burst().__aenter__())
+
+    async def to_thread() -> list[np.ndarray]:
+        return await anyio.to_thread.run_sync(direct, x)
+
+    calls = {
+        "litert direct": lambda: direct(x),
+        "litert to_thread": lambda: loop.run_until_complete(to_thread()),
+        "nnrt sync": lambda: compiled_sync.execute([x]).outputs,
+        "nnrt async": lambda: loop.run_until_complete(compiled.execute([x])).outputs,
+    }
+    if service:
+        calls["service burst"] = lambda: loop.run_until_complete(burst.execute([x])).outputs
+        calls["service execute"] = lambda: loop.run_until_complete(served.execute([x])).outputs
+    for way, call in calls.items():
+        _same(list(call()), want, way, name)
+
+    # The async ways are timed inside the loop, around the await alone: a
+    # coroutine per way that times one call per round.
+    async def timed(coro_fn) -> float:
+        start = time.perf_counter()
+        await coro_fn()
+        return time.perf_counter() - start
+
+    async def execute_once():
+        return await compiled.execute([x])
+
+    async def burst_once():
+        return await burst.execute([x])
+
+    async def served_once():
+        return await served.execute([x])
+
+    def sync_timed(fn):
+        def run() -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return run
+
+    timers = {
+        "litert direct": sync_timed(lambda: direct(x)),
+        "litert to_thread": lambda: loop.run_until_complete(timed(to_thread)),
+        "nnrt sync": sync_timed(lambda: compiled_sync.execute([x])),
+        "nnrt async": lambda: loop.run_until_complete(timed(execute_once)),
+    }
+    if service:
+        timers["service burst"] = lambda: loop.run_until_complete(timed(burst_once))
+        timers["service execute"] = lambda: loop.run_until_complete(timed(served_once))
+    ways = list(timers)
+    for _ in range(max(10, rounds // 10)):          # warm-up, not recorded
+        for way in ways:
+            timers[way]()
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for r in range(rounds):
+        order = ways[r % len(ways):] + ways[:r % len(ways)]
+        for way in order:
+            times[way].append(timers[way]())
+    if burst is not None:
+        loop.run_until_complete(burst.__aexit__(None, None, None))
+        served.close()
+    compiled.close()
+    compiled_sync.close()
+    return times
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def report(name: str, times: dict[str, list[float]]) -> None:
+    med = {way: statistics.median(v) for way, v in times.items()}
+    base, thread = med["litert direct"], med["litert to_thread"]
+    print(f"\n{name}")
+    print(f"  {'way':<18} {'median ms':>10} {'p99 ms':>9} {'/ direct':>9} {'/ to_thread':>12}")
+    for way, v in times.items():
+        vs_thread = f"{med[way] / thread:11.2f}x" if way in ("nnrt async", "service burst",
+                                                             "service execute") else ""
+        print(f"  {way:<18} {med[way] * 1e3:10.3f} {_p99(v) * 1e3:9.3f} "
+              f"{med[way] / base:8.2f}x {vs_thread}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=300, help="alternating rounds per model")
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+                    help="shared models by name under ../shared/models (without .tflite)")
+    ap.add_argument("--no-service", action="store_true",
+                    help="leave out the two ways through a litert driver service")
+    args = ap.parse_args(argv)
+    missing = [m for m in args.models if not (MODELS / f"{m}.tflite").exists()]
+    if missing:
+        ap.error(f"not among the shared models in {MODELS}: {', '.join(missing)}")
+    service = not args.no_service
+    loop = asyncio.new_event_loop()
+    spawn = [("overhead-litert", "litert")] if service else []
+    rt = nnrt.Runtime(spawn=spawn, discover=False)
+    loop.run_until_complete(rt.__aenter__())
+    load_before = os.getloadavg()
+    print(f"{args.rounds} alternating rounds per model, 1 thread everywhere; "
+          f"load average before {load_before[0]:.2f}")
+    try:
+        with nnrt.SyncRuntime(discover=False) as sync_rt:
+            for name in args.models:
+                report(name, bench_model(name, args.rounds, service, sync_rt, loop, rt))
+    finally:
+        loop.run_until_complete(rt.__aexit__(None, None, None))
+        loop.close()
+    print(f"\nload average after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
