@@ -118,20 +118,40 @@ async def test_selfie_segmentation_end_to_end_in_process_and_as_a_service(allow_
     assert in_process.shape == (1, 256, 256, 1)
 
 
-def _prefix_of_the_custom_op(resolver):
-    """The operators before selfie's custom op, run by LiteRT with ``resolver``
-    on the stored input: (their indices, the custom op's input tensor, its
-    value). TFLite's reference kernels (BUILTIN_REF) cannot run the custom
-    op, so the graph is cut just before it."""
-    litert = pytest.importorskip("ai_edge_litert.interpreter")
-    import flatbuffers
+def _selfie_at_the_custom_op():
+    """selfie's flatbuffer as an object tree (to edit), its main graph, the
+    custom op's index and the custom op's input tensor."""
+    pytest.importorskip("ai_edge_litert.interpreter")
     from ai_edge_litert import schema_py_generated as schema
     data = Path(f"{SELFIE}.tflite").read_bytes()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(data, 0))
     graph = model.subgraphs[0]
     (k,) = [k for k, op in enumerate(graph.operators)
             if model.operatorCodes[op.opcodeIndex].customCode == b"Convolution2DTransposeBias"]
-    tensor = int(graph.operators[k].inputs[0])
+    return model, graph, k, int(graph.operators[k].inputs[0])
+
+
+def _invoke_on_the_stored_input(model, resolver=None):
+    """LiteRT (1 thread, ``resolver``'s kernels) run on selfie's stored input:
+    the interpreter after the run."""
+    import flatbuffers
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    interp = Interpreter(model_content=bytes(builder.Output()), num_threads=1,
+                         experimental_op_resolver_type=resolver or OpResolverType.AUTO)
+    interp.allocate_tensors()
+    interp.set_tensor(interp.get_input_details()[0]["index"], np.load(f"{SELFIE}.in0.npy"))
+    interp.invoke()
+    return interp
+
+
+def _prefix_of_the_custom_op(resolver):
+    """The operators before selfie's custom op, run by LiteRT with ``resolver``
+    on the stored input: (their indices, the custom op's input tensor, its
+    value). TFLite's reference kernels (BUILTIN_REF) cannot run the custom
+    op, so the graph is cut just before it."""
+    model, graph, k, tensor = _selfie_at_the_custom_op()
     needed, prefix = {tensor}, []
     for j in range(k - 1, -1, -1):           # the custom op's input and all it is made of
         if {int(t) for t in graph.operators[j].outputs} & needed:
@@ -139,13 +159,7 @@ def _prefix_of_the_custom_op(resolver):
             needed |= {int(t) for t in graph.operators[j].inputs if t >= 0}
     graph.operators = [graph.operators[j] for j in prefix]
     graph.outputs = np.array([tensor], np.int32)
-    builder = flatbuffers.Builder(1024)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    interp = litert.Interpreter(model_content=bytes(builder.Output()), num_threads=1,
-                                experimental_op_resolver_type=resolver)
-    interp.allocate_tensors()
-    interp.set_tensor(interp.get_input_details()[0]["index"], np.load(f"{SELFIE}.in0.npy"))
-    interp.invoke()
+    interp = _invoke_on_the_stored_input(model, resolver)
     return prefix, tensor, interp.get_tensor(interp.get_output_details()[0]["index"]).copy()
 
 
@@ -189,23 +203,9 @@ async def test_selfie_segmentation_with_the_rest_on_litert_matches_xnnpack(allow
 def _xnnpack_input_of_the_custom_op():
     """LiteRT's XNNPACK value of the custom op's input on the stored input
     image: the model with that tensor made an extra output."""
-    litert = pytest.importorskip("ai_edge_litert.interpreter")
-    import flatbuffers
-    from ai_edge_litert import schema_py_generated as schema
-    data = Path(f"{SELFIE}.tflite").read_bytes()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(data, 0))
-    graph = model.subgraphs[0]
-    (k,) = [k for k, op in enumerate(graph.operators)
-            if model.operatorCodes[op.opcodeIndex].customCode == b"Convolution2DTransposeBias"]
-    tensor = int(graph.operators[k].inputs[0])
+    model, graph, k, tensor = _selfie_at_the_custom_op()
     graph.outputs = np.array([tensor, *graph.outputs], np.int32)
-    builder = flatbuffers.Builder(1024)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    interp = litert.Interpreter(model_content=bytes(builder.Output()), num_threads=1)
-    interp.allocate_tensors()
-    interp.set_tensor(interp.get_input_details()[0]["index"], np.load(f"{SELFIE}.in0.npy"))
-    interp.invoke()
-    return k, interp.get_tensor(tensor)
+    return k, _invoke_on_the_stored_input(model).get_tensor(tensor)
 
 
 async def test_the_extension_part_of_selfie_matches_xnnpack(allow_this_app):
