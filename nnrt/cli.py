@@ -378,6 +378,11 @@ def _run(args) -> int:
     if args.repeat < 1:
         print("nnrt run: --repeat must be at least 1", file=sys.stderr)
         return 2
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        # Said before the model runs, not as a traceback after it ran.
+        print(f"nnrt run: --output {args.output}: the folder "
+              f"{os.path.dirname(os.path.abspath(args.output))} does not exist", file=sys.stderr)
+        return 2
 
     async def main():
         async with nnrt.Runtime(discover=not args.no_discover) as rt:
@@ -430,7 +435,11 @@ def _run(args) -> int:
         print(f"{len(ms)} more executions: median {statistics.median(ms):.3f} ms, "
               f"min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
     if args.output:
-        np.savez(args.output, **named)
+        try:
+            np.savez(args.output, **named)
+        except OSError as e:
+            print(f"nnrt run: --output {args.output}: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"outputs written to {args.output}")
     return 0
 
@@ -559,12 +568,25 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":  # the demo parses its own options (--seconds, --report)
-        from .demo import main as demo_main
-        return demo_main(rest)
-    if rest:
+    if args.command != "demo" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.func(args)
+    try:
+        if args.command == "demo":  # the demo parses its own options (--seconds, --report)
+            from .demo import main as demo_main
+            return demo_main(rest)
+        return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C is how a user stops a run, a bench or the demo: a line, not
+        # a traceback; 130 is the shell's code for a command ended by SIGINT.
+        print(f"nnrt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`nnrt driver status | head -1`):
+        # nothing more to say. Python's final flush of stdout would fail
+        # again, so stdout becomes /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
