@@ -170,6 +170,9 @@ _ESTIMATE_WEIGHT = 0.25      # weight of the newest run in the moving average
 # not make the deadline: estimates are noisy (a busy host stretches runs),
 # and PERSISTENT tells the app to give up on the deadline altogether.
 _PERSISTENT_MARGIN = 0.25
+# A deadline this far (seconds) before its submission was not a late
+# deadline but a duration taken for a time: the error says how to write one.
+_A_DURATION_MISTAKEN = 60.0
 # A running job that overran its estimate by less than this factor is noise
 # and is not preempted for it; beyond, its estimate was wrong.
 _OVERRUN = 2.0
@@ -875,8 +878,13 @@ class Scheduler:
             return None
         budget = job.deadline - job.submitted_at
         if budget <= 0:
-            return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
-                    "the deadline had passed before the execution was submitted")
+            message = "the deadline had passed before the execution was submitted"
+            if budget < -_A_DURATION_MISTAKEN:
+                # deadline=33 meant "33 ms from now": say how to write that.
+                message += (f" (deadline={job.deadline:g} is a time on the monotonic clock, "
+                            f"which reads {job.submitted_at:.0f} s now; for {job.deadline:g} ms "
+                            f"from now pass nnrt.deadline_in(ms={job.deadline:g}))")
+            return ErrorStatus.MISSED_DEADLINE_TRANSIENT, message
         if job.probe:
             return (ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                     "the deadline passed while the execution was waiting or running")

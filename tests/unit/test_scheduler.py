@@ -452,3 +452,17 @@ def test_continues_is_checkpoint_when_nobody_waits():
     soft, _ = make(settings=lambda app: AppSettings(soft_deadlines=True))
     job = soft.submit("app", LOW, deadline=clock() + 10.0)
     assert soft.continues(job)                # a soft one never stops a run
+
+
+def test_a_duration_given_as_a_deadline_is_told_how_to_write_one():
+    """deadline=33 (33 ms meant) is long past on the monotonic clock: the
+    error says so and names nnrt.deadline_in; a deadline just missed does not."""
+    s, clock = make()
+    clock.advance(5000)
+    with pytest.raises(NnrtError) as e:
+        s.submit("app", MEDIUM, deadline=33)
+    assert e.value.status == ErrorStatus.MISSED_DEADLINE_TRANSIENT
+    assert "nnrt.deadline_in(ms=33)" in e.value.message
+    with pytest.raises(NnrtError) as e:
+        s.submit("app", MEDIUM, deadline=clock() - 1)
+    assert "deadline_in" not in e.value.message
