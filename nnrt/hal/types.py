@@ -42,6 +42,19 @@ def check_deadline(deadline) -> float | None:
     return float(deadline)
 
 
+def check_loop_timeout(loop_timeout) -> float | None:
+    """A WHILE loop timeout is None (the default, 2 s) or a duration in
+    seconds >= 0; a driver clamps a longer one to 15 s, as NNAPI does. NaN
+    would never time out (every comparison is false), so it is refused with
+    the negative ones, whether the model has a WHILE or not."""
+    if loop_timeout is None:
+        return None
+    if isinstance(loop_timeout, bool) or not isinstance(loop_timeout, (int, float)) \
+            or not loop_timeout >= 0:
+        raise invalid(f"loop_timeout {loop_timeout!r} is not a duration in seconds >= 0")
+    return float(loop_timeout)
+
+
 def deadline_in(ms: float = 0.0, *, s: float = 0.0) -> float:
     """The absolute deadline ``ms`` milliseconds (plus ``s`` seconds) from
     now, on the monotonic clock that every ``deadline=`` takes:

@@ -35,7 +35,7 @@ from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import Step
-from ..hal.types import Priority, check_deadline
+from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
 from .. import handoff, trace
 
@@ -670,6 +670,8 @@ class CompiledModel:
         state inputs and outputs are carried by the runtime, not passed.
         (``_sessions``: a :class:`Burst`'s HAL sessions, by step, that run
         its frames: ``Burst.execute`` is this, under the burst's lock.)"""
+        if loop_timeout is not None:
+            loop_timeout = check_loop_timeout(loop_timeout)
         steps = self._steps
         if steps is self._lane_steps and measure_timing is False:
             step = steps[0]
@@ -995,6 +997,7 @@ class CompiledModel:
         give the outputs after that (see docs/guide/fences-and-pipelines.md). Steps on several
         devices are chained by fences, not by waiting in the app."""
         inputs, outputs = self._order(inputs, outputs)
+        loop_timeout = check_loop_timeout(loop_timeout)
         if self._signature.stateful:
             raise invalid("execute_fenced does not carry a stateful model's state: use execute")
         if any(isinstance(v, DeviceMemory) for v in (*inputs, *(outputs or ()))):

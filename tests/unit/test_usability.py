@@ -346,3 +346,22 @@ def test_shared_memory_example_keeps_its_output_off_its_input():
     with nnrt.Memory.create(size) as memory:
         request.check_no_overlap([memory.region(*inp)], [memory.region(*out)])
         assert out[0] + out[1] <= size
+
+
+@pytest.mark.parametrize("loop_timeout", [-1.0, float("nan"), "2", True])
+async def test_a_loop_timeout_that_is_no_duration_is_refused_without_a_while(loop_timeout):
+    """Refused by every way of executing, whether the model has a WHILE or
+    not (NaN would never time out); a longer one than 15 s is clamped by the
+    driver, as NNAPI does, so it runs."""
+    x = np.ones((1, 4), np.float32)
+    async with nnrt.Runtime(litert=False) as rt:
+        compiled = await rt.compile(add_model())
+        with pytest.raises(NnrtError, match="loop_timeout") as e:
+            await compiled.execute([x, x], loop_timeout=loop_timeout)
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+        async with compiled.burst() as burst:
+            with pytest.raises(NnrtError, match="loop_timeout"):
+                await burst.execute([x, x], loop_timeout=loop_timeout)
+        with pytest.raises(NnrtError, match="loop_timeout"):
+            await compiled.execute_fenced([x, x], loop_timeout=loop_timeout)
+        assert (await compiled.execute([x, x], loop_timeout=60)).outputs[0].tolist() == [[2] * 4]
