@@ -969,13 +969,34 @@ class CompiledModel:
     def _step_failed(self, step: Step, result) -> NoReturn:
         """Raise the error of a step's failed ``result``: a ``_DriverFailure``
         when the driver is to blame and the model may move to the CPU."""
-        error = NnrtError(result.status, result.message or "execution failed",
+        message = result.message or "execution failed"
+        if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
+            message = f"{self._too_small(step, result.output_shapes)}: {message}"
+        error = NnrtError(result.status, message,
                           output_shapes=[s.dimensions for s in result.output_shapes])
         if result.status == ErrorStatus.DEAD_OBJECT:
             self._runtime._forget(step.device)
         if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
             raise _DriverFailure(step.device, error)
         raise error
+
+    def _too_small(self, step: Step, shapes) -> str:
+        """Which outputs a too-small result names, and what each needs: the
+        model's outputs by name when the step writes them, else the step's
+        operands."""
+        mine = step.plan.outputs == self._main.output_indexes
+        said = []
+        for k, shape in enumerate(shapes):
+            if shape.is_sufficient:
+                continue
+            if mine:
+                info = self.outputs[k]
+                size = int(np.prod(shape.dimensions)) * np.dtype(info.dtype).itemsize
+                said.append(f"output {k} ({info.signature_name or info.name}) needs "
+                            f"{list(shape.dimensions)}, {size} bytes")
+            else:
+                said.append(f"operand {step.plan.outputs[k]} needs {list(shape.dimensions)}")
+        return "; ".join(said) or "an output is too small"
 
     def _can_fall_back(self, step: Step) -> bool:
         try:

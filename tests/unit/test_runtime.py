@@ -79,6 +79,8 @@ async def test_too_small_output_buffer_reports_the_needed_shape():
             await compiled.execute([x, x], outputs=[np.empty(6, np.float32)])
         assert e.value.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
         assert e.value.output_shapes == [(4, 3)]
+        name = compiled.outputs[0].name
+        assert f"output 0 ({name}) needs [4, 3], 48 bytes" in e.value.message
         out = np.empty(12, np.float32)
         r = await compiled.execute([x, x], outputs=[out])
         assert (out == 2).all() and r.outputs[0].shape == (4, 3)
