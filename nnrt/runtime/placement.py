@@ -14,6 +14,7 @@ Fallback kinds:
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -56,14 +57,37 @@ class Placement:
         raise KeyError(operation)
 
     def __str__(self) -> str:
+        """A line per step: its operations one by one when there are a few
+        (``litert: 0 ADD``), else as index ranges and a count per type
+        (``litert: operations 0-89, 90 in all: 40 CONV_2D, 20 ADD, ...``), so
+        a 90-operation model prints a line a person can read."""
         lines = []
         for s in self.steps:
-            ops = ", ".join(f"{i} {t}" for i, t in zip(s.operations, s.operation_types))
+            if len(s.operations) <= _LISTED:
+                ops = ", ".join(f"{i} {t}" for i, t in zip(s.operations, s.operation_types))
+            else:
+                counts = Counter(s.operation_types).most_common()
+                ops = (f"operations {_ranges(s.operations)}, {len(s.operations)} in all: "
+                       + ", ".join(f"{n} {t}" for t, n in counts))
             lines.append(f"{s.device}: {ops}" + (f"  [{s.fallback}]" if s.fallback else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"<Placement {'; '.join(repr(s)[1:-1] for s in self.steps)}>"
+
+
+_LISTED = 6   # a step of at most this many operations lists them one by one
+
+
+def _ranges(indexes: tuple[int, ...]) -> str:
+    """``0-41, 43, 45-89``: sorted indexes as runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in sorted(indexes):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def groups(assignment: list) -> list[tuple[object, list[int]]]:

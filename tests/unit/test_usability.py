@@ -365,3 +365,13 @@ async def test_a_loop_timeout_that_is_no_duration_is_refused_without_a_while(loo
         with pytest.raises(NnrtError, match="loop_timeout"):
             await compiled.execute_fenced([x, x], loop_timeout=loop_timeout)
         assert (await compiled.execute([x, x], loop_timeout=60)).outputs[0].tolist() == [[2] * 4]
+
+
+def test_a_long_placement_prints_ranges_and_counts_not_every_operation():
+    from nnrt.runtime.placement import Placement, PlacedStep
+    types = ("CONV_2D", "DEPTHWISE_CONV_2D") * 40 + ("ADD",) * 10
+    p = Placement((PlacedStep("litert", tuple(range(42)) + tuple(range(43, 90)), types[:89]),
+                   PlacedStep("nnrt-reference", (42,), ("CAST",))))
+    assert str(p).splitlines() == [
+        "litert: operations 0-41, 43-89, 89 in all: 40 CONV_2D, 40 DEPTHWISE_CONV_2D, 9 ADD",
+        "nnrt-reference: 42 CAST"]
