@@ -105,7 +105,7 @@ def _driver_serve(args) -> int:
                 async for signum in signals:
                     if signum == signal.SIGHUP:    # re-read --policy, keep serving
                         if args.policy:
-                            print(reload_policy(device, args.policy), flush=True)
+                            print(await reload_policy(device, args.policy), flush=True)
                         continue
                     tg.cancel_scope.cancel()
                     return

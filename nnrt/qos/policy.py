@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -51,6 +52,10 @@ from typing import Hashable
 from ..errors import NnrtError, invalid
 from ..hal.types import Priority
 from .scheduler import AppSettings
+
+# A policy is a few rules: a file larger than this is a mistake or an
+# attack, refused before it is read into the service.
+MAX_POLICY_BYTES = 1 << 20
 
 _PRIORITIES = {"low": Priority.LOW, "medium": Priority.MEDIUM, "high": Priority.HIGH}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -179,11 +184,37 @@ class Policy:
 
     @classmethod
     def load(cls, path: str) -> "Policy":
+        """The policy in the file at ``path``: a regular file of at most
+        MAX_POLICY_BYTES, not empty. Opened without blocking, so a FIFO (or a
+        device) planted at the path is refused instead of stalling the
+        service's loop until someone writes to it; an empty file (an editor
+        truncating before it writes) is refused instead of read as "no rules",
+        which would lift every cap."""
         try:
-            with open(path, "rb") as f:
-                text = f.read().decode()
-        except (OSError, UnicodeDecodeError) as e:
-            raise invalid(f"cannot read the policy file {path}: {e}") from None
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise invalid(f"cannot read the policy file {path}: {e.strerror or e}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise invalid(f"the policy file {path} is not a regular file")
+            if st.st_size > MAX_POLICY_BYTES:
+                raise invalid(f"the policy file {path} has {st.st_size} bytes, more than "
+                              f"{MAX_POLICY_BYTES}")
+            data = os.read(fd, MAX_POLICY_BYTES + 1)
+        except OSError as e:
+            raise invalid(f"cannot read the policy file {path}: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+        if len(data) > MAX_POLICY_BYTES:      # it grew between fstat and read
+            raise invalid(f"the policy file {path} has more than {MAX_POLICY_BYTES} bytes")
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as e:
+            raise invalid(f"the policy file {path} is not UTF-8: {e}") from None
+        if not text.strip():
+            raise invalid(f"the policy file {path} is empty (write [default] for a policy "
+                          f"with no rules)")
         return cls.from_toml(text, path)
 
     def rule_for(self, who: AppIdentity) -> Rule | None:

@@ -4,6 +4,8 @@ reload of a service's policy file (``nnrt driver serve --policy``).
 Formatting only; the CLI does the I/O."""
 from __future__ import annotations
 
+import anyio
+
 from typing import Hashable, Iterable
 
 from .policy import Policy
@@ -60,12 +62,13 @@ def render(device: str, stats: SchedulerStatistics | None,
     return "\n".join(lines)
 
 
-def reload_policy(device, path: str) -> str:
+async def reload_policy(device, path: str) -> str:
     """Read ``path`` again and apply it to ``device`` (a ScheduledDevice);
-    returns a line to log. A file that does not parse leaves the old policy
-    in place (an operator's typo must not take the service down)."""
+    returns a line to log. The file is read on a worker thread, the policy
+    applied on the caller's loop. A file that does not load leaves the old
+    policy in place (an operator's typo must not take the service down)."""
     try:
-        policy = Policy.load(path)
+        policy = await anyio.to_thread.run_sync(Policy.load, path)
     except Exception as e:   # NnrtError from the parser, OSError: keep the old one
         return f"policy {path} not reloaded, keeping the previous one: {e}"
     device.set_policy(policy)

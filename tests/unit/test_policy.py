@@ -5,6 +5,7 @@ import os
 import pwd
 import sys
 
+import anyio
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, Priority
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.qos import AppIdentity, AppSettings, Policy, ScheduledDevice, identify
+from nnrt.qos.policy import MAX_POLICY_BYTES
 from nnrt.qos.status import reload_policy, render
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -96,17 +98,41 @@ def test_bad_policies_are_refused_with_the_reason(text, words):
     assert words in e.value.message and "p.toml" in e.value.message
 
 
-def test_reload_keeps_the_old_policy_when_the_file_is_broken(tmp_path):
+async def test_reload_keeps_the_old_policy_when_the_file_is_broken(tmp_path):
     path = tmp_path / "policy.toml"
     path.write_text(f'[[app]]\nuser = "{ME}"\nweight = 2\n')
     device = ScheduledDevice(ReferenceDevice(), policy=Policy.load(str(path)))
     assert device.settings_of().weight == 2
     path.write_text(f'[[app]]\nuser = "{ME}"\nweight = 5\n')
-    assert "reloaded" in reload_policy(device, str(path))
+    assert "reloaded" in await reload_policy(device, str(path))
     assert device.settings_of().weight == 5
     path.write_text("[[app]\n")
-    assert "keeping the previous one" in reload_policy(device, str(path))
+    assert "keeping the previous one" in await reload_policy(device, str(path))
     assert device.settings_of().weight == 5
+
+
+@pytest.mark.parametrize("plant, words", [
+    (lambda p: os.mkfifo(p), "not a regular file"),
+    (lambda p: p.symlink_to("/dev/zero"), "not a regular file"),
+    (lambda p: p.write_text(""), "is empty"),
+    (lambda p: p.write_text("\n  \n"), "is empty"),
+    (lambda p: p.write_bytes(b"#" * (MAX_POLICY_BYTES + 1)), "more than"),
+])
+async def test_a_file_that_would_wedge_or_lift_every_cap_is_refused_and_the_old_policy_stays(
+        tmp_path, plant, words):
+    """A FIFO at the policy path (no writer: a blocking open would wait
+    forever), a link to /dev/zero (endless), an empty file (an editor
+    truncating before it writes: 'no rules' would lift every cap), a huge
+    file: each refused at once, the policy in force kept."""
+    path = tmp_path / "policy.toml"
+    path.write_text(f'[[app]]\nuser = "{ME}"\nweight = 2\n')
+    device = ScheduledDevice(ReferenceDevice(), policy=Policy.load(str(path)))
+    path.unlink()
+    plant(path)
+    with anyio.fail_after(10):                  # a guard against the wedge, not a timing
+        line = await reload_policy(device, str(path))
+    assert "keeping the previous one" in line and words in line, line
+    assert device.settings_of().weight == 2
 
 
 def add_model():
