@@ -46,6 +46,10 @@ from ..model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel
                            Operation, Subgraph)
 from ..vlog import vlog
 
+# How an entry's files are opened to read: never through a link, and without
+# blocking, so a FIFO planted in a shared cache folder is refused as not a
+# regular file instead of waiting for a writer forever.
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 RECORD = "compilation"
 _RECORD_KIND = "nnrt-compilation"
 _STAGING = ".tmp-"
@@ -194,7 +198,7 @@ class Entry:
         """The runtime's record of this entry, None when there is none (a
         miss) or it was rejected (counted)."""
         try:
-            fd = os.open(os.path.join(self.path, RECORD), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(self.path, RECORD), _READ)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -223,7 +227,7 @@ class Entry:
         fds = []
         try:
             for name in (*model, *data):
-                fds.append(os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW))
+                fds.append(os.open(os.path.join(self.path, name), _READ))
         except OSError:
             for fd in fds:
                 os.close(fd)
@@ -416,7 +420,7 @@ def list_entries(cache_dir: str) -> list[EntryInfo]:
         if _is_key(name):
             state = "bad"
             try:
-                fd = os.open(os.path.join(path, RECORD), os.O_RDONLY | os.O_NOFOLLOW)
+                fd = os.open(os.path.join(path, RECORD), _READ)
                 try:
                     record = json.loads(bytes(read_file(fd, kind=_RECORD_KIND,
                                                         version=__version__,

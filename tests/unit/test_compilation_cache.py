@@ -3,6 +3,7 @@ runtime's entries (hit, miss, every kind of bad file), and results that are
 exactly those of an uncached compilation, on the reference and LiteRT drivers."""
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import anyio
@@ -388,3 +389,28 @@ def test_litert_segments_cached_damaged_and_swapped_on_real_models(tmp_path, sma
     outputs, stats = _run(LiteRTDevice(segments=3), small, tmp_path / "a")
     assert stats.rejects == {"foreign": 1} and stats.hits == 0
     assert all(np.array_equal(x, y) for x, y in zip(plain, outputs))
+
+
+@pytest.mark.parametrize("name", ["compilation", "step0-model0"])
+def test_a_fifo_planted_as_an_entry_file_is_rejected_not_waited_on(tmp_path, small, name):
+    """Another user can plant a FIFO in a shared cache folder: opening it to
+    read would wait for a writer forever (and no deadline can interrupt a
+    blocked open). It is opened without blocking and refused as not a
+    regular file (or, among the step's files, as one missing); the model
+    compiles afresh and the entry is written again."""
+    plain, _ = _run(ReferenceDevice(), small, None)
+    _run(ReferenceDevice(), small, tmp_path)
+    path = _entry(tmp_path) / name
+    path.unlink()
+    os.mkfifo(path)
+    done = []
+    compile_ = threading.Thread(target=lambda: done.append(_run(ReferenceDevice(), small,
+                                                                tmp_path)), daemon=True)
+    compile_.start()
+    compile_.join(60)                  # a guard against the wedge, not a timing
+    if compile_.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))   # let the blocked open go
+        pytest.fail(f"compiling with a FIFO as {name} waited for a writer")
+    outputs, stats = done[0]
+    assert stats.hits == 0 and stats.written == 1, stats     # compiled afresh, entry mended
+    assert all(np.array_equal(a, b) for a, b in zip(plain, outputs))
