@@ -44,14 +44,13 @@ from pathlib import Path
 
 import anyio
 
-from ..drivers.service.client import ServiceDevice
+from ..drivers.service.client import CONNECT_TIMEOUT, ServiceDevice
 from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
 
 _log = logging.getLogger("nnrt.manager")
 
 SPAWN_TIMEOUT = 20.0  # seconds for a spawned service to start listening
-CONNECT_TIMEOUT = 5.0  # seconds for connecting, HELLO and the device queries
 
 
 def config_file(environ=os.environ) -> Path:
@@ -156,12 +155,8 @@ async def connect(path: str, environ=os.environ,
     within ``timeout`` seconds (default ``NNRT_CONNECT_TIMEOUT`` or
     ``CONNECT_TIMEOUT``)."""
     check_socket(path, environ)
-    if timeout is None:
-        timeout = connect_timeout(environ)
-    with anyio.move_on_after(timeout):
-        return await ServiceDevice.connect(path)
-    raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
-                    f"the driver service at {path} did not answer within {timeout:g} s")
+    return await ServiceDevice.connect(
+        path, timeout=connect_timeout(environ) if timeout is None else timeout)
 
 
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:

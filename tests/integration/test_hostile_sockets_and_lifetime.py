@@ -322,3 +322,27 @@ def test_a_second_client_is_unaffected_by_refused_connections(tmp_path):
         anyio.run(main)
     finally:
         stop(proc)
+
+
+async def test_connecting_to_a_socket_that_never_answers_hello_gives_up(tmp_path):
+    """A socket that accepts and stays silent: ServiceDevice.connect itself
+    (not only discovery) gives DEVICE_UNAVAILABLE after its timeout, and
+    closes its end."""
+    from nnrt.drivers.service.client import ServiceDevice
+    path = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    try:
+        with anyio.fail_after(30):             # a guard against the wait, not a timing
+            with pytest.raises(NnrtError, match="did not answer within 0.2 s") as e:
+                await ServiceDevice.connect(path, timeout=0.2)
+        assert e.value.status == ErrorStatus.DEVICE_UNAVAILABLE
+        peer, _ = listener.accept()
+        assert peer.recv(1 << 16, socket.MSG_PEEK)    # it did say HELLO
+        peer.settimeout(10)
+        while peer.recv(1 << 16):                      # and then hung up: EOF
+            pass
+        peer.close()
+    finally:
+        listener.close()

@@ -94,6 +94,9 @@ from .mirror import HEADER as MIRROR_HEADER, read_mirror
 from .scm import received_fds, rights
 
 _RECV_SIZE = 1 << 16
+# Seconds for HELLO and the device queries after connecting (discovery passes
+# NNRT_CONNECT_TIMEOUT's value).
+CONNECT_TIMEOUT = 5.0
 _MAX_FREE_ARENAS = 8
 # How long a cancelled execution waits for the service to let go of its
 # pools (it stops at the next operation boundary; a live service answers
@@ -438,9 +441,16 @@ class ServiceDevice(Device):
         self._cache_files = tuple(cache_files)
 
     @classmethod
-    async def connect(cls, socket_path: str) -> "ServiceDevice":
+    async def connect(cls, socket_path: str, *,
+                      timeout: float = CONNECT_TIMEOUT) -> "ServiceDevice":
         """Connect to the service at ``socket_path`` and learn its answers to
-        the device queries. DEVICE_UNAVAILABLE when nobody serves there."""
+        the device queries. DEVICE_UNAVAILABLE when nobody serves there, or
+        when whatever listens there does not answer HELLO and the queries
+        within ``timeout`` seconds (a socket that accepts and stays silent
+        would otherwise hold the caller forever)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not timeout > 0:
+            raise invalid(f"timeout {timeout!r} is not a positive number of seconds")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(socket_path)
@@ -450,12 +460,17 @@ class ServiceDevice(Device):
                             f"no driver service at {socket_path}: {e}") from None
         channel = _Channel(sock, f"driver service at {socket_path}")
         try:
-            info = _value(await channel.call(lambda cid: p.Hello(cid)), "HELLO")
             answers = {}
-            for method in (p.Method.CAPABILITIES, p.Method.SUPPORTED_EXTENSIONS,
-                           p.Method.NUMBER_OF_CACHE_FILES):
-                answers[method] = _value(
-                    await channel.call(lambda cid, m=method: p.Query(cid, m)), method.name)
+            with anyio.move_on_after(timeout) as scope:
+                info = _value(await channel.call(lambda cid: p.Hello(cid)), "HELLO")
+                for method in (p.Method.CAPABILITIES, p.Method.SUPPORTED_EXTENSIONS,
+                               p.Method.NUMBER_OF_CACHE_FILES):
+                    answers[method] = _value(
+                        await channel.call(lambda cid, m=method: p.Query(cid, m)), method.name)
+            if scope.cancelled_caught:
+                raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                                f"the driver service at {socket_path} did not answer within "
+                                f"{timeout:g} s")
         except BaseException:
             channel.close()
             raise
