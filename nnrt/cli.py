@@ -108,7 +108,13 @@ def _driver_serve(args) -> int:
                             print(await reload_policy(device, args.policy), flush=True)
                         continue
                     tg.cancel_scope.cancel()
-                    return
+                    break
+            # serve() has removed the socket. A spawned service also removes
+            # its app's folder, still under the handlers: the parent-death
+            # SIGTERM can come twice (per thread of the app), and a second
+            # one must not end the process by default halfway.
+            if parent is not None:
+                _remove_spawn_folder(path)
 
     try:
         import uvloop  # noqa: F401
@@ -123,6 +129,20 @@ def _driver_serve(args) -> int:
             print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         failed = True
     return 1 if failed else 0
+
+
+def _remove_spawn_folder(socket_path: str) -> None:
+    """A service its app spawned (``--parent-pid``) lives in the app's
+    private ``nnrt-services-*`` folder. An app killed or SIGTERMed never
+    cleans that folder up, so the last of its services to stop removes it
+    (rmdir: only once it is empty, never anything else's folder)."""
+    from .runtime.discovery import SPAWN_FOLDER_PREFIX
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    if os.path.basename(folder).startswith(SPAWN_FOLDER_PREFIX):
+        try:
+            os.rmdir(folder)
+        except OSError:     # another service of the app is still there, or it is gone
+            pass
 
 
 def _realtime_loop(priority: int) -> None:

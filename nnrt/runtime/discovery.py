@@ -331,5 +331,11 @@ async def _connect_when_up(service: SpawnedService) -> ServiceDevice:
         await anyio.sleep(0.02)
 
 
+# The app's private folder of the services it spawns; the last of them to
+# stop removes it (nnrt driver serve --parent-pid), so a killed app leaves
+# nothing behind.
+SPAWN_FOLDER_PREFIX = "nnrt-services-"
+
+
 def private_folder() -> tempfile.TemporaryDirectory:
-    return tempfile.TemporaryDirectory(prefix="nnrt-services-")
+    return tempfile.TemporaryDirectory(prefix=SPAWN_FOLDER_PREFIX)

@@ -270,8 +270,8 @@ APP = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_spawned_services_die_with_their_app(sig, tmp_path):
-    """Issue 23: Runtime(spawn=...) services outlived a SIGKILLed or
-    SIGTERMed app."""
+    """Runtime(spawn=...) services die with a SIGKILLed or SIGTERMed app,
+    and leave neither their socket nor the app's folder of them behind."""
     app = subprocess.Popen([sys.executable, "-c", APP], stdout=subprocess.PIPE,
                            env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
     try:
@@ -287,6 +287,8 @@ def test_spawned_services_die_with_their_app(sig, tmp_path):
             os.close(pidfd)
         assert gone, f"the service {pid} outlived its app"
         assert not os.path.exists(socket_path), "the service left its socket behind"
+        assert not os.path.exists(os.path.dirname(socket_path)), \
+            "the app's nnrt-services-* folder stayed"
     finally:
         if app.poll() is None:
             app.kill()
