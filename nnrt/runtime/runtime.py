@@ -133,7 +133,13 @@ class Runtime:
             self._devices = [d if d.scheduling().fronted
                              else ScheduledDevice(d, policy=self._policy)
                              for d in self._given_devices]
-            self._cpu = next((d for d in self._devices if d.type == DeviceType.CPU), None)
+            # The fallback is a CPU device of this process when one was
+            # given (one the runtime had to front itself): a service's
+            # proxy, CPU-typed or not, dies with its service.
+            cpus = [d for d in self._devices if d.type == DeviceType.CPU]
+            ours = [d for d, given in zip(self._devices, self._given_devices)
+                    if d is not given and d.type == DeviceType.CPU]
+            self._cpu = (ours or cpus or [None])[0]
         else:
             found: list[Device] = []
             if self._discover or self._spawn:
@@ -483,7 +489,8 @@ class Runtime:
     @property
     def cpu(self) -> Device:
         """The CPU device work falls back to: the runtime's own reference
-        device, or with ``devices=`` the first given device of type CPU."""
+        device, or with ``devices=`` the first given in-process device of
+        type CPU (else the first of type CPU: a service's)."""
         self.devices   # BAD_STATE when not open
         if self._cpu is None:
             raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "the runtime has no CPU device")

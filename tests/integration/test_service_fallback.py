@@ -123,3 +123,26 @@ def test_sync_runtime_runs_executions_and_bursts_on_a_service(monkeypatch, tmp_p
                 assert burst.execute([x * k, x]).outputs[0].tolist() == [[k + 1.0] * 4]
             assert burst.statistics().sessions[0].executions == 20
         assert [d.name for d in compiled.devices] == ["npu"]
+
+
+async def test_given_a_cpu_service_and_a_local_cpu_the_local_one_is_the_fallback(spawn_service):
+    """Runtime(devices=[a service running the reference driver, the local
+    reference device]): both are CPU devices, but only the local one outlives
+    the service, so it is the fallback; after a SIGKILL of the service the
+    execution reruns there instead of failing with DEAD_OBJECT."""
+    from nnrt.drivers.reference import ReferenceDevice
+    from nnrt.drivers.service.client import ServiceDevice
+    path, proc = spawn_service("reference", name="cpu-service")
+    service = await ServiceDevice.connect(str(path))
+    async with nnrt.Runtime(devices=[service, ReferenceDevice()]) as rt:
+        assert rt.cpu.name == "nnrt-reference"
+        compiled = await rt.compile(small_chain())
+        assert [d.name for d in compiled.devices] == ["cpu-service"]
+        x = [np.ones(i.shape, np.float32) for i in compiled.inputs]
+        want = (await compiled.execute(x)).outputs[0]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        got = (await compiled.execute(x)).outputs[0]
+        np.testing.assert_array_equal(got, want)
+        assert [d.name for d in compiled.devices] == ["nnrt-reference"]
+        assert compiled.placement.fallbacks[0].kind == "died"
