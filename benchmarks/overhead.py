@@ -31,38 +31,20 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import anyio
 import numpy as np
 
 import nnrt
 import nnrt.tflite
+from models import MODELS, direct as litert_direct   # benchmarks/models.py
 
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 DEFAULT_MODELS = [
     "generated/mobilenet_v1_0.25_128_float32", "generated/mobilenet_v2_0.35_96_float32",
     "generated/mobilenet_v2_1.0_224_int8", "generated/mobilenet_v1_1.0_224_int8",
     "mediapipe/face_detection_short_range", "mediapipe/hand_landmark_lite",
     "mediapipe/palm_detection_lite", "mediapipe/pose_detection",
 ]
-WAYS = ["litert direct", "litert to_thread", "nnrt sync", "nnrt async", "service burst",
-        "service execute"]
-
-
-def _direct(path: Path):
-    """A LiteRT interpreter and the call a script makes per inference."""
-    from ai_edge_litert.interpreter import Interpreter
-    interp = Interpreter(model_path=str(path), num_threads=1)
-    interp.allocate_tensors()
-    inputs = [d["index"] for d in interp.get_input_details()]
-    outputs = [d["index"] for d in interp.get_output_details()]
-
-    def run(x: np.ndarray) -> list[np.ndarray]:
-        interp.set_tensor(inputs[0], x)
-        interp.invoke()
-        return [interp.get_tensor(i) for i in outputs]
-    return run
 
 
 def _same(got: list[np.ndarray], want: list[np.ndarray], way: str, name: str) -> None:
@@ -77,63 +59,44 @@ def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime
     path = MODELS / f"{name}.tflite"
     x = np.load(MODELS / f"{name}.in0.npy")
     model = nnrt.tflite.load(str(path))
-    direct = _direct(path)
-    want = direct(x)
+    direct = litert_direct(path, [x])      # what a script does per inference
+    want = direct()
 
     compiled_sync = sync_rt.compile(model, devices=["litert"])
     compiled = loop.run_until_complete(rt.compile(model, devices=["litert"]))
     served = burst = None
+    # Each way: (whether it is awaited, the call). An awaited way is timed
+    # inside the loop, around the await alone.
+    calls = {
+        "litert direct": (False, direct),
+        "litert to_thread": (True, lambda: anyio.to_thread.run_sync(direct)),
+        "nnrt sync": (False, lambda: compiled_sync.execute([x])),
+        "nnrt async": (True, lambda: compiled.execute([x])),
+    }
     if service:
         served = loop.run_until_complete(rt.compile(model, devices=["overhead-litert"]))
         burst = loop.run_until_complete(served.burst().__aenter__())
+        calls["service burst"] = (True, lambda: burst.execute([x]))
+        calls["service execute"] = (True, lambda: served.execute([x]))
 
-    async def to_thread() -> list[np.ndarray]:
-        return await anyio.to_thread.run_sync(direct, x)
-
-    calls = {
-        "litert direct": lambda: direct(x),
-        "litert to_thread": lambda: loop.run_until_complete(to_thread()),
-        "nnrt sync": lambda: compiled_sync.execute([x]).outputs,
-        "nnrt async": lambda: loop.run_until_complete(compiled.execute([x])).outputs,
-    }
-    if service:
-        calls["service burst"] = lambda: loop.run_until_complete(burst.execute([x])).outputs
-        calls["service execute"] = lambda: loop.run_until_complete(served.execute([x])).outputs
-    for way, call in calls.items():
-        _same(list(call()), want, way, name)
-
-    # The async ways are timed inside the loop, around the await alone: a
-    # coroutine per way that times one call per round.
-    async def timed(coro_fn) -> float:
+    async def awaited(call):
         start = time.perf_counter()
-        await coro_fn()
-        return time.perf_counter() - start
+        got = await call()
+        return time.perf_counter() - start, got
 
-    async def execute_once():
-        return await compiled.execute([x])
-
-    async def burst_once():
-        return await burst.execute([x])
-
-    async def served_once():
-        return await served.execute([x])
-
-    def sync_timed(fn):
-        def run() -> float:
+    def timed(is_awaited, call):
+        def run() -> tuple[float, object]:
+            if is_awaited:
+                return loop.run_until_complete(awaited(call))
             start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
+            got = call()
+            return time.perf_counter() - start, got
         return run
 
-    timers = {
-        "litert direct": sync_timed(lambda: direct(x)),
-        "litert to_thread": lambda: loop.run_until_complete(timed(to_thread)),
-        "nnrt sync": sync_timed(lambda: compiled_sync.execute([x])),
-        "nnrt async": lambda: loop.run_until_complete(timed(execute_once)),
-    }
-    if service:
-        timers["service burst"] = lambda: loop.run_until_complete(timed(burst_once))
-        timers["service execute"] = lambda: loop.run_until_complete(timed(served_once))
+    timers = {way: timed(*how) for way, how in calls.items()}
+    for way, timer in timers.items():
+        got = timer()[1]
+        _same(list(got.outputs if isinstance(got, nnrt.Result) else got), want, way, name)
     ways = list(timers)
     for _ in range(max(10, rounds // 10)):          # warm-up, not recorded
         for way in ways:
@@ -142,7 +105,7 @@ def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime
     for r in range(rounds):
         order = ways[r % len(ways):] + ways[:r % len(ways)]
         for way in order:
-            times[way].append(timers[way]())
+            times[way].append(timers[way]()[0])
     if burst is not None:
         loop.run_until_complete(burst.__aexit__(None, None, None))
         served.close()

@@ -398,10 +398,11 @@ def _run(args) -> int:
     if args.repeat < 1:
         print("nnrt run: --repeat must be at least 1", file=sys.stderr)
         return 2
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+    folder = args.output and os.path.dirname(os.path.abspath(args.output))
+    if folder and not os.path.isdir(folder):
         # Said before the model runs, not as a traceback after it ran.
-        print(f"nnrt run: --output {args.output}: the folder "
-              f"{os.path.dirname(os.path.abspath(args.output))} does not exist", file=sys.stderr)
+        print(f"nnrt run: --output {args.output}: the folder {folder} does not exist",
+              file=sys.stderr)
         return 2
 
     async def main():
