@@ -4,7 +4,7 @@
 
 For each shared model, in one process, alternating call by call so that
 machine load hits every way alike (each round runs every way once, in a
-rotating order), 1 thread everywhere:
+shuffled order), 1 thread everywhere:
 
 - ``litert direct``: LiteRT's Interpreter, set_tensor / invoke / get_tensor,
   on the caller's thread (what a script does).
@@ -14,6 +14,9 @@ rotating order), 1 thread everywhere:
   ``litert`` device.
 - ``nnrt async``: ``await compiled.execute`` on the in-process ``litert``
   device.
+- ``reusable sync`` / ``reusable async``: a reusable execution bound once to
+  the input array (``compiled.create_execution([x])``), then
+  ``execution.compute()`` per call, plain and awaited.
 - ``service burst`` / ``service execute``: a ``litert`` driver service
   spawned by the runtime, through ``compiled.burst()`` and a plain
   ``compiled.execute``.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import time
@@ -61,23 +65,34 @@ def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime
     model = nnrt.tflite.load(str(path))
     direct = litert_direct(path, [x])      # what a script does per inference
     want = direct()
-
-    compiled_sync = sync_rt.compile(model, devices=["litert"])
-    compiled = loop.run_until_complete(rt.compile(model, devices=["litert"]))
-    served = burst = None
+    threaded = litert_direct(path, [x])
+    # Every way has an interpreter of its own (its own compilation): a way
+    # sharing one with the way timed before it would find its weights in
+    # the cache, the others not.
+    compiled = {way: loop.run_until_complete(rt.compile(model, devices=["litert"]))
+                for way in ("nnrt async", "reusable async")}
+    compiled.update((way, sync_rt.compile(model, devices=["litert"]))
+                    for way in ("nnrt sync", "reusable sync"))
     # Each way: (whether it is awaited, the call). An awaited way is timed
     # inside the loop, around the await alone.
     calls = {
         "litert direct": (False, direct),
-        "litert to_thread": (True, lambda: anyio.to_thread.run_sync(direct)),
-        "nnrt sync": (False, lambda: compiled_sync.execute([x])),
-        "nnrt async": (True, lambda: compiled.execute([x])),
+        "litert to_thread": (True, lambda: anyio.to_thread.run_sync(threaded)),
+        "nnrt sync": (False, lambda: compiled["nnrt sync"].execute([x])),
+        "nnrt async": (True, lambda: compiled["nnrt async"].execute([x])),
+        # Bound once to the app's frame array (an app writes each new frame
+        # into it): each call computes.
+        "reusable sync": (False, compiled["reusable sync"].create_execution([x.copy()]).compute),
+        "reusable async": (True, compiled["reusable async"].create_execution([x.copy()]).compute),
     }
+    burst = None
     if service:
-        served = loop.run_until_complete(rt.compile(model, devices=["overhead-litert"]))
-        burst = loop.run_until_complete(served.burst().__aenter__())
+        for way in ("service burst", "service execute"):
+            compiled[way] = loop.run_until_complete(rt.compile(model,
+                                                               devices=["overhead-litert"]))
+        burst = loop.run_until_complete(compiled["service burst"].burst().__aenter__())
         calls["service burst"] = (True, lambda: burst.execute([x]))
-        calls["service execute"] = (True, lambda: served.execute([x]))
+        calls["service execute"] = (True, lambda: compiled["service execute"].execute([x]))
 
     async def awaited(call):
         start = time.perf_counter()
@@ -102,15 +117,19 @@ def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime
         for way in ways:
             timers[way]()
     times: dict[str, list[float]] = {way: [] for way in ways}
-    for r in range(rounds):
-        order = ways[r % len(ways):] + ways[:r % len(ways)]
+    # A shuffled order each round (seeded: the same every run): in a fixed
+    # cycle each way would always follow the same one, and the way after an
+    # awaited one pays for the threads it leaves winding down.
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        order = list(ways)
+        shuffle(order)
         for way in order:
             times[way].append(timers[way]()[0])
     if burst is not None:
         loop.run_until_complete(burst.__aexit__(None, None, None))
-        served.close()
-    compiled.close()
-    compiled_sync.close()
+    for c in compiled.values():
+        c.close()
     return times
 
 
@@ -119,14 +138,16 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+_AWAITED = ("nnrt async", "reusable async", "service burst", "service execute")
+
+
 def report(name: str, times: dict[str, list[float]]) -> None:
     med = {way: statistics.median(v) for way, v in times.items()}
     base, thread = med["litert direct"], med["litert to_thread"]
     print(f"\n{name}")
     print(f"  {'way':<18} {'median ms':>10} {'p99 ms':>9} {'/ direct':>9} {'/ to_thread':>12}")
     for way, v in times.items():
-        vs_thread = f"{med[way] / thread:11.2f}x" if way in ("nnrt async", "service burst",
-                                                             "service execute") else ""
+        vs_thread = f"{med[way] / thread:11.2f}x" if way in _AWAITED else ""
         print(f"  {way:<18} {med[way] * 1e3:10.3f} {_p99(v) * 1e3:9.3f} "
               f"{med[way] / base:8.2f}x {vs_thread}")
 

@@ -19,14 +19,14 @@ from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
 from .hal.types import Priority, deadline_in  # noqa: E402
-from .runtime import (Burst, CompiledModel, DeviceMemory, ExecutionTiming,  # noqa: E402
-                      MemoryDesc, Placement, Result, Runtime, SyncCompiledModel, SyncRuntime,
-                      copy, run)
+from .runtime import (Burst, CompiledModel, DeviceMemory, Execution,  # noqa: E402
+                      ExecutionTiming, MemoryDesc, Placement, Result, Runtime,
+                      SyncCompiledModel, SyncExecution, SyncRuntime, copy, run)
 
-__all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus", "ExecutionPreference",
+__all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus", "Execution", "ExecutionPreference",
            "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "MemoryDesc", "Model", "NnrtError",
            "OperandType", "OperationType", "PaddingScheme", "Placement", "Priority", "Result",
-           "ResultCode", "Runtime", "SyncCompiledModel", "SyncFence", "SyncRuntime", "deadline_in",
+           "ResultCode", "Runtime", "SyncCompiledModel", "SyncExecution", "SyncFence", "SyncRuntime", "deadline_in",
            "copy", "run", "__version__"]
 
 

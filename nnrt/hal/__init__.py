@@ -2,7 +2,7 @@
 spelled the Python way).
 
 ``types`` holds the values that cross the seam, ``interface`` the abstract
-``Device`` / ``PreparedModel`` / ``BurstSession`` / ``Buffer`` a driver
+``Device`` / ``PreparedModel`` / ``Execution`` / ``BurstSession`` / ``Buffer`` a driver
 implements, ``buffers`` the registry of driver-managed buffers (memory domains),
 ``validate`` the checks of models and requests every side runs
 (ValidateHal), ``fenced`` the fenced-execution engine.
@@ -10,13 +10,13 @@ implements, ``buffers`` the registry of driver-managed buffers (memory domains),
 from .types import (NO_TIMING, UINT64_MAX, BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
-from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device,
-                        FencedCallback, PreparedModel, Scheduling)
+from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device, Execution,
+                        FencedCallback, PreparedModel, RequestExecution, Scheduling)
 from .request import output_shapes, read_inputs, write_outputs
 from ..errors import ErrorStatus
 
-__all__ = ["AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus",
+__all__ = ["AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus", "Execution",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
-           "FencedCallback", "PerformanceInfo", "PreparedModel", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
+           "FencedCallback", "PerformanceInfo", "PreparedModel", "RequestExecution", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
            "UINT64_MAX", "check_deadline", "check_priority", "deadline_in", "output_shapes",
            "read_inputs", "write_outputs"]

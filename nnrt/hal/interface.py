@@ -137,6 +137,114 @@ class _InProcessBurst(BurstSession):
         self._closed = True
 
 
+class Execution(abc.ABC):
+    """A request bound to a prepared model once, computed again and again
+    (NNAPI feature level 5's reusable execution; AIDL
+    ``IPreparedModel.createReusableExecution`` -> ``IExecution``).
+
+    Made by :meth:`PreparedModel.create_execution`, which validates the
+    request and binds whatever the driver can bind (the LiteRT driver: the
+    interpreters' inputs and outputs to the request's regions). The request
+    names its pools for the execution's whole life: new input values between
+    two computations are writes into those pools, nothing else. One
+    computation at a time: an execution is computed by one caller.
+
+    A driver writes :meth:`execute_synchronously`; the asynchronous
+    ``execute`` and ``execute_fenced`` have defaults (a worker thread, and
+    fences waited for on the event loop) that the QoS front and a service's
+    proxy replace."""
+
+    request: Request
+    measure: bool = False
+    loop_timeout: float | None = None
+
+    @abc.abstractmethod
+    def execute_synchronously(self, deadline: float | None = None, *,
+                              checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        """Compute the bound request and return when done (AIDL
+        ``IExecution.executeSynchronously``), calling ``checkpoint`` (when
+        given) at every boundary the device declared."""
+
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        """Compute without blocking the caller's event loop. This default
+        runs :meth:`execute_synchronously` on a worker thread, unscheduled;
+        a cancelled caller returns only once the thread let go of the
+        request's pools."""
+        return await in_worker(lambda: self.execute_synchronously(deadline))
+
+    async def execute_fenced(self, task_group, wait_for=(), deadline: float | None = None,
+                             timeout_after_fence: float | None = None):
+        """Compute once every fence of ``wait_for`` is signaled (AIDL
+        ``IExecution.executeFenced``): ``(SyncFence, callback)`` at once, as
+        :meth:`PreparedModel.execute_fenced`. This default waits for the
+        fences on the event loop, then runs :meth:`execute`."""
+        from .fenced import run_fenced   # it uses this module's types
+
+        return await run_fenced(task_group, self.execute, wait_for, measure=self.measure,
+                                deadline=deadline, timeout_after_fence=timeout_after_fence)
+
+    def release(self) -> None:
+        """Let go of what the execution holds (its pools, its binding).
+        Idempotent."""
+
+
+class RequestExecution(Execution):
+    """The execution of a driver that binds nothing: each computation is
+    the prepared model's own execution of the request (the default of
+    :meth:`PreparedModel.create_execution`, so a vendor driver stays small)."""
+
+    def __init__(self, prepared: "PreparedModel", request: Request, measure: bool = False,
+                 loop_timeout: float | None = None):
+        self.prepared = prepared
+        self.request = request
+        self.measure = measure
+        self.loop_timeout = loop_timeout
+
+    def execute_synchronously(self, deadline: float | None = None, *,
+                              checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        return self.prepared.execute_synchronously(self.request, self.measure, deadline,
+                                                   self.loop_timeout, checkpoint=checkpoint)
+
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        return await self.prepared.execute(self.request, self.measure, deadline,
+                                           self.loop_timeout)
+
+    async def execute_fenced(self, task_group, wait_for=(), deadline: float | None = None,
+                             timeout_after_fence: float | None = None):
+        return await self.prepared.execute_fenced(task_group, self.request, wait_for,
+                                                  self.measure, deadline, self.loop_timeout,
+                                                  timeout_after_fence)
+
+    def release(self) -> None:
+        self.request = None
+
+    def __repr__(self) -> str:
+        return f"<RequestExecution of {self.prepared!r}>"
+
+
+async def in_worker(work: Callable[[], ExecutionResult]) -> ExecutionResult:
+    """``work()`` on a worker thread, awaited; a driver that raises still
+    answers (GENERAL_FAILURE). A cancelled caller waits, shielded, until the
+    thread is done with the request's pools."""
+    waiter = Waiter()
+
+    def run() -> None:
+        try:
+            result = work()
+        except Exception as e:  # a driver bug still answers its caller
+            result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                                     message=f"the driver raised {e!r}")
+        waiter.deliver(result)
+
+    run_soon(run)
+    try:
+        return await waiter.wait()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await waiter.wait()
+        raise
+
+
 class PreparedModel(abc.ABC):
     @abc.abstractmethod
     def execute_synchronously(self, request: Request, measure: bool = False,
@@ -164,23 +272,20 @@ class PreparedModel(abc.ABC):
         waits for the result itself (a driver service writing the reply
         from that thread: docs/design/scheduler.md, "In a driver service"). An
         implementation may never call it; this default does not."""
-        waiter = Waiter()
+        return await in_worker(lambda: self.execute_synchronously(
+            request, measure, deadline, loop_timeout))
 
-        def work() -> None:
-            try:
-                result = self.execute_synchronously(request, measure, deadline, loop_timeout)
-            except Exception as e:  # a driver bug still answers its caller
-                result = ExecutionResult(ErrorStatus.GENERAL_FAILURE,
-                                         message=f"the driver raised {e!r}")
-            waiter.deliver(result)
-
-        run_soon(work)
-        try:
-            return await waiter.wait()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await waiter.wait()
-            raise
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> Execution:
+        """Validate ``request`` and bind it once (AIDL
+        ``createReusableExecution``): an :class:`Execution` to compute again
+        and again. A driver that binds raises INVALID_ARGUMENT here for a
+        request this model cannot run. This default binds nothing: each
+        computation is :meth:`execute_synchronously` (or :meth:`execute`) of
+        the request, and reports the request's faults as its result. A
+        driver that can bind (its inputs and outputs to the request's
+        regions) overrides it: that is where its per-call speed lives."""
+        return RequestExecution(self, request, measure, loop_timeout)
 
     def release(self) -> None:
         """Free what the driver holds for this model (a service's proxy

@@ -3,8 +3,9 @@ that computes on the CPU side of the seam does with a :class:`Request`.
 
 A driver calls :func:`read_inputs` to get numpy views of the inputs (no
 copy: they look into the request's pools) and :func:`write_outputs` to copy
-its results into the output regions; the latter reports, per output,
-whether the region was big enough (OUTPUT_INSUFFICIENT_SIZE is the
+its results into the output regions (or :func:`output_views` once, for an
+execution that writes into them in place); :func:`output_shapes` reports,
+per output, whether the region was big enough (OUTPUT_INSUFFICIENT_SIZE is the
 caller's to return, with the shapes it needed).
 """
 from __future__ import annotations
@@ -41,6 +42,29 @@ def output_shapes(request: Request, outputs: list) -> tuple[OutputShape, ...]:
     """Each output's shape and whether its region of ``request`` holds it."""
     return tuple(OutputShape(tuple(np.shape(o)), np.asarray(o).nbytes <= arg.location.length)
                  for o, arg in zip(outputs, request.outputs))
+
+
+def output_views(model: HalModel, request: Request, shapes) -> list:
+    """A writable array view of each output region of a validated
+    ``request``, shaped as ``shapes`` (one per output, fully specified), to
+    write results into in place; None for a region too small for its shape.
+    INVALID_ARGUMENT for an output in a read-only pool."""
+    sub = model.main
+    views = []
+    for arg, index, shape in zip(request.outputs, sub.output_indexes, shapes):
+        dtype = sub.operands[index].type.dtype
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        loc = arg.location
+        if loc.length < need:
+            views.append(None)
+            continue
+        pool = as_buffer(request.pools[loc.pool_index])
+        if pool.readonly:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"output operand {index}: pool {loc.pool_index} is read-only")
+        views.append(np.frombuffer(pool[loc.offset:loc.offset + need], dtype=dtype)
+                     .reshape(shape))
+    return views
 
 
 def write_outputs(model: HalModel, request: Request, outputs: list) -> None:

@@ -34,10 +34,11 @@ from functools import partial
 from typing import Callable
 
 import anyio
+import anyio.lowlevel
 
 from ..errors import ErrorStatus, NnrtError
-from ..handoff import Waiter, run_soon, schedule_point
-from ..hal import (AppKey, Boundaries, Capabilities, Device, ExecutionPreference,
+from ..handoff import Waiter, run_soon
+from ..hal import (AppKey, Boundaries, Capabilities, Device, Execution, ExecutionPreference,
                    ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
                    check_deadline, check_priority)
 from ..hal.cache import CacheFiles
@@ -58,20 +59,19 @@ _PREPARED_IDS = itertools.count(1)
 # its task before resuming its own job (a loop hop is ~0.1-0.3 ms).
 _DONOR_LINGER = 0.002
 
-# Inline runs (``ScheduledPreparedModel.execute``): a job that gets its slot
-# at once runs on the awaiting task's thread, with no hand-off to a worker
+# Inline runs (``ScheduledExecution.execute``): a job that gets its slot at
+# once runs on the awaiting task's thread, with no hand-off to a worker
 # thread (two thread wake-ups, ~0.1 ms: most of a small model's cost), once
-# the model's last INLINE_AFTER runs, of a request laid out as this one,
-# each took at most ``inline_bound`` seconds of real time (default
-# INLINE_BOUND). That is what it may hold its event loop for: far below what
-# a loop notices (asyncio's slow-callback warning starts at 100 ms), and
-# about what the thread hand-off it replaces costs on a loaded machine.
-# Past runs only bound the next one when its work cannot depend on the
-# data: never for a model with control flow (a WHILE's trip count is the
-# data's), and only for a request with the very argument tuples of those
-# runs (shapes fixed: the runtime's steps and the burst server reuse them
-# for an unchanged layout; a driver service's EXECUTE decodes fresh ones,
-# so a service's shared event loop never runs an app's work).
+# the same execution's last INLINE_AFTER runs each took at most
+# ``inline_bound`` seconds of real time (default INLINE_BOUND). That is what
+# it may hold its event loop for: far below what a loop notices (asyncio's
+# slow-callback warning starts at 100 ms), and about what the thread
+# hand-off it replaces costs on a loaded machine. Past runs only bound the
+# next one when its work cannot depend on the data: a bound execution's
+# shapes are fixed, and a model with control flow (a WHILE's trip count is
+# the data's) is never run inline. A one-shot execution (``execute`` of a
+# request) has no past runs, so a driver service, which makes one per
+# EXECUTE, never runs an app's work on its shared event loop.
 INLINE_BOUND = 0.0005
 INLINE_AFTER = 2
 
@@ -274,11 +274,8 @@ class ScheduledPreparedModel(PreparedModel):
         self._stops = stops   # the driver calls the checkpoint at its boundaries
         # The scheduler's run-time estimate is kept per prepared model.
         self.key = f"prepared-{next(_PREPARED_IDS)}"
-        # Runs in a row of one request layout (its argument tuples, by
-        # identity) that took at most the inline bound (see INLINE_BOUND).
+        # The longest run of one of its executions that counts as short (see INLINE_BOUND).
         self._inline_bound_ns = int(inline_bound * 1e9)
-        self._short_runs = 0
-        self._short_layout: tuple = ((), ())
 
     def release(self) -> None:
         self.prepared.release()
@@ -288,33 +285,105 @@ class ScheduledPreparedModel(PreparedModel):
         (seconds; None before its first run): what deadlines are judged by."""
         return self._gate.estimate(self.key)
 
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> "ScheduledExecution":
+        """The driver's execution of ``request`` (bound once, by the driver),
+        each computation a scheduler job."""
+        return ScheduledExecution(self, self.prepared.create_execution(request, measure,
+                                                                       loop_timeout))
+
+    def _one_shot(self, request: Request, measure: bool,
+                  loop_timeout: float | None) -> "ScheduledExecution | ExecutionResult":
+        """An execution computed once; a request the driver refuses to bind
+        is a result."""
+        try:
+            return self.create_execution(request, measure, loop_timeout)
+        except NnrtError as e:
+            return ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
+        except Exception as e:
+            return ExecutionResult(ErrorStatus.GENERAL_FAILURE, message=f"the driver raised {e!r}")
+
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None, *,
                       on_result: Callable[[ExecutionResult], bool] | None = None
                       ) -> ExecutionResult:
-        """``on_result`` (see the HAL) is called on the thread that ran the
-        job -- its own, or a preempted job's (donation) -- before the
-        awaiting task is woken; not for an inline run, which ends on the
-        awaiting task's own thread."""
+        """A one-shot :class:`ScheduledExecution` of ``request``."""
+        execution = self._one_shot(request, measure, loop_timeout)
+        if execution.__class__ is ExecutionResult:
+            return execution
+        return await execution.execute(deadline, on_result=on_result)
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None,
+                              loop_timeout: float | None = None, *,
+                              checkpoint=None) -> ExecutionResult:
+        """Queue, wait for a slot on this thread, run. ``checkpoint`` is not
+        taken: this is the scheduler's own."""
+        if checkpoint is not None:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            "a scheduled execution takes no outside checkpoint")
+        execution = self._one_shot(request, measure, loop_timeout)
+        if execution.__class__ is ExecutionResult:
+            return execution
+        return execution.execute_synchronously(deadline)
+
+    def __repr__(self) -> str:
+        return f"<ScheduledPreparedModel {self.key} app={self.app!r} {self.priority.name}>"
+
+
+class ScheduledExecution(Execution):
+    """A driver's :class:`~nnrt.hal.Execution` whose computations are jobs of
+    the model's app and priority.
+
+    Whether a computation may run on the awaiting task's own thread (an
+    inline run, no hand-off to a worker) is this execution's own record:
+    its last INLINE_AFTER runs each took at most the model's inline bound of
+    real time, unpreempted. The request is bound, so its shapes are fixed;
+    only a model with control flow (bound 0) could take longer on other
+    data."""
+
+    def __init__(self, model: ScheduledPreparedModel, inner: Execution):
+        self.model = model
+        self.inner = inner
+        self.request = inner.request
+        self.measure = inner.measure
+        self.loop_timeout = inner.loop_timeout
+        self._short_runs = 0   # short runs in a row (see ``inline``)
+
+    @property
+    def inline(self) -> bool:
+        """Whether the next computation, when its job gets a slot at once,
+        runs on the awaiting task's thread."""
+        return self._short_runs >= INLINE_AFTER
+
+    def release(self) -> None:
+        self.inner.release()
+
+    async def execute(self, deadline: float | None = None, *,
+                      on_result: Callable[[ExecutionResult], bool] | None = None
+                      ) -> ExecutionResult:
+        """``on_result`` (see the HAL's ``PreparedModel.execute``) is called on
+        the thread that ran the job -- its own, or a preempted job's
+        (donation) -- before the awaiting task is woken; not for an inline
+        run, which ends on the awaiting task's own thread."""
+        model = self.model
+        gate = model._gate
         job = None
-        layout = self._short_layout
-        if self._short_runs >= INLINE_AFTER and request.inputs is layout[0] \
-                and request.outputs is layout[1]:
+        if self._short_runs >= INLINE_AFTER:
             # A schedule point, as any execute (the loop's other tasks run; a
             # cancelled caller stops here, with nothing queued), then the
             # inline run if the job gets its slot at once.
-            await schedule_point()
-            started = time.perf_counter_ns() if measure else 0   # (only a timing reads it)
+            await anyio.lowlevel.checkpoint()
+            started = time.perf_counter_ns() if self.measure else 0   # (only a timing reads it)
             try:
-                job, owned = self._gate.submit_here(
-                    self.app, self.priority, model=self.key,
+                job, owned = gate.submit_here(
+                    model.app, model.priority, model=model.key,
                     deadline=deadline if deadline is None else check_deadline(deadline))
             except NnrtError as e:
                 return ExecutionResult(e.status, message=e.message)
             if owned:
-                return self._run_claimed(job, request, measure, loop_timeout, started,
-                                         inline=True)
+                return self._run_claimed(job, started, inline=True)
         else:
             started = time.perf_counter_ns()
         waiter = Waiter()
@@ -327,7 +396,7 @@ class ScheduledPreparedModel(PreparedModel):
                                          message=job.message)
             else:
                 try:
-                    result = self._run_claimed(job, request, measure, loop_timeout, started)
+                    result = self._run_claimed(job, started)
                 except BaseException as e:   # SystemExit and the like: still answer
                     waiter.deliver(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                                    message=f"the execution was interrupted: {e!r}"))
@@ -337,9 +406,9 @@ class ScheduledPreparedModel(PreparedModel):
                 try:
                     answered = on_result(result)
                 except Exception as e:   # it must not raise; the task answers then
-                    vlog("execution", "%s: on_result raised %r", self.key, e)
+                    vlog("execution", "%s: on_result raised %r", model.key, e)
             waiter.deliver(result)
-            if self._gate.running_donated() and not answered:
+            if gate.running_donated() and not answered:
                 # This thread's own job, preempted by this one, resumes next:
                 # let the awaiting task take the result first, rather than
                 # compete with it for the CPU and the GIL (bounded). Not when
@@ -348,11 +417,12 @@ class ScheduledPreparedModel(PreparedModel):
 
         if job is None:
             try:
-                job = self._submit(deadline, work)
+                job = gate.submit(model.app, model.priority, deadline=check_deadline(deadline),
+                                  model=model.key, work=work)
             except NnrtError as e:
                 return ExecutionResult(e.status, message=e.message)
         else:
-            self._gate.give_work(job, work)   # it waits: a worker thread runs it
+            gate.give_work(job, work)   # it waits: a worker thread runs it
         try:
             return await waiter.wait()
         except BaseException:
@@ -360,59 +430,49 @@ class ScheduledPreparedModel(PreparedModel):
             # (which gives the slot back), and wait, shielded, until the
             # thread running it lets go of the request's pools, which the
             # caller may free as soon as this returns: at most one boundary.
-            if self._gate.cancel(job):
+            if gate.cancel(job):
                 with anyio.CancelScope(shield=True):
                     await waiter.wait()
             raise
 
-    def execute_synchronously(self, request: Request, measure: bool = False,
-                              deadline: float | None = None,
-                              loop_timeout: float | None = None, *,
+    def execute_synchronously(self, deadline: float | None = None, *,
                               checkpoint=None) -> ExecutionResult:
         """Queue, wait for a slot on this thread, run. ``checkpoint`` is not
         taken: this is the scheduler's own."""
         if checkpoint is not None:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             "a scheduled execution takes no outside checkpoint")
+        model = self.model
+        gate = model._gate
         started = time.perf_counter_ns()
         try:
-            job, owned = self._submit_here(deadline)
+            job, owned = gate.submit_here(model.app, model.priority,
+                                          deadline=check_deadline(deadline), model=model.key)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
         if not owned:
             try:
-                self._gate.claim(job)     # no work offered: only this thread runs it
+                gate.claim(job)     # no work offered: only this thread runs it
             except NnrtError as e:
                 return ExecutionResult(e.status, message=e.message)
             except BaseException:
-                self._gate.cancel(job)
+                gate.cancel(job)
                 raise
-        return self._run_claimed(job, request, measure, loop_timeout, started)
+        return self._run_claimed(job, started)
 
-    def _submit_here(self, deadline) -> tuple[Job, bool]:
-        return self._gate.submit_here(self.app, self.priority, deadline=check_deadline(deadline),
-                                      model=self.key)
-
-    def _submit(self, deadline, work) -> Job:
-        deadline = check_deadline(deadline)
-        return self._gate.submit(self.app, self.priority, deadline=deadline, model=self.key,
-                                 work=work)
-
-    def _run_claimed(self, job: Job, request: Request, measure: bool,
-                     loop_timeout: float | None, started: int,
-                     inline: bool = False) -> ExecutionResult:
+    def _run_claimed(self, job: Job, started: int, inline: bool = False) -> ExecutionResult:
         """Run a job this thread owns on the driver, with the gate's
         checkpoint at every boundary (none when ``inline``: an event loop's
         thread must never park), and give the slot back. A failure is a
         result; only what is not an Exception (KeyboardInterrupt) propagates,
         after the slot is given back. Traced as the span "scheduled run"."""
-        gate = self._gate
-        checkpoint = partial(gate.checkpoint, job) if self._stops and not inline else None
+        model = self.model
+        gate = model._gate
+        checkpoint = partial(gate.checkpoint, job) if model._stops and not inline else None
         traced = time.monotonic_ns() if trace.recording else 0   # the span's start
         ran = time.perf_counter_ns()
         try:
-            result = self.prepared.execute_synchronously(
-                request, measure, job.deadline, loop_timeout, checkpoint=checkpoint)
+            result = self.inner.execute_synchronously(job.deadline, checkpoint=checkpoint)
         except NnrtError as e:
             result = ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
         except Exception as e:
@@ -425,14 +485,8 @@ class ScheduledPreparedModel(PreparedModel):
         # Real time, not the scheduler's clock: what an inline run would
         # hold its event loop for. A preempted run is not short.
         now = time.perf_counter_ns()
-        if job.preemptions == 0 and 0 < now - ran <= self._inline_bound_ns:
-            layout = self._short_layout
-            # (an inline run was given this very layout: execute checked it)
-            if inline or (request.inputs is layout[0] and request.outputs is layout[1]):
-                self._short_runs += 1
-            else:
-                self._short_layout = (request.inputs, request.outputs)
-                self._short_runs = 1
+        if job.preemptions == 0 and 0 < now - ran <= model._inline_bound_ns:
+            self._short_runs += 1
         else:
             self._short_runs = 0
         if traced:
@@ -442,7 +496,7 @@ class ScheduledPreparedModel(PreparedModel):
         if final != result.status:
             # Never report success for work that finished after its deadline.
             return ExecutionResult(final, result.output_shapes, message=job.message)
-        if measure and result.status == ErrorStatus.NONE:
+        if self.measure and result.status == ErrorStatus.NONE:
             # On the device: the scheduler's account of the job's run time,
             # preempted spells excluded (a driver timing itself across a
             # preemption would count the time it sat parked). In the driver:
@@ -454,4 +508,5 @@ class ScheduledPreparedModel(PreparedModel):
         return result
 
     def __repr__(self) -> str:
-        return f"<ScheduledPreparedModel {self.key} app={self.app!r} {self.priority.name}>"
+        state = "inline" if self.inline else "handed off"
+        return f"<ScheduledExecution of {self.model.key} ({state}) {self.inner!r}>"

@@ -1,12 +1,13 @@
 """The framework: device discovery, compilation and executions."""
 from .memory_domain import DeviceMemory, MemoryDesc, copy
+from .execution import Execution
 from .placement import Fallback, PlacedStep, Placement
 from .runtime import (Burst, CompiledModel, CompiledModelStatistics, ExecutionTiming, Result,
                       Runtime)
-from .sync import SyncBurst, SyncCompiledModel, SyncRuntime, run
+from .sync import SyncBurst, SyncCompiledModel, SyncExecution, SyncRuntime, run
 
-__all__ = ["Burst", "CompiledModel", "CompiledModelStatistics", "DeviceMemory", "ExecutionTiming",
+__all__ = ["Burst", "CompiledModel", "CompiledModelStatistics", "DeviceMemory", "Execution", "ExecutionTiming",
            "Fallback", "MemoryDesc", "copy",
-           "PlacedStep", "Placement", "Result", "Runtime", "SyncBurst", "SyncCompiledModel",
+           "PlacedStep", "Placement", "Result", "Runtime", "SyncBurst", "SyncCompiledModel", "SyncExecution",
            "SyncRuntime",
            "run"]

@@ -34,7 +34,8 @@ from .memory_domain import DeviceMemory, MemoryDesc
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
-from .step import Step
+from .step import DriverFailure, Step
+from .execution import Execution
 from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
 from .. import handoff, trace
@@ -841,14 +842,13 @@ class CompiledModel:
                 result = await self._run(steps, arrays, user_outputs, measure, deadline,
                                          loop_timeout, sessions,
                                          None if tried is None else tried[1])
-            except _DriverFailure as failure:
+            except DriverFailure as failure:
                 memories = [v for v in (*arrays, *(user_outputs or ()))
                             if isinstance(v, DeviceMemory) and v.on_device]
                 # The memories' contents follow the execution to the CPU when
                 # the dead driver left them readable (a service's mirrors).
                 moved = [m.move_off_device() for m in memories]
-                self._fall_back(failure)
-                self._use_steps(await self._cpu_steps())
+                await self._move_to_cpu(failure)
                 if not all(moved):
                     raise failure.error from None   # they died with the driver
                 if memories:
@@ -865,7 +865,12 @@ class CompiledModel:
             result = _written(result, outputs)
         return result
 
-    def _fall_back(self, failure: "_DriverFailure") -> None:
+    async def _move_to_cpu(self, failure: DriverFailure) -> None:
+        """After a driver failure: the whole model runs on the CPU from now on."""
+        self._fall_back(failure)
+        self._use_steps(await self._cpu_steps())
+
+    def _fall_back(self, failure: DriverFailure) -> None:
         """Record (and log, at WARNING, once per compiled model) that a
         driver failure moves the whole model to the CPU."""
         cpu = self._runtime.cpu.name
@@ -974,7 +979,7 @@ class CompiledModel:
             self._lane_steps = steps
 
     def _step_failed(self, step: Step, result) -> NoReturn:
-        """Raise the error of a step's failed ``result``: a ``_DriverFailure``
+        """Raise the error of a step's failed ``result``: a ``DriverFailure``
         when the driver is to blame and the model may move to the CPU."""
         message = result.message or "execution failed"
         if result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE:
@@ -984,7 +989,7 @@ class CompiledModel:
         if result.status == ErrorStatus.DEAD_OBJECT:
             self._runtime._forget(step.device)
         if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
-            raise _DriverFailure(step.device, error)
+            raise DriverFailure(step.device, error)
         raise error
 
     def _too_small(self, step: Step, shapes) -> str:
@@ -1010,6 +1015,19 @@ class CompiledModel:
             return self._fallback_allowed and step.device is not self._runtime.cpu
         except NnrtError:  # a runtime without a CPU device has nothing to fall back to
             return False
+
+    def create_execution(self, inputs: Sequence[Any] | dict | None = None, *, outputs=None,
+                         measure_timing: bool = False, loop_timeout: float | None = None,
+                         reusable: bool = True) -> Execution:
+        """Bind ``inputs`` and ``outputs`` once, for computations again and
+        again (NNAPI's reusable execution): ``await execution.compute()``.
+        Inputs and outputs are checked as ``execute`` checks them; arrays
+        taken as they are stay the execution's (write new input data into
+        them, or into ``execution.inputs``), others are converted once.
+        ``inputs=None`` makes zeroed input arrays of the declared shapes;
+        ``outputs=None`` makes the output arrays. See
+        nnrt/runtime/execution.py."""
+        return Execution(self, inputs, outputs, measure_timing, loop_timeout, reusable)
 
     def burst(self) -> "Burst":
         self._check_open()
@@ -1136,15 +1154,6 @@ def _release(prepared_models: list) -> None:
         except NnrtError:  # the service is gone: nothing left to release
             pass
     prepared_models.clear()
-
-
-class _DriverFailure(Exception):
-    """A step failed because of its driver; the execution may be retried on the CPU."""
-
-    def __init__(self, device: Device, error: NnrtError):
-        super().__init__(str(error))
-        self.device = device
-        self.error = error
 
 
 class Burst:

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import STATUS_INSUFFICIENT as _INSUFFICIENT, STATUS_NONE as _NONE
+from ..errors import STATUS_INSUFFICIENT as _INSUFFICIENT, STATUS_NONE as _NONE, NnrtError
 from ..hal import Device, ExecutionResult, PreparedModel, Request, RequestArgument
 from ..hal.validate import ValidatedModel
 from ..memory import DeviceToken, Memory, Region
@@ -160,6 +160,15 @@ class Lane(NamedTuple):
     sized: tuple | None
     reported: tuple
     result_shapes: tuple
+
+
+class DriverFailure(Exception):
+    """A step failed because of its driver; the execution may be retried on the CPU."""
+
+    def __init__(self, device: Device, error: NnrtError):
+        super().__init__(str(error))
+        self.device = device
+        self.error = error
 
 
 class Step:

@@ -207,6 +207,10 @@ class SyncCompiledModel:
         """As :meth:`CompiledModel.execute`, without ``await``."""
         return self._rt._call(self.compiled.execute(inputs, **kwargs))
 
+    def create_execution(self, inputs=None, **kwargs) -> "SyncExecution":
+        """As :meth:`CompiledModel.create_execution`; its ``compute()`` blocks."""
+        return SyncExecution(self._rt, self.compiled.create_execution(inputs, **kwargs))
+
     def burst(self) -> "SyncBurst":
         """A burst session (``with compiled.burst() as burst: burst.execute(...)``)."""
         return SyncBurst(self._rt, self.compiled.burst())
@@ -241,6 +245,50 @@ class SyncCompiledModel:
 
     def __repr__(self) -> str:
         return f"<nnrt.SyncCompiledModel {self.compiled!r}>"
+
+
+class SyncExecution:
+    """An :class:`~nnrt.runtime.execution.Execution` whose ``compute()``
+    blocks. A bound execution computes on the calling thread, with no event
+    loop at all: the QoS front queues it and the driver runs it right there
+    (what makes the sync API cost no more than calling the driver). Anything
+    else (the general path, recovering from a driver failure) runs on the
+    runtime's loop as every other call."""
+
+    def __init__(self, runtime: SyncRuntime, execution):
+        self._rt = runtime
+        self.execution = execution
+
+    def compute(self, *, deadline: float | None = None) -> Result:
+        self._rt._check_open()
+        result = self.execution.compute_synchronously(deadline)
+        if result is None:
+            result = self._rt._call(self.execution.recover(deadline))
+        return result
+
+    @property
+    def inputs(self) -> list:
+        return self.execution.inputs
+
+    @property
+    def outputs(self) -> list | None:
+        return self.execution.outputs
+
+    @property
+    def bound(self) -> bool:
+        return self.execution.bound
+
+    def close(self) -> None:
+        self.execution.close()
+
+    def __enter__(self) -> "SyncExecution":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<nnrt.SyncExecution {self.execution!r}>"
 
 
 class SyncBurst:
@@ -304,4 +352,4 @@ def _close_all() -> None:
             pass
 
 
-__all__ = ["SyncBurst", "SyncCompiledModel", "SyncRuntime", "run"]
+__all__ = ["SyncBurst", "SyncCompiledModel", "SyncExecution", "SyncRuntime", "run"]

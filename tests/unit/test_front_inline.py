@@ -1,7 +1,7 @@
-"""Inline runs of the QoS front (nnrt/qos/front.py): once a model's runs
-are known to be short, an ``execute`` whose job gets its slot at once runs
-on the awaiting task's own thread -- no worker thread -- and everything
-else goes through a worker thread as before. The tests look at which
+"""Inline runs of the QoS front (nnrt/qos/front.py): once an execution's
+runs are known to be short, an ``execute`` whose job gets its slot at once
+runs on the awaiting task's own thread -- no worker thread -- and everything
+else (a one-shot execution too) goes through a worker thread. The tests look at which
 thread ran the driver and at the scheduler's records, never at times."""
 import threading
 import time
@@ -19,8 +19,7 @@ from nnrt.qos.front import INLINE_AFTER, ScheduledPreparedModel
 
 TIMEOUT = 10.0
 HIGH, LOW = Priority.HIGH, Priority.LOW
-# One request, passed again and again: its argument tuples are the same
-# objects every time, as the runtime's are for arrays of unchanged shapes.
+# The request every execution binds.
 REQUEST = Request((RequestArgument(has_no_value=True),), (), ())
 
 
@@ -64,20 +63,21 @@ def front_of(model: Recording, inline_bound=GENEROUS) -> tuple[ScheduledDevice,
                                           inline_bound=inline_bound)
 
 
-async def teach(prepared) -> None:
+async def teach(execution) -> None:
     """Run it as often as the front needs to know its runs are short."""
     for _ in range(INLINE_AFTER):
-        await prepared.execute(REQUEST)
+        await execution.execute()
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_short_runs_that_get_a_free_slot_run_on_the_loop_thread(backend):
     model = Recording()
     device, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
         for _ in range(6):
-            result = await prepared.execute(REQUEST)
+            result = await execution.execute()
             assert result.status == ErrorStatus.NONE
         return threading.get_ident()
 
@@ -97,10 +97,11 @@ def test_short_runs_that_get_a_free_slot_run_on_the_loop_thread(backend):
 def test_runs_longer_than_the_bound_never_run_on_the_loop_thread():
     model = Recording(busy_ns=2_000_000)
     _, prepared = front_of(model, inline_bound=0.001)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
         for _ in range(INLINE_AFTER + 2):
-            assert (await prepared.execute(REQUEST)).status == ErrorStatus.NONE
+            assert (await execution.execute()).status == ErrorStatus.NONE
         return threading.get_ident()
 
     loop_thread = anyio.run(main)
@@ -111,15 +112,16 @@ def test_runs_longer_than_the_bound_never_run_on_the_loop_thread():
 def test_a_job_that_must_wait_for_the_slot_runs_on_a_worker_thread():
     model = Recording()
     device, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
-        await teach(prepared)
+        await teach(execution)
         job, owned = device.gate.submit_here(device.app, LOW, model="holder")
         assert owned                       # the slot is taken until finish below
         results = []
 
         async def run():
-            results.append(await prepared.execute(REQUEST))
+            results.append(await execution.execute())
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
             # The loop is free while the job waits: this task polls.
@@ -137,10 +139,11 @@ def test_a_job_that_must_wait_for_the_slot_runs_on_a_worker_thread():
 def test_inline_runs_can_be_turned_off():
     model = Recording()
     _, prepared = front_of(model, inline_bound=0)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
         for _ in range(INLINE_AFTER + 2):
-            await prepared.execute(REQUEST)
+            await execution.execute()
         return threading.get_ident()
 
     assert anyio.run(main) not in model.threads
@@ -150,15 +153,16 @@ def test_inline_runs_can_be_turned_off():
 def test_tasks_running_inline_executions_take_turns(backend):
     model = Recording()
     _, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
     order = []
 
     async def loop(name):
         for _ in range(5):
-            await prepared.execute(REQUEST)
+            await execution.execute()
             order.append(name)
 
     async def main():
-        await teach(prepared)
+        await teach(execution)
         async with anyio.create_task_group() as tg:
             tg.start_soon(loop, "a")
             tg.start_soon(loop, "b")
@@ -173,12 +177,13 @@ def test_tasks_running_inline_executions_take_turns(backend):
 def test_a_cancelled_caller_stops_before_anything_is_queued():
     model = Recording()
     device, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
-        await teach(prepared)
+        await teach(execution)
         with anyio.CancelScope() as scope:
             scope.cancel()
-            await prepared.execute(REQUEST)
+            await execution.execute()
         assert scope.cancelled_caught
 
     anyio.run(main)
@@ -190,6 +195,7 @@ def test_a_cancelled_caller_stops_before_anything_is_queued():
 def test_an_inline_run_is_one_step_a_higher_priority_job_takes_the_slot_after_it():
     model = Recording()
     device, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
     high = ScheduledPreparedModel(Recording(), device.gate, HIGH, device.app)
     high_results = []
     thread = None
@@ -209,9 +215,9 @@ def test_an_inline_run_is_one_step_a_higher_priority_job_takes_the_slot_after_it
         raise AssertionError("the HIGH job never queued")
 
     async def main():
-        await teach(prepared)
+        await teach(execution)
         model.during = submit_high_meanwhile
-        assert (await prepared.execute(REQUEST)).status == ErrorStatus.NONE
+        assert (await execution.execute()).status == ErrorStatus.NONE
         return threading.get_ident()
 
     loop_thread = anyio.run(main)
@@ -224,21 +230,25 @@ def test_an_inline_run_is_one_step_a_higher_priority_job_takes_the_slot_after_it
     assert high_record.started_at >= low_record.finished_at
 
 
-def test_a_request_laid_out_anew_runs_on_a_worker_thread():
+def test_one_shot_executions_and_new_executions_run_on_a_worker_thread():
     model = Recording()
     _, prepared = front_of(model)
+    execution = prepared.create_execution(REQUEST)
 
     async def main():
         for _ in range(INLINE_AFTER + 1):
+            await execution.execute()
+        # The record is the execution's: a new one (even of the same
+        # request), and a one-shot ``execute``, have no past runs.
+        await prepared.create_execution(REQUEST).execute()
+        for _ in range(INLINE_AFTER + 1):
             await prepared.execute(REQUEST)
-        # Equal, but not the same argument tuples: its sizes are not known
-        # to be those of the short runs, so it is not run inline.
-        await prepared.execute(Request((RequestArgument(has_no_value=True),), (), ()))
         return threading.get_ident()
 
     loop_thread = anyio.run(main)
+    assert execution.inline
     assert model.threads[INLINE_AFTER] == loop_thread
-    assert model.threads[-1] != loop_thread
+    assert loop_thread not in model.threads[INLINE_AFTER + 1:]
 
 
 def test_a_model_with_control_flow_never_runs_inline(monkeypatch):
@@ -260,9 +270,10 @@ def test_a_model_with_control_flow_never_runs_inline(monkeypatch):
 
     async def main():
         prepared = await device.prepare_model(endless_model().hal_model)
+        execution = prepared.create_execution(request, loop_timeout=0.001)
         for _ in range(INLINE_AFTER + 2):
             # A WHILE whose trip count is the data's: stopped by its timeout.
-            result = await prepared.execute(request, loop_timeout=0.001)
+            result = await execution.execute()
             assert result.status == ErrorStatus.MISSED_DEADLINE_TRANSIENT
         return threading.get_ident()
 

@@ -4,10 +4,11 @@ package that sees the HAL classes).
 Preparation validates the model, lowers every operation through the table
 (:mod:`.table`), converts the partition to TFLite (:mod:`.flatbuffer`),
 times it, cuts it into segments (:mod:`.segments`) and creates their
-interpreters. An execution copies each input once from the request's pool
-(``hal.read_inputs`` views it) into an interpreter tensor, invokes the
-segments in order with the checkpoint between two, and copies each output
-once from the interpreter into the request's pool (``hal.write_outputs``).
+interpreters. An execution (:class:`LiteRTExecution`, bound once) copies
+each input once from the request's pool (``hal.read_inputs`` views it) into
+an interpreter tensor, invokes the segments in order with the checkpoint
+between two, and copies each output once from the interpreter into its
+view of the request's pool (``hal.request.output_views``).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from ..._version import __version__
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...handoff import run_in_worker
 from ...hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device,
-                    DeviceType, ExecutionPreference, ExecutionResult, OutputShape,
-                    PerformanceInfo, PreparedModel, Priority, Request, Scheduling, Timing,
-                    check_deadline, check_priority, read_inputs, write_outputs)
+                    DeviceType, Execution, ExecutionPreference, ExecutionResult, OutputShape,
+                    PerformanceInfo, PreparedModel, Priority, Request, RequestExecution,
+                    Scheduling, Timing, check_deadline, check_priority, read_inputs)
+from ...hal.request import output_views
 from ...hal.buffers import BufferRegistry, uses_tokens
 from ...hal.types import BufferDesc
 from ...hal.cache import CacheFiles, CacheReject, CacheRejected, check_counts
@@ -300,49 +302,14 @@ class LiteRTPreparedModel(PreparedModel):
     def segment_count(self) -> int:
         return len(self.runner.segments)
 
-    def execute_synchronously(self, request: Request, measure: bool = False,
-                              deadline: float | None = None, loop_timeout: float | None = None,
-                              *, checkpoint: Checkpoint | None = None) -> ExecutionResult:
-        if uses_tokens(request):   # driver buffers named by token: bound, then run
-            return self.buffers.execute(
-                self, self.app, request,
-                lambda bound: self._execute(bound, measure, deadline, checkpoint))
-        return self._execute(request, measure, deadline, checkpoint)
-
-    def _execute(self, request: Request, measure: bool, deadline: float | None,
-                 checkpoint: Checkpoint | None) -> ExecutionResult:
-        started = time.perf_counter()
-        try:
-            deadline = check_deadline(deadline)
-            validate_request(self.model, request)
-            shapes = self._output_shapes(request)
-            if not all(s.is_sufficient for s in shapes):
-                return ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
-                                       message="an output buffer is too small")
-            if deadline is not None and time.monotonic() > deadline:
-                raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
-                                "the deadline passed before the execution began")
-            busy = self.runner.run(self._inputs_of(request),
-                                   partial(self._deliver, request), checkpoint)
-        except NnrtError as e:
-            return ExecutionResult(e.status, message=e.message)
-        except (ValueError, RuntimeError) as e:
-            return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
-                                   message=f"LiteRT failed: {e}")
-        timing = NO_TIMING
-        if measure:
-            on_device = int(busy * 1e6)
-            timing = Timing(on_device, max(int((time.perf_counter() - started) * 1e6), on_device))
-        return ExecutionResult(ErrorStatus.NONE, shapes, timing)
-
-    def _output_shapes(self, request: Request) -> tuple[OutputShape, ...]:
+    def output_shapes_of(self, request: Request) -> tuple[OutputShape, ...]:
         if all(arg.location.length >= need
                for arg, (_, _, _, need) in zip(request.outputs, self._outputs.values())):
             return self._sufficient
         return tuple(OutputShape(dims, arg.location.length >= need)
                      for arg, (_, _, dims, need) in zip(request.outputs, self._outputs.values()))
 
-    def _inputs_of(self, request: Request) -> dict[int, np.ndarray]:
+    def inputs_of(self, request: Request) -> dict[int, np.ndarray]:
         """The request's inputs (views of its pools) by operand, as prepared."""
         values = read_inputs(self.model, request)
         inputs = {}
@@ -355,5 +322,79 @@ class LiteRTPreparedModel(PreparedModel):
             inputs[i] = value
         return inputs
 
-    def _deliver(self, request: Request, outputs: dict[int, np.ndarray]) -> None:
-        write_outputs(self.model, request, [outputs[i] for i in self._outputs])
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> Execution:
+        """The request validated, and its inputs and outputs bound to its
+        regions, once: each computation is set_tensor, invoke and a copy of
+        each output into place. A request naming driver buffers by token
+        runs through the buffer registry each time."""
+        if uses_tokens(request):
+            return RequestExecution(self, request, measure, loop_timeout)
+        return LiteRTExecution(self, request, measure)
+
+    def execute_synchronously(self, request: Request, measure: bool = False,
+                              deadline: float | None = None, loop_timeout: float | None = None,
+                              *, checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        if uses_tokens(request):   # driver buffers named by token: bound, then run
+            return self.buffers.execute(
+                self, self.app, request,
+                lambda bound: self.execute_synchronously(bound, measure, deadline,
+                                                         checkpoint=checkpoint))
+        try:
+            execution = LiteRTExecution(self, request, measure)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        return execution.execute_synchronously(deadline, checkpoint=checkpoint)
+
+
+class LiteRTExecution(Execution):
+    """A request of a :class:`LiteRTPreparedModel`, bound: its input views
+    and its outputs' views (in place in the request's regions) by operand,
+    and the result of a computation, made once."""
+
+    def __init__(self, prepared: LiteRTPreparedModel, request: Request, measure: bool = False):
+        validate_request(prepared.model, request)
+        self.prepared = prepared
+        self.request = request
+        self.measure = bool(measure)
+        self._runner = prepared.runner
+        shapes = prepared.output_shapes_of(request)
+        self._inputs = prepared.inputs_of(request)
+        if all(s.is_sufficient for s in shapes):
+            views = output_views(prepared.model, request, [s.dimensions for s in shapes])
+            self._outputs = dict(zip(prepared.model.main.output_indexes, views))
+            self._done = ExecutionResult(ErrorStatus.NONE, shapes, NO_TIMING)
+            self._short = None
+        else:
+            self._outputs = None
+            self._short = ExecutionResult(ErrorStatus.OUTPUT_INSUFFICIENT_SIZE, shapes,
+                                          message="an output buffer is too small")
+
+    def execute_synchronously(self, deadline: float | None = None, *,
+                              checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        if self._short is not None:
+            return self._short
+        started = time.perf_counter()
+        try:
+            if deadline is not None and time.monotonic() > check_deadline(deadline):
+                raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                                "the deadline passed before the execution began")
+            busy = self._runner.run(self._inputs, self._outputs, checkpoint)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        except (ValueError, RuntimeError) as e:
+            return ExecutionResult(ErrorStatus.GENERAL_FAILURE, message=f"LiteRT failed: {e}")
+        if not self.measure:
+            return self._done
+        on_device = int(busy * 1e6)
+        return ExecutionResult(ErrorStatus.NONE, self._done.output_shapes,
+                               Timing(on_device,
+                                      max(int((time.perf_counter() - started) * 1e6), on_device)))
+
+    def release(self) -> None:
+        self.request = self._inputs = self._outputs = None
+        self._short = ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                      message="the execution was released")
+
+    def __repr__(self) -> str:
+        return f"<LiteRTExecution of {len(self._runner.segments)} segment(s)>"

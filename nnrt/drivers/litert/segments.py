@@ -254,34 +254,29 @@ class Runner:
     def _make(self, model: bytes):
         return new_interpreter(model, self.num_threads)
 
-    def run(self, inputs: dict[int, np.ndarray],
-            deliver: Callable[[dict[int, np.ndarray]], None],
+    def run(self, inputs: dict[int, np.ndarray], outputs: dict[int, np.ndarray],
             checkpoint: Callable[[], None] | None) -> float:
         """One execution. ``inputs`` holds every model input by operand (any
-        array of the right dtype and shape, read once); ``deliver(outputs)``
-        receives the model outputs by operand as views into the interpreters,
-        valid only during the call; ``checkpoint()`` is called between
-        segments and may raise to stop. Returns the seconds spent in
-        ``invoke``."""
+        array of the right dtype and shape, read once); each model output is
+        copied into ``outputs[operand]`` (an array of its dtype and shape);
+        ``checkpoint()`` is called between segments and may raise to stop.
+        Returns the seconds spent in ``invoke``."""
         try:
             sets = self._free.get_nowait()
         except queue.Empty:
             vlog("driver", "litert: another interpreter set for a concurrent execution")
             sets = InterpreterSet(self.segments, self._make)
         try:
-            return self._run(sets, inputs, deliver, checkpoint)
+            return self._run(sets, inputs, outputs, checkpoint)
         finally:
             self._free.put(sets)
 
-    def _run(self, sets: InterpreterSet, inputs, deliver, checkpoint) -> float:
+    def _run(self, sets: InterpreterSet, inputs, outputs, checkpoint) -> float:
         interps = sets.interpreters
         for s, k, operand in self._request_inputs:
             interps[s].set_tensor(sets.inputs[s][k][1], inputs[operand])
         busy = 0.0
         last = len(interps) - 1
-        # Views of the outputs: each interpreter runs once per execution, so
-        # a view stays valid until this set is handed back (after deliver).
-        outputs = {}
         for s, interp in enumerate(interps):
             start = time.perf_counter()
             interp.invoke()
@@ -292,12 +287,8 @@ class Runner:
                 for reader, k in readers:
                     interps[reader].set_tensor(sets.inputs[reader][k][1], value)
                 if returned:
-                    outputs[operand] = value
-                del value
+                    np.copyto(outputs[operand], value, casting="no")
+                del value   # no view into an interpreter outlives the execution
             if checkpoint is not None and s < last:
                 checkpoint()
-        try:
-            deliver(outputs)
-        finally:
-            outputs.clear()   # no view into an interpreter outlives the execution
         return busy

@@ -1,0 +1,284 @@
+"""Reusable executions (NNAPI feature level 5's
+``ANeuralNetworksExecution_setReusable``): a compiled model's inputs and
+outputs bound once, computed again and again.
+
+``compiled.create_execution(inputs, outputs)`` checks the inputs and
+outputs as ``execute`` would, once, and asks the step's driver to bind the
+request (:meth:`nnrt.hal.PreparedModel.create_execution`): the driver
+validates it and ties its inputs and outputs to the arrays' memory then, not
+at every computation. New input values are writes into ``execution.inputs``;
+each computation writes ``execution.outputs`` in place. This is the
+declared fast path: nothing is recognised by identity.
+
+A compilation the driver can bind for is one step that is the whole model,
+not stateful, with no device memory among the values, whose outputs are
+given or of known shapes. Any other (a model split across devices, dynamic
+output shapes) computes through the general path of ``execute`` on the same
+bound arrays, with the same results: only slower.
+
+A driver failure falls back to the CPU as ``execute`` does; the execution
+binds again on the CPU step and carries on there.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import STATUS_NONE as _NONE, bad_state, invalid
+from ..hal import UINT64_MAX, Execution as HalExecution, ExecutionResult
+from ..hal.types import check_deadline, check_loop_timeout
+from . import request
+from .memory_domain import DeviceMemory
+from .results import ExecutionTiming, Result
+from .step import DriverFailure, build_request, shaped
+
+
+class Execution:
+    """A compiled model's request, bound once (``compiled.create_execution``)::
+
+        execution = compiled.create_execution([frame])
+        for _ in frames:
+            camera.read_into(execution.inputs[0])
+            result = await execution.compute()   # result.outputs: execution.outputs
+
+    One computation at a time; with ``reusable=False`` only one at all.
+    ``close()`` (or ``with``) lets go of the binding; closing the compiled
+    model ends its executions too."""
+
+    def __init__(self, compiled, inputs: Sequence[Any] | dict | None, outputs,
+                 measure_timing: bool, loop_timeout: float | None, reusable: bool):
+        self._compiled = compiled
+        self._reusable = request.flag(reusable, "reusable")
+        self._measure = request.flag(measure_timing, "measure_timing")
+        self._loop_timeout = check_loop_timeout(loop_timeout)
+        compiled._check_open()
+        if compiled._signature.stateful:
+            raise invalid("a stateful model carries its state from one execute to the next: "
+                          "use execute or a burst")
+        if inputs is None:
+            inputs = [self._zeros(k) for k in range(len(compiled.inputs))]
+        inputs, outputs = compiled._order(inputs, outputs)
+        self._given_outputs = outputs is not None
+        self._inputs, given, _, _ = compiled._check_request(inputs, outputs, self._measure, None)
+        self._outputs = given
+        self._computed = 0
+        self._computing = False
+        self._closed = False
+        self._steps = None
+        self._hal: HalExecution | None = None
+        self._shapes: list | None = None
+        self._bind()
+
+    def _zeros(self, k: int) -> np.ndarray:
+        info = self._compiled.inputs[k]
+        if info.shape is None or any(d is None or d == 0 for d in info.shape):
+            raise invalid(f"input {k} ({info.name}) has unknown dimensions "
+                          f"{info.shape}: give the inputs to bind")
+        return np.zeros(info.shape, info.dtype)
+
+    def _bind(self) -> None:
+        """Bind the compiled model's current steps: the step's driver
+        execution when one can be bound, else the general path."""
+        compiled = self._compiled
+        steps = self._steps = compiled._steps
+        old, self._hal = self._hal, None
+        if old is not None:
+            old.release()
+        values = (*self._inputs, *(self._outputs or ()))
+        if steps is not compiled._whole_steps \
+                or any(isinstance(v, DeviceMemory) for v in values):
+            return
+        step = steps[0]
+        if self._outputs is None:
+            if not step.sized():
+                return     # shapes known only once it ran: the general path allocates
+            self._outputs = [np.empty(dims, o.type.dtype) if o.type.is_tensor
+                             else np.empty((), o.type.dtype)
+                             for dims, o in zip(step.output_guess, step.outputs)]
+        self._hal = step.prepared.create_execution(
+            build_request(self._inputs, step.inputs, self._outputs), self._measure,
+            self._loop_timeout)
+
+    @property
+    def inputs(self) -> list:
+        """The values the execution reads, in the app's input order: write
+        new input data into these arrays (or the regions' memories)."""
+        return list(self._inputs)
+
+    @property
+    def outputs(self) -> list | None:
+        """The arrays each computation writes (None before the first of a
+        model whose output shapes are known only once it ran)."""
+        return None if self._outputs is None else list(self._outputs)
+
+    @property
+    def bound(self) -> bool:
+        """Whether a driver bound the request (the fast path), rather than
+        each computation taking the general path of ``execute``."""
+        return self._hal is not None
+
+    def _begin(self) -> None:
+        if self._closed:
+            raise bad_state("the execution is closed")
+        if self._computing:
+            raise bad_state("the execution is computing already: one computation at a time "
+                            "(create another execution to run concurrently)")
+        if self._computed and not self._reusable:
+            raise bad_state("the execution was not made reusable: it computes once")
+        self._compiled._check_open()
+        if self._compiled._steps is not self._steps:
+            self._bind()     # the compiled model moved to the CPU meanwhile
+
+    async def compute(self, *, deadline: float | None = None) -> Result:
+        """Run the model on the bound inputs, into the bound outputs
+        (``ANeuralNetworksExecution_compute``, awaited). ``deadline`` as for
+        ``execute``."""
+        self._begin()
+        self._computing = True
+        try:
+            if deadline is not None:
+                deadline = check_deadline(deadline)
+            if self._hal is None:
+                return await self._general(deadline)
+            outcome = await self._hal.execute(deadline)
+            try:
+                return self._result(outcome)
+            except _Recover as recover:
+                return await self._recover(recover, deadline)
+        finally:
+            self._computing = False
+
+    def compute_synchronously(self, deadline: float | None = None) -> Result | None:
+        """:meth:`compute` on the calling thread, with no event loop, when
+        the execution is bound; None when it must run on the runtime's loop
+        instead (not bound, or a driver failure to recover from): the
+        caller then awaits :meth:`compute` there. What ``SyncRuntime``'s
+        executions do."""
+        self._begin()
+        if self._hal is None:
+            return None
+        self._computing = True
+        try:
+            if deadline is not None:
+                deadline = check_deadline(deadline)
+            outcome = self._hal.execute_synchronously(deadline)
+            try:
+                return self._result(outcome)
+            except _Recover as recover:
+                self._pending = recover
+                return None
+        finally:
+            self._computing = False
+
+    async def _general(self, deadline) -> Result:
+        compiled = self._compiled
+        result = await compiled._execute(self._inputs, self._outputs, self._measure, deadline,
+                                         self._loop_timeout, None)
+        self._computed += 1
+        if self._outputs is None or not self._given_outputs:
+            self._outputs = list(result.outputs)
+        return result
+
+    def _result(self, outcome: ExecutionResult) -> Result:
+        """The app's result of a computation of the bound execution; raises
+        the error of a failed one (``_Recover`` when the model may move to
+        the CPU)."""
+        compiled = self._compiled
+        if outcome.status != _NONE:
+            try:
+                compiled._step_failed(self._steps[0], outcome)
+            except DriverFailure as failure:
+                raise _Recover(failure) from None
+            except BaseException:
+                compiled._failures += 1
+                raise
+        reported = outcome.output_shapes
+        step = self._steps[0]
+        outputs = self._outputs
+        if self._shapes is None or len(reported) != len(self._shapes) or any(
+                s.dimensions != t for s, t in zip(reported, self._shapes)):
+            self._shapes = [tuple(s.dimensions) for s in reported]
+        shapes = self._shapes
+        values = [out if out.shape == shape else shaped(out, shape, o)
+                  for out, shape, o in zip(outputs, shapes, step.outputs)]
+        timing = None
+        if self._measure:
+            t = outcome.timing
+            measured = t.on_device != UINT64_MAX and t.in_driver != UINT64_MAX
+            timing = ExecutionTiming(t.on_device if measured else None,
+                                     t.in_driver if measured else None)
+        self._computed += 1
+        compiled._executions += 1
+        return Result(values, list(shapes), timing)
+
+    async def _recover(self, recover: "_Recover", deadline) -> Result:
+        """Move the compiled model to the CPU after its driver failed, bind
+        there and compute again."""
+        try:
+            await self._compiled._move_to_cpu(recover.failure)
+            self._bind()
+            if self._hal is None:
+                return await self._general(deadline)
+            return self._result(await self._hal.execute(deadline))
+        except _Recover as again:   # the CPU failed too: report it
+            self._compiled._failures += 1
+            raise again.failure.error from None
+        except BaseException:
+            self._compiled._failures += 1
+            raise
+
+    async def recover(self, deadline: float | None = None) -> Result:
+        """After :meth:`compute_synchronously` returned None for a driver
+        failure: move to the CPU and compute there; otherwise
+        :meth:`compute`."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return await self.compute(deadline=deadline)
+        self._computing = True
+        try:
+            return await self._recover(pending, deadline)
+        finally:
+            self._computing = False
+
+    _pending: "_Recover | None" = None
+
+    def close(self) -> None:
+        """Let go of the binding. Computing afterwards raises BAD_STATE. Idempotent."""
+        self._closed = True
+        hal, self._hal = self._hal, None
+        if hal is not None:
+            hal.release()
+
+    def __enter__(self) -> "Execution":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Execution":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            state = "closed"
+        else:
+            state = "bound" if self._hal is not None else "general path"
+            if not self._reusable:
+                state += ", one-shot"
+        return (f"<nnrt.Execution {state}, computed {self._computed} time(s), of "
+                f"{self._compiled!r}>")
+
+
+class _Recover(Exception):
+    """A bound computation's driver failed: the model may move to the CPU."""
+
+    def __init__(self, failure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+__all__ = ["Execution"]
