@@ -426,7 +426,7 @@ def install_service_trace(trace_path: str) -> None:
             frames.append({"srv_woke": now()})
         return frame
     Ring.read_or = read_or
-    wrap(wire.RequestDecoder, "decode_parts", after="srv_decoded")
+    wrap(burst_server, "decode_frame", after="srv_decoded")
     wrap(front.ScheduledPreparedModel, "execute_synchronously", before="front_in",
          after="front_out")
     wrap(reference.ReferencePreparedModel, "execute_synchronously", before="driver_in",

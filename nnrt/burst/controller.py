@@ -14,14 +14,21 @@ An execution is then one request-ring write and one result-ring read::
 
     pools -> slots      a Memory gets a slot id on first use (cached, never
                         reused within the burst); any other pool (numpy,
-                        bytes) is copied into the controller's arena, itself
-                        a Memory with a slot, and outputs are copied back
-                        (the arena and the slot cache are those of every
-                        service client: nnrt.memory.staging)
-    encode, write       the request frame (serial numbers count from 1)
+                        bytes) is copied into an arena, itself a Memory with
+                        a slot, and outputs are copied back
+    encode, write       the frame (serial numbers count from 1)
     wait                the result ring's eventfd, or the wake-up eventfd
     decode, match       the result of our serial; older serials are results
                         of executions whose caller was cancelled: dropped
+
+A one-shot ``execute`` places its request's pools in the session's arena
+(nnrt.memory.staging) and sends the whole request. A bound execution
+(``create_execution``, what ``Burst.compute`` uses) places its pools once,
+in an arena of its own, and takes one of the burst's layout numbers: its
+first frame sends the whole request and defines the layout, which the
+server binds to the driver (nnrt.burst.server); each later frame is a run
+frame of 32 bytes -- serial, deadline, layout -- and only the pools' bytes
+move.
 
 One execution at a time per session (a lock): the ring carries one request
 and one result in flight, as HAL bursts do, and results are matched by order.
@@ -51,21 +58,22 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import anyio
 
 import abc
 
-from ..hal import (NO_TIMING, BurstSession, ExecutionResult, OutputShape, Request, Timing)
+from ..hal import (NO_TIMING, BurstExecution, BurstSession, ExecutionResult, OutputShape, Request,
+                   Timing)
 from ..errors import ErrorStatus, NnrtError
 from ..fmq import Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import DeviceToken
-from ..memory.staging import ArenaPool, SlotCache, Staging, Stager
+from ..memory.staging import ArenaPool, SlotCache, bind, stage
 from .. import trace
-from .wire import (UINT64_MAX, BurstArgument, BurstProtocolError, RequestEncoder,
-                   ResultDecoder)
+from .wire import (MAX_LAYOUTS, UINT64_MAX, BurstArgument, BurstProtocolError, BurstRequest,
+                   BurstRun, decode_result, encode_request, encode_run)
 
 REQUEST_RING_SIZE = 1 << 19   # > 2 * wire.MAX_REQUEST_SIZE: any request fits
 RESULT_RING_SIZE = 1 << 18    # > 2 * wire.MAX_RESULT_SIZE
@@ -76,10 +84,9 @@ class BurstControllerStatistics:
     executions: int
     slots: int               # slots the controller has given out and not freed
     slots_freed: int
-    bytes_staged: int        # bytes copied through the arena (in and out), in total
-    layouts_staged: int = 0  # requests whose pools and regions were checked in full
-                             # (once per layout: a request laid out as the last
-                             # one only has its bytes copied)
+    bytes_staged: int        # bytes copied through an arena (in and out), in total
+    layouts_staged: int = 0  # requests whose pools and regions were placed and checked:
+                             # once per bound execution, once per one-shot execute
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,20 +141,14 @@ class BurstController(BurstSession):
         # when free is a flag, not a trip through the event loop (issue 16).
         self._lock = anyio.Lock(fast_acquire=True)
         self._serials = itertools.count(1)
-        self._encoder = RequestEncoder()
-        # The last request's layout: a request with the same argument tuples
-        # (the runtime reuses them while shapes hold) placed alike converts
-        # to the same burst arguments, which the encoder then recognises.
-        self._last_layout: _Layout | None = None
-        self._decoder = ResultDecoder()
         self._slots = SlotCache()        # read by the connection's reader thread too
-        # One execution at a time: one arena, reused while nothing else may write it.
+        # One-shot executions: one at a time, so one arena, reused.
         self._arenas = ArenaPool("nnrt-burst-arena", max_free=1)
-        self._stager = Stager(self._arenas)
-        # (OutputShapes of the last result, the burst shapes they came from).
-        self._last_shapes: tuple = ((), ())
-        # (a decoded result, the ExecutionResult it made without timings).
-        self._last_result: tuple = (None, None)
+        # Layout numbers free for bound executions (wire.MAX_LAYOUTS at most
+        # bound in the service at once); a binding past them sends its whole
+        # request every time.
+        self._free_layouts = list(range(MAX_LAYOUTS, 0, -1))
+        self._layouts_staged = 0
         self._dead: str | None = None        # why the session cannot go on
         self._dead_status = ErrorStatus.DEAD_OBJECT
         self._busy = False
@@ -176,13 +177,57 @@ class BurstController(BurstSession):
     def statistics(self) -> BurstControllerStatistics:
         return BurstControllerStatistics(self._executions, len(self._slots),
                                          self._slots_freed, self._bytes_staged,
-                                         self._stager.layouts)
+                                         self._layouts_staged)
 
     # -- execution ------------------------------------------------------------
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
+        """A one-shot execution: its pools staged, its whole request sent."""
+        async with self._turn() as problem:
+            if problem is not None:
+                return problem
+            try:
+                staging = stage(request.pools, request.inputs, request.outputs, self._arenas)
+            except NnrtError as e:
+                return ExecutionResult(e.status, message=e.message)
+            self._layouts_staged += 1
+            self._bytes_staged += staging.bytes_in
+            outstanding = True
+            try:
+                serial = next(self._serials)
+                frame = encode_request(BurstRequest(
+                    serial, *self._arguments(request, staging.places), measure, deadline,
+                    loop_timeout))
+                result, outstanding = await self._round_trip(frame, serial)
+                if result.status == ErrorStatus.NONE:
+                    self._bytes_staged += staging.copy_out()
+                return result
+            except NnrtError as e:
+                outstanding = False
+                return ExecutionResult(e.status, message=e.message)
+            finally:
+                # Cancelled with the request in flight: the server may still
+                # write this execution's outputs into the arena, so the next
+                # execution must not share it.
+                staging.finish(reuse=not outstanding)
+
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> "BoundBurstExecution":
+        """``request`` bound to this burst: its pools placed once (the
+        numpy ones in an arena of its own), its arguments in slots, and a
+        layout number of the burst, so that the service binds it once too
+        and each computation is a run frame (serial and deadline)."""
+        if self.closed or self._dead is not None:
+            problem = self._unusable()
+            raise NnrtError(problem.status, problem.message)
+        return BoundBurstExecution(self, request, measure, loop_timeout)
+
+    @asynccontextmanager
+    async def _turn(self):
+        """The session's turn (one execution at a time): yields None, or the
+        result to give when the session cannot be used."""
         lock = self._lock
         try:
             lock.acquire_nowait()     # free: taken without a trip through the loop
@@ -190,30 +235,56 @@ class BurstController(BurstSession):
             await lock.acquire()
         try:
             if self.closed or self._dead is not None:
-                return self._unusable()
+                yield self._unusable()
+                return
             self._busy = True
             try:
-                # (Inline, not a second coroutine: one frame less to resume per wake-up.)
                 self._flush_frees()
-                try:
-                    plan = self._plan(request)
-                except NnrtError as e:
-                    return ExecutionResult(e.status, message=e.message)
-                serial = next(self._serials)
-                try:
-                    frame = self._encoder.encode_fields(serial, plan.inputs, plan.outputs,
-                                                        plan.slots, measure, deadline,
-                                                        loop_timeout)
-                except BurstProtocolError as e:
-                    plan.staging.finish()
-                    return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
-                return await self._round_trip(serial, frame, plan)
+                yield None
             finally:
                 self._busy = False
                 if self.closed:
                     self._close_rings()
         finally:
             lock.release()
+
+    def _arguments(self, request: Request, places) -> tuple[tuple, tuple, tuple]:
+        """(burst inputs, burst outputs, slots) of ``request`` with its pools
+        at ``places``: each memory named by its slot, arguments offset into
+        their place. INVALID_ARGUMENT for a driver buffer (the ring carries
+        shared-memory slots only) or an argument naming no pool."""
+        slots: list[int] = []
+        index_of_slot: dict[int, int] = {}
+        where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
+        for k, place in enumerate(places):
+            if isinstance(place, DeviceToken):
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"request pool {k} is a driver buffer: the burst ring "
+                                f"carries shared-memory slots only (run such a request "
+                                f"with the prepared model's execute)")
+            slot = self._slots.slot(place.memory)
+            if slot not in index_of_slot:
+                index_of_slot[slot] = len(slots)
+                slots.append(slot)
+            where.append((index_of_slot[slot], place.offset))
+
+        def argument(a, what: str) -> BurstArgument:
+            if a.has_no_value:
+                return BurstArgument(has_no_value=True)
+            loc = a.location
+            if loc is None or not 0 <= loc.pool_index < len(where):
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"{what}: pool index {None if loc is None else loc.pool_index} "
+                                f"out of range ({len(where)} pools)")
+            if loc.offset < 0 or loc.length < 0:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT, f"{what}: negative offset or length")
+            index, base = where[loc.pool_index]
+            return BurstArgument(False, index, base + loc.offset, loc.length,
+                                 tuple(a.dimensions))
+
+        return (tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs)),
+                tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs)),
+                tuple(slots))
 
     def _unusable(self) -> ExecutionResult | None:
         if self.closed:
@@ -224,10 +295,12 @@ class BurstController(BurstSession):
         return None
 
     @trace.traced("burst hand-off")
-    async def _round_trip(self, serial: int | None, frame, plan=None) -> ExecutionResult:
-        """Write ``frame`` and await the result of ``serial`` (None: the next
-        result, whatever its serial -- for_test_execute_raw)."""
-        outstanding = True
+    async def _round_trip(self, frame, serial: int | None) -> tuple[ExecutionResult, bool]:
+        """Write ``frame`` (a request or run frame) and await the result of
+        ``serial`` (None: the next result, whatever its serial --
+        for_test_execute_raw): ``(result, whether the request may still be
+        in flight)``. Results of older serials (executions whose caller was
+        cancelled) are dropped."""
         requests, results = self._requests, self._results
         try:
             while True:
@@ -239,62 +312,34 @@ class BurstController(BurstSession):
                     # queued: wait for the server to take them.
                     if await requests.wait_write(len(frame), also=self._wake) \
                             is Ready.ALSO and self._woken():
-                        outstanding = False
-                        return self._unusable()
+                        return self._unusable(), False
             while True:
                 # Wait first: the result is seldom there yet, and a wait
-                # that finds it returns at once (read_nowait's WouldBlock
-                # would be raised and caught on every frame).
+                # that finds it returns at once.
                 if await results.wait_read(also=self._wake) is Ready.ALSO and self._woken():
-                    outstanding = False
-                    return self._unusable()
+                    return self._unusable(), False
                 try:
                     raw = results.read_nowait()
                 except WouldBlock:
                     continue
                 try:
-                    result, got, on_device, in_driver = self._decoder.decode_parts(raw)
+                    result = decode_result(raw)
                 except BurstProtocolError as e:
-                    outstanding = False
                     return self._tear_down(f"the service sent a result that does not decode: "
-                                           f"{e.message}")
-                if serial is None or got == serial or got == 0:
-                    outstanding = False
+                                           f"{e.message}"), False
+                if serial is None or result.serial == serial or result.serial == 0:
                     break
-                if got > serial:
-                    outstanding = False
-                    return self._tear_down(f"result serial {got} answers no request "
-                                           f"(expected {serial})")
+                if result.serial > serial:
+                    return self._tear_down(f"result serial {result.serial} answers no request "
+                                           f"(expected {serial})"), False
                 # An older serial: a cancelled execution's result; drop it.
-            if result.status == ErrorStatus.NONE and plan is not None:
-                self._bytes_staged += plan.staging.copy_out()
         except (RingCorrupted, RingClosed) as e:
-            outstanding = False
-            return self._tear_down(f"the burst's ring failed: {e}")
-        finally:
-            if plan is not None:
-                # Cancelled with the request in flight: the server may still
-                # write this execution's outputs into the arena, so the next
-                # execution must not share it (its slot is freed next time).
-                plan.staging.finish(reuse=not outstanding)
+            return self._tear_down(f"the burst's ring failed: {e}"), False
         self._executions += 1
-        last = self._last_result
-        if result is last[0] and on_device == in_driver == UINT64_MAX:
-            # The decoder hands back one result object for every result of
-            # its kind: without timings, the same ExecutionResult (frozen).
-            return last[1]
-        shapes = self._last_shapes
-        if result.output_shapes is not shapes[1]:
-            # ... and the same shapes tuple: converted once (issue 16).
-            shapes = self._last_shapes = (tuple(OutputShape(s.dimensions, s.is_sufficient)
-                                                for s in result.output_shapes),
-                                          result.output_shapes)
-        if on_device == in_driver == UINT64_MAX:
-            answer = ExecutionResult(result.status, shapes[0], NO_TIMING, result.message)
-            self._last_result = (result, answer)
-            return answer
-        return ExecutionResult(result.status, shapes[0], Timing(on_device, in_driver),
-                               result.message)
+        shapes = tuple(OutputShape(s.dimensions, s.is_sufficient) for s in result.output_shapes)
+        timing = NO_TIMING if result.on_device == result.in_driver == UINT64_MAX \
+            else Timing(result.on_device, result.in_driver)
+        return ExecutionResult(result.status, shapes, timing, result.message), False
 
     def _woken(self) -> bool:
         """After the wake-up eventfd fired: True when the session must stop."""
@@ -318,11 +363,10 @@ class BurstController(BurstSession):
         """Send ``frame`` as a request as it is and await its result (a test
         of the server's handling of malformed requests). Returns a coroutine."""
         async def run():
-            async with self._lock:
-                problem = self._unusable()
+            async with self._turn() as problem:
                 if problem is not None:
                     return problem
-                return await self._round_trip(None, bytes(frame))
+                return (await self._round_trip(bytes(frame), None))[0]
         return run()
 
     def for_test_corrupt_request_ring(self) -> None:
@@ -338,67 +382,6 @@ class BurstController(BurstSession):
         os.eventfd_write(self._requests.fds()[1], 1)
 
     # -- pools ------------------------------------------------------------------
-
-    def _plan(self, request: Request) -> "_Plan":
-        """The request in slots: its pools placed by nnrt.memory.staging, each
-        memory named by its slot, arguments offset into their place."""
-        staging = self._stager.stage(request.pools, request.inputs, request.outputs)
-        try:
-            self._bytes_staged += staging.bytes_in
-            last = self._last_layout
-            if last is not None and last.places is staging.places \
-                    and last.inputs is request.inputs and last.outputs is request.outputs:
-                # Staged as the last request, into the same places (only our
-                # arena: the stager keeps no app Memory): the same slots and
-                # burst arguments, without looking them up again.
-                return _Plan(last.burst_inputs, last.burst_outputs, last.slots, staging)
-            slots: list[int] = []
-            index_of_slot: dict[int, int] = {}
-            where: list[tuple[int, int]] = []    # pool index -> (slot index, base offset)
-            for k, place in enumerate(staging.places):
-                if isinstance(place, DeviceToken):
-                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                    f"request pool {k} is a driver buffer: the burst ring "
-                                    f"carries shared-memory slots only (run such a request "
-                                    f"with the prepared model's execute)")
-                slot = self._slots.slot(place.memory)
-                if slot not in index_of_slot:
-                    index_of_slot[slot] = len(slots)
-                    slots.append(slot)
-                where.append((index_of_slot[slot], place.offset))
-            last = self._last_layout
-            slots = tuple(slots)
-            kept = staging.places if staging.places is self._stager.kept_places else None
-            if last is not None and last.inputs is request.inputs \
-                    and last.outputs is request.outputs and last.where == where:
-                # The arguments of the last request, placed alike: the same.
-                self._last_layout = last._replace(places=kept, slots=slots)
-                return _Plan(last.burst_inputs, last.burst_outputs, slots, staging)
-
-            def argument(a, what: str) -> BurstArgument:
-                if a.has_no_value:
-                    return BurstArgument(has_no_value=True)
-                loc = a.location
-                if loc is None or not 0 <= loc.pool_index < len(where):
-                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                    f"{what}: pool index "
-                                    f"{None if loc is None else loc.pool_index} "
-                                    f"out of range ({len(where)} pools)")
-                if loc.offset < 0 or loc.length < 0:
-                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                    f"{what}: negative offset or length")
-                index, base = where[loc.pool_index]
-                return BurstArgument(False, index, base + loc.offset, loc.length,
-                                     tuple(a.dimensions))
-
-            inputs = tuple(argument(a, f"input {k}") for k, a in enumerate(request.inputs))
-            outputs = tuple(argument(a, f"output {k}") for k, a in enumerate(request.outputs))
-            self._last_layout = _Layout(request.inputs, request.outputs, where, inputs, outputs,
-                                        kept, slots)
-        except BaseException:
-            staging.finish()
-            raise
-        return _Plan(inputs, outputs, slots, staging)
 
     def _flush_frees(self) -> None:
         """Tell the service about slots whose Memory was closed or collected."""
@@ -469,7 +452,6 @@ class BurstController(BurstSession):
     def _close_rings(self) -> None:
         self._requests.close()
         self._results.close()
-        self._stager.close()
         self._arenas.close()
         self._slots.clear()
         with self._wake_lock:
@@ -482,26 +464,88 @@ class BurstController(BurstSession):
         return f"<BurstController {self.burst_id} ({state})>"
 
 
-class _Layout(NamedTuple):
-    """How the last request was laid out in slots (``BurstController._plan``)."""
-    inputs: tuple              # its HAL argument tuples, recognised by identity
-    outputs: tuple
-    where: list                # pool index -> (slot index, base offset)
-    burst_inputs: tuple        # the burst arguments they converted to
-    burst_outputs: tuple
-    places: tuple | None       # the stager's kept places it was staged into, if any
-    slots: tuple[int, ...]
+class BoundBurstExecution(BurstExecution):
+    """A request bound to a :class:`BurstController` (its ``create_execution``).
+
+    Its pools are placed once (:func:`nnrt.memory.staging.bind`), its
+    arguments converted to slots once, and it holds one of the burst's
+    layout numbers: its first computation sends the whole request, defining
+    the layout in the service, which binds it to the driver there; every
+    later one is a run frame of serial and deadline. A computation that
+    failed sends the whole request again next time (the service may not
+    have kept the layout). Without a free layout number (``MAX_LAYOUTS``
+    bound at once) every computation sends the whole request."""
+
+    def __init__(self, controller: BurstController, request: Request, measure: bool,
+                 loop_timeout: float | None):
+        self._controller = controller
+        self.request = request
+        self.measure = bool(measure)
+        self.loop_timeout = loop_timeout
+        pools = bind(request.pools, request.inputs, request.outputs, "nnrt-burst-bound")
+        try:
+            self._inputs, self._outputs, self._slots = controller._arguments(request,
+                                                                             pools.places)
+            self._memories = tuple(p.memory for p in pools.places if p.memory is not pools.arena)
+            # Checked once, encoded at each definition (a layout number may
+            # be given back and taken again).
+            encode_request(BurstRequest(0, self._inputs, self._outputs, self._slots, measure,
+                                        None, loop_timeout))
+        except BaseException:
+            pools.close()
+            raise
+        self._pools = pools
+        controller._layouts_staged += 1
+        free = controller._free_layouts
+        self._layout = free.pop() if free else 0
+        self._defined = False
+
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        controller = self._controller
+        async with controller._turn() as problem:
+            if problem is not None:
+                return problem
+            if self._pools is None:
+                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                       message="the burst execution was released")
+            for k, memory in enumerate(self._memories):
+                if memory.closed:
+                    return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                           message=f"a memory of the bound request ({k}) is "
+                                                   f"closed")
+            serial = next(controller._serials)
+            try:
+                if self._defined:
+                    frame = encode_run(BurstRun(serial, self._layout, deadline))
+                else:
+                    frame = encode_request(BurstRequest(
+                        serial, self._inputs, self._outputs, self._slots, self.measure, deadline,
+                        self.loop_timeout, self._layout))
+            except BurstProtocolError as e:
+                return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=e.message)
+            controller._bytes_staged += self._pools.copy_in()
+            result, _ = await controller._round_trip(frame, serial)
+            self._defined = self._layout != 0 and result.status == ErrorStatus.NONE
+            if result.status == ErrorStatus.NONE:
+                controller._bytes_staged += self._pools.copy_out()
+            return result
+
+    def release(self) -> None:
+        """Give the layout number back and close the arena. The service
+        keeps the layout's binding until the number is defined again or a
+        slot it uses is freed. Idempotent."""
+        pools, self._pools = self._pools, None
+        if pools is None:
+            return
+        if self._layout:
+            self._controller._free_layouts.append(self._layout)
+            self._layout = 0
+        pools.close()
+
+    def __repr__(self) -> str:
+        return (f"<BoundBurstExecution layout {self._layout or 'none'} of "
+                f"{self._controller!r}>")
 
 
-class _Plan:
-    __slots__ = ("inputs", "outputs", "slots", "staging")
-
-    def __init__(self, inputs, outputs, slots, staging: Staging):
-        self.inputs = inputs
-        self.outputs = outputs
-        self.slots = slots
-        self.staging = staging
-
-
-__all__ = ["BurstController", "BurstControllerStatistics", "BurstLink", "MemoryGrant",
+__all__ = ["BoundBurstExecution", "BurstController", "BurstControllerStatistics", "BurstLink", "MemoryGrant",
            "REQUEST_RING_SIZE", "RESULT_RING_SIZE"]

@@ -6,13 +6,24 @@ One :class:`BurstServer` per burst. Its task (started by the connection
 that configured the burst, in that connection's task group) runs a
 dedicated serving thread and stops it when cancelled. The thread's loop is::
 
-    read a request frame (Ring.read_or: a poll on the ring's eventfd and a
-                                        stop eventfd, in one native call)
+    read a frame (Ring.read_or: a poll on the ring's eventfd and a stop
+                  eventfd, in one native call)
     decode it                        -> INVALID_ARGUMENT result if it does not
-    map the slots it names           -> unknown slots: one get_memories call,
+    a request: map the slots it names -> unknown slots: one get_memories call,
                                         made on the event loop (from_thread)
-    prepared.execute_synchronously() -> the driver's validation and scheduler
+      one-shot (layout 0)            -> prepared.execute_synchronously()
+      defining layout N              -> prepared.create_execution() kept as N
+                                        (replacing the old N), then computed
+    a run of layout N                -> that execution's execute_synchronously()
     write the result frame to the result ring
+
+Layouts are the declared fast path: the controller binds a request once
+(``BurstController.create_execution``) and the driver binds it here once
+(its ``create_execution``: the LiteRT driver ties its interpreters to the
+slots' memory), so a run frame costs the driver's computation and nothing
+else. At most ``wire.MAX_LAYOUTS`` are kept; a layout goes when its number
+is defined again, when a slot it uses is freed, and with the burst; a
+definition the driver refuses (INVALID_ARGUMENT) defines nothing.
 
 Why a thread and ``execute_synchronously`` rather than a task awaiting the
 driver's ``execute``: a driver's async ``execute`` hands the work to a
@@ -73,9 +84,9 @@ from ..memory import Memory
 from ..model.graph import DataLocation
 from ..vlog import vlog
 from .. import trace
-from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, UINT64_MAX, BurstOutputShape,
-                   BurstProtocolError, BurstResult, RequestDecoder, ResultEncoder,
-                   encode_result)
+from .wire import (MAX_MESSAGE, MAX_RESULT_SIZE, REQUEST_MAGIC, RUN_MAGIC, UINT64_MAX,
+                   BurstOutputShape,
+                   BurstProtocolError, BurstRequest, BurstResult, decode_frame, encode_result)
 
 # Fetch the memories behind some slots: slot -> Memory for every slot it
 # could get (NnrtError when the controller refuses). Runs on the event loop.
@@ -103,8 +114,7 @@ class BurstServerStatistics:
     slots_fetched: int         # slots mapped after such a call
     slots_mapped: int          # slots mapped now
     slots_freed: int
-    layouts: int = 0           # request layouts turned into the driver's arguments: once
-                               # per layout (its frames reuse them), not once per frame
+    layouts: int = 0           # layouts defined (each bound to the driver once)
 
 
 class BurstCounters:
@@ -144,8 +154,6 @@ class BurstServer:
         self._requests = requests
         self._results = results
         self._fetch = fetch
-        self._decoder = RequestDecoder()
-        self._encoder = ResultEncoder()
         self._counters = counters or BurstCounters()
         self._label = label
         self._lock = threading.Lock()       # guards _memories, _to_free, _executing
@@ -164,19 +172,10 @@ class BurstServer:
         self.end_reason: str | None = None
         self._executions = self._malformed = 0
         self._get_memories_calls = self._slots_fetched = self._slots_freed = 0
-        self._args: tuple | None = None   # (burst inputs, outputs, HAL inputs, outputs)
         self._layouts = 0
-        # (decoded request, pool views, the HAL Request made of them): the
-        # decoder hands back one request object per layout and _pools_of one
-        # views tuple while the slot table holds, so their frames run the
-        # very same Request (whose binding the driver keeps, issue 16).
-        self._hal: tuple | None = None
-        # (slot ids, their mapped memories' views) of the last frame: the
-        # decoder hands back the same slots tuple for every frame of one
-        # layout. Dropped whenever the slot table changes (under the lock).
-        self._last_pools: tuple | None = None
-        # (the driver's output shapes, as burst shapes) of the last result.
-        self._last_shapes: tuple = ((), ())
+        # Layout number -> (its slots, the driver's execution bound to them);
+        # used by the serving thread, dropped under the lock when a slot goes.
+        self._bound: dict[int, tuple[frozenset, object]] = {}
 
     def statistics(self) -> BurstServerStatistics:
         return BurstServerStatistics(self._executions, self._malformed, self._get_memories_calls,
@@ -256,7 +255,10 @@ class BurstServer:
                 return
             self.closed = True
             memories, self._memories = self._memories, {}
-            self._last_pools = self._hal = None
+            bound, self._bound = self._bound, {}
+        for _slots, execution in bound.values():
+            execution.release()
+        del bound
         for closeable in (*memories.values(), self._requests, self._results):
             try:
                 closeable.close()
@@ -276,7 +278,11 @@ class BurstServer:
             mem.close()
 
     def _take_frees(self) -> list[Memory]:
-        self._last_pools = self._hal = None
+        """Under the lock: forget the slots to free and the layouts using
+        them (released first: their views must go before the mappings)."""
+        gone = [n for n, (slots, _) in self._bound.items() if not slots.isdisjoint(self._to_free)]
+        for n in gone:
+            self._bound.pop(n)[1].release()
         freed = [m for m in (self._memories.pop(s, None) for s in self._to_free) if m is not None]
         self._slots_freed += len(freed)
         self._to_free.clear()
@@ -324,22 +330,29 @@ class BurstServer:
         self._executions += 1
         self._counters.executions += 1
         try:
-            request, serial, deadline = self._decoder.decode_parts(frame)
+            message = decode_frame(frame)
         except BurstProtocolError as e:
             self._malformed += 1
             return self._encode(_peek_serial(frame), ErrorStatus.INVALID_ARGUMENT,
                                 message=_clip(e.message))
         with self._lock:
             self._executing = True
-            pools = self._pools_of(request.slots)
         try:
-            return self._execute(request, serial, deadline, pools)
+            if message.__class__ is BurstRequest:
+                result = self._execute(message)
+            else:   # a run of a bound layout
+                bound = self._bound.get(message.layout)
+                if bound is None:
+                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                    f"burst layout {message.layout} is not defined")
+                result = bound[1].execute_synchronously(message.deadline)
+            return self._answer(message.serial, result)
         except NnrtError as e:
-            return self._encode(serial, e.status, message=_clip(e.message))
+            return self._encode(message.serial, e.status, message=_clip(e.message))
         except _Stopped:
             raise
         except Exception as e:  # a driver bug must not end the burst or the service
-            return self._encode(serial, ErrorStatus.GENERAL_FAILURE,
+            return self._encode(message.serial, ErrorStatus.GENERAL_FAILURE,
                                 message=_clip(f"{type(e).__name__} in the driver: {e}"))
         finally:
             with self._lock:
@@ -348,36 +361,27 @@ class BurstServer:
             for mem in freed:
                 mem.close()
 
-    def _pools_of(self, slots: tuple[int, ...]) -> tuple | None:
-        """Under the lock: the views of the memories of ``slots``, None while
-        one is not mapped yet."""
-        last = self._last_pools
-        if last is not None and last[0] is slots:
-            return last[1]
-        memories = self._memories
-        for s in slots:
-            m = memories.get(s)
-            if m is None or m.closed:
-                return None      # (_execute maps it, or says why it cannot)
-        pools = tuple(memories[s].view() for s in slots)
-        self._last_pools = (slots, pools)
-        return pools
-
     def _encode(self, serial: int, status: ErrorStatus, shapes=(), on_device=UINT64_MAX,
-                in_driver=UINT64_MAX, message: str = ""):
+                in_driver=UINT64_MAX, message: str = "") -> bytes:
         try:
-            return self._encoder.encode_fields(serial, status, shapes, on_device, in_driver,
-                                               message)
+            return encode_result(BurstResult(serial, status, shapes, on_device, in_driver,
+                                             message))
         except BurstProtocolError as e:  # e.g. a driver's shape beyond u32
             return encode_result(BurstResult(
                 serial, ErrorStatus.GENERAL_FAILURE,
                 message=_clip(f"the driver's result cannot be sent: {e.message}")))
 
-    def _execute(self, req, serial: int, deadline: float | None, pools: tuple | None):
-        unknown = ()
-        if pools is None:
-            with self._lock:
-                unknown = tuple(dict.fromkeys(s for s in req.slots if s not in self._memories))
+    def _answer(self, serial: int, result) -> bytes:
+        shapes = tuple(BurstOutputShape(tuple(s.dimensions), bool(s.is_sufficient))
+                       for s in result.output_shapes)
+        timing, message = result.timing, result.message
+        return self._encode(serial, result.status, shapes, timing.on_device, timing.in_driver,
+                            _clip(message) if message else "")
+
+    def _execute(self, req: BurstRequest):
+        """Run a request: one-shot, or defining (and binding) its layout."""
+        with self._lock:
+            unknown = tuple(dict.fromkeys(s for s in req.slots if s not in self._memories))
         if unknown:
             self._get_memories_calls += 1
             self._counters.get_memories_calls += 1
@@ -392,36 +396,35 @@ class BurstServer:
                                 f"the controller did not give burst slots {missing}")
             with self._lock:
                 self._memories.update(fetched)
-                self._last_pools = None
             self._slots_fetched += len(unknown)
             self._counters.slots_fetched += len(unknown)
-        if pools is None:
-            with self._lock:
-                pools = self._pools_of(req.slots)
-            if pools is None:   # (not expected: free() waits for the execution)
-                raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                                f"burst slots {list(req.slots)} are not all mapped")
-        hal = self._hal
-        if hal is None or hal[0] is not req or hal[1] is not pools:
-            args = self._args
-            if args is None or args[0] is not req.inputs or args[1] is not req.outputs:
-                # The decoder hands back the same argument tuples for every
-                # frame of one layout: convert them once per layout.
-                args = self._args = (req.inputs, req.outputs,
-                                     tuple(_argument(a) for a in req.inputs),
-                                     tuple(_argument(a) for a in req.outputs))
-                self._layouts += 1
-                self._counters.layouts += 1
-            hal = self._hal = (req, pools, Request(args[2], args[3], pools))
-        result = self.prepared.execute_synchronously(hal[2], req.measure_timing, deadline,
-                                                     req.loop_timeout)
-        shapes, last = result.output_shapes, self._last_shapes
-        if shapes is not last[0] and shapes != last[0]:
-            last = self._last_shapes = (shapes, tuple(
-                BurstOutputShape(tuple(s.dimensions), bool(s.is_sufficient)) for s in shapes))
-        timing, message = result.timing, result.message
-        return self._encode(serial, result.status, last[1], timing.on_device, timing.in_driver,
-                            _clip(message) if message else "")
+        with self._lock:
+            memories = [self._memories.get(s) for s in req.slots]
+        if any(m is None or m.closed for m in memories):  # (free() waits for the execution)
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"burst slots {list(req.slots)} are not all mapped")
+        request = Request(tuple(_argument(a) for a in req.inputs),
+                          tuple(_argument(a) for a in req.outputs),
+                          tuple(m.view() for m in memories))
+        if not req.layout:
+            return self.prepared.execute_synchronously(request, req.measure_timing,
+                                                       req.deadline, req.loop_timeout)
+        old = self._bound.pop(req.layout, None)
+        if old is not None:
+            old[1].release()
+        execution = self.prepared.create_execution(request, req.measure_timing,
+                                                   req.loop_timeout)
+        result = execution.execute_synchronously(req.deadline)
+        if result.status == ErrorStatus.INVALID_ARGUMENT:
+            # A request the driver refuses defines nothing (a driver that
+            # binds nothing validates only when it runs).
+            execution.release()
+            return result
+        with self._lock:
+            self._bound[req.layout] = (frozenset(req.slots), execution)
+        self._layouts += 1
+        self._counters.layouts += 1
+        return result
 
     async def _fetch_on_loop(self, slots) -> dict[int, Memory] | None:
         """``fetch`` on the event loop; None when the burst was stopped meanwhile."""
@@ -440,10 +443,10 @@ def _argument(a) -> RequestArgument:
 
 
 def _peek_serial(frame: bytes) -> int:
-    """The serial of a request that did not decode, 0 when unreadable."""
+    """The serial of a frame that did not decode, 0 when unreadable."""
     if len(frame) >= _SERIAL.size:
         magic, _version, _flags, serial = _SERIAL.unpack_from(frame)
-        if magic == REQUEST_MAGIC:
+        if magic in (REQUEST_MAGIC, RUN_MAGIC):
             return serial
     return 0
 

@@ -10,12 +10,12 @@ implements, ``buffers`` the registry of driver-managed buffers (memory domains),
 from .types import (NO_TIMING, UINT64_MAX, BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
-from .interface import (AppKey, Boundaries, Buffer, BurstSession, Checkpoint, Device, Execution,
+from .interface import (AppKey, Boundaries, Buffer, BurstExecution, BurstSession, Checkpoint, Device, Execution,
                         FencedCallback, PreparedModel, RequestExecution, Scheduling)
 from .request import output_shapes, read_inputs, write_outputs
 from ..errors import ErrorStatus
 
-__all__ = ["AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus", "Execution",
+__all__ = ["AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstExecution", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus", "Execution",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
            "FencedCallback", "PerformanceInfo", "PreparedModel", "RequestExecution", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
            "UINT64_MAX", "check_deadline", "check_priority", "deadline_in", "output_shapes",

@@ -88,6 +88,21 @@ class FencedCallback(abc.ABC):
         """Wait until the execution settles, then :meth:`get_execution_info`."""
 
 
+class BurstExecution(abc.ABC):
+    """A request bound to a burst session (canonical NNAPI
+    ``IBurst::createReusableExecution``): :meth:`BurstSession.create_execution`
+    binds it once, each ``execute`` computes it through the session (for a
+    driver service: a frame of serial and deadline on the ring, the layout
+    bound in the service). Every :class:`Execution` is one too."""
+
+    @abc.abstractmethod
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        """Compute the bound request once more."""
+
+    def release(self) -> None:
+        """Let go of what the binding holds. Idempotent."""
+
+
 class BurstSession(abc.ABC):
     """A sequence of executions of one prepared model (HAL ``IBurstContext``):
     opened once with :meth:`PreparedModel.configure_burst`, then every
@@ -100,6 +115,12 @@ class BurstSession(abc.ABC):
                       deadline: float | None = None,
                       loop_timeout: float | None = None) -> ExecutionResult:
         """Run ``request`` as the next execution of the burst."""
+
+    @abc.abstractmethod
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> BurstExecution:
+        """Bind ``request`` to this session once (INVALID_ARGUMENT for one it
+        cannot carry); its executions run in order with the session's others."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -133,11 +154,18 @@ class _InProcessBurst(BurstSession):
                                    message="the burst session is closed")
         return await self._prepared.execute(request, measure, deadline, loop_timeout)
 
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> "Execution":
+        """The prepared model's own execution: nothing to hand off."""
+        if self._closed:
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT, "the burst session is closed")
+        return self._prepared.create_execution(request, measure, loop_timeout)
+
     def close(self) -> None:
         self._closed = True
 
 
-class Execution(abc.ABC):
+class Execution(BurstExecution):
     """A request bound to a prepared model once, computed again and again
     (NNAPI feature level 5's reusable execution; AIDL
     ``IPreparedModel.createReusableExecution`` -> ``IExecution``).

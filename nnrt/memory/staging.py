@@ -19,7 +19,6 @@ import functools
 import itertools
 import threading
 import weakref
-from typing import NamedTuple
 
 from ..errors import ErrorStatus, NnrtError
 from .device import DeviceToken
@@ -215,8 +214,8 @@ def stage(pools, inputs, outputs, arenas: ArenaPool) -> Staging:
 
 
 def _stage(pools, inputs, outputs, arenas):
-    """``stage``, and what a :class:`Stager` keeps of it: the staged pools
-    (index -> (buffer, offset in the arena)) and the input and output pools."""
+    """``stage``, and what a binding keeps of it: the staged pools (index ->
+    (buffer, offset in the arena)) and the input and output pools."""
     output_pools, input_pools = _pool_indexes(outputs), _pool_indexes(inputs)
     staged: dict[int, tuple[memoryview, int]] = {}
     places: list[Place | None] = []
@@ -259,126 +258,68 @@ def _stage(pools, inputs, outputs, arenas):
             output_pools)
 
 
-class _Staged(NamedTuple):
-    """The last request a :class:`Stager` staged in full."""
-    inputs: tuple                  # its argument tuples, recognised by identity
-    outputs: tuple
-    kinds: tuple                   # per pool: (size, writable, base in the arena)
-    arena_size: int
-    copy_in: tuple                 # (pool, start, end in the arena) of each input pool
-    copy_back: tuple               # (pool, base in the arena) of each output pool
-    bytes_in: int
-    arena: object                  # the arena it was staged into
-    places: tuple
+class BoundPools:
+    """A request's pools placed once, for every execution of a binding (a
+    reusable burst execution): Memories as they are, the other pools in an
+    arena of the binding's own. Each execution copies the input pools in
+    (:meth:`copy_in`) and, after a good result, the outputs back
+    (:meth:`copy_out`); the places never change. One execution at a time."""
 
+    __slots__ = ("places", "arena", "_copy_in", "_copy_back")
 
-_IN_PLACE = (Memory, DeviceToken)
+    def __init__(self, places: tuple, arena: Memory | None, copy_in: list, copy_back: list):
+        self.places = places
+        self.arena = arena
+        self._copy_in = copy_in       # (caller's input buffer, its offset in the arena)
+        self._copy_back = copy_back   # (caller's output buffer, its offset in the arena)
 
+    def copy_in(self) -> int:
+        """Copy the input pools into the arena; the bytes copied."""
+        if not self._copy_in:
+            return 0
+        view, copied = self.arena.view(), 0
+        for raw, base in self._copy_in:
+            n = raw.nbytes
+            view[base:base + n] = raw
+            copied += n
+        return copied
 
-class Stager:
-    """:func:`stage` for the requests of one session, cheap when a request
-    is laid out like the last one whose pools were all staged: the very
-    argument tuples (the runtime's steps reuse them while shapes hold, and
-    a caller passing one request again has them too) and buffers as large
-    and as writable as before. The arguments' regions then passed their
-    checks already, so only the bytes move; and while the arena is the same
-    the places are the very tuple handed out last time (``kept_places``: a
-    caller that sees it again knows nothing moved). Between two executions
-    the stager keeps that arena itself (``give_back``), so the next takes
-    it without going through the pool. A request with a Memory among its
-    pools is staged in full every time (nothing to copy there; and the
-    stager never holds an app's Memory, whose slot is freed when it is
-    collected). ``layouts`` counts full stagings (every check run). One
-    caller at a time (a burst session's lock orders them)."""
-
-    __slots__ = ("_arenas", "_last", "_kept", "layouts")
-
-    def __init__(self, arenas: ArenaPool):
-        self._arenas = arenas
-        # The last request whose pools were all staged.
-        self._last: _Staged | None = None
-        self._kept: Memory | None = None     # its arena, while no execution uses it
-        self.layouts = 0
-
-    @property
-    def kept_places(self) -> tuple | None:
-        return None if self._last is None else self._last.places
-
-    def stage(self, pools, inputs, outputs) -> Staging:
-        last = self._last
-        if last is not None and last.inputs is inputs and last.outputs is outputs \
-                and len(pools) == len(last.kinds):
-            staging = self._again(pools, last)
-            if staging is not None:
-                return staging
-        staging, staged, input_pools, output_pools = _stage(pools, inputs, outputs, self)
-        self.layouts += 1
-        if staging.arena is None:
-            # Nothing staged (Memories only): the last staged layout and its
-            # arena stay for the next request laid out so.
-            return staging
-        if len(staged) != len(pools):
-            self._last = None
-            return staging
-        kinds = tuple((raw.nbytes, not raw.readonly, base)
-                      for raw, base in (staged[k] for k in range(len(pools))))
-        self._last = _Staged(
-            inputs, outputs, kinds, staging.arena.size,
-            tuple((k, base, base + size) for k, (size, _w, base) in enumerate(kinds)
-                  if k in input_pools and size),
-            tuple((k, base) for k, (size, _w, base) in enumerate(kinds)
-                  if k in output_pools and size),
-            staging.bytes_in, staging.arena, staging.places)
-        return staging
-
-    def _again(self, pools, last: "_Staged") -> Staging | None:
-        """``stage`` of a request laid out as ``last``; None when it is not."""
-        raws = []
-        for pool, (size, writable, _base) in zip(pools, last.kinds):
-            if isinstance(pool, _IN_PLACE):
-                return None
-            try:
-                raw = memoryview(pool).cast("B")
-            except (TypeError, ValueError):
-                return None              # stage() says what is wrong with it
-            if raw.nbytes != size or (writable and raw.readonly):
-                return None
-            raws.append(raw)
-        arena = self.take(last.arena_size)
-        if arena is not last.arena:   # (a cancelled execution's arena was closed)
-            places = tuple(Place(arena, base, size) for size, _w, base in last.kinds)
-            self._last = last = last._replace(arena=arena, places=places)
-        view = arena.view()
-        for k, start, end in last.copy_in:
-            view[start:end] = raws[k]
-        return Staging(last.places, arena, [(raws[k], base) for k, base in last.copy_back],
-                       self, last.bytes_in)
-
-    def take(self, size: int) -> Memory:
-        """(``stage``) The arena kept, if it holds ``size`` bytes; else one
-        from the pool."""
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            if kept.size >= size and not kept.closed:
-                return kept
-            self._arenas.give_back(kept)
-        return self._arenas.take(size)
-
-    def give_back(self, arena: Memory) -> None:
-        """(``Staging.finish``) Keep the last layout's arena for its next
-        request; any other goes back to the pool."""
-        last = self._last
-        if self._kept is None and last is not None and arena is last.arena \
-                and not arena.closed and not self._arenas.closed:
-            self._kept = arena
-        else:
-            self._arenas.give_back(arena)
+    def copy_out(self) -> int:
+        """Copy the outputs back into the caller's buffers; the bytes copied."""
+        if not self._copy_back:
+            return 0
+        view, copied = self.arena.view(), 0
+        for raw, base in self._copy_back:
+            n = raw.nbytes
+            raw[:] = view[base:base + n]
+            copied += n
+        return copied
 
     def close(self) -> None:
-        """Close the arena kept (the pool closes the others)."""
-        kept, self._kept, self._last = self._kept, None, None
-        if kept is not None:
-            kept.close()
+        """Close the arena (the peer must be done with it). Idempotent."""
+        arena, self.arena = self.arena, None
+        self._copy_in = self._copy_back = []
+        if arena is not None:
+            arena.close()
 
 
-__all__ = ["ALIGN", "ArenaPool", "Place", "SlotCache", "Staging", "Stager", "stage"]
+class _NewArena:
+    """What ``_stage`` takes an arena from, for a binding: a new one."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def take(self, size: int) -> Memory:
+        return Memory.create(max(4096, size), self.name)
+
+
+def bind(pools, inputs, outputs, name: str = "nnrt-bound-arena") -> BoundPools:
+    """Place a request's pools once (:class:`BoundPools`), with the checks
+    of :func:`stage`."""
+    staging, staged, input_pools, _ = _stage(pools, inputs, outputs, _NewArena(name))
+    copy_in = [(raw, base) for k, (raw, base) in staged.items()
+               if k in input_pools and raw.nbytes]
+    return BoundPools(staging.places, staging.arena, copy_in, list(staging._copy_back))
+
+
+__all__ = ["ALIGN", "ArenaPool", "BoundPools", "Place", "SlotCache", "Staging", "bind", "stage"]

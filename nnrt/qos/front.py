@@ -358,6 +358,7 @@ class ScheduledExecution(Execution):
         return self._short_runs >= INLINE_AFTER
 
     def release(self) -> None:
+        self.request = None
         self.inner.release()
 
     async def execute(self, deadline: float | None = None, *,

@@ -67,6 +67,8 @@ class Execution:
         self._closed = False
         self._steps = None
         self._hal: HalExecution | None = None
+        # (a burst's HAL session, the bound request bound to it): see compute_in.
+        self._in_burst: tuple | None = None
         self._shapes: list | None = None
         self._bind()
 
@@ -82,9 +84,7 @@ class Execution:
         execution when one can be bound, else the general path."""
         compiled = self._compiled
         steps = self._steps = compiled._steps
-        old, self._hal = self._hal, None
-        if old is not None:
-            old.release()
+        self._unbind()
         values = (*self._inputs, *(self._outputs or ()))
         if steps is not compiled._whole_steps \
                 or any(isinstance(v, DeviceMemory) for v in values):
@@ -99,6 +99,14 @@ class Execution:
         self._hal = step.prepared.create_execution(
             build_request(self._inputs, step.inputs, self._outputs), self._measure,
             self._loop_timeout)
+
+    def _unbind(self) -> None:
+        old, self._hal = self._hal, None
+        if old is not None:
+            old.release()
+        in_burst, self._in_burst = self._in_burst, None
+        if in_burst is not None:
+            in_burst[1].release()
 
     @property
     def inputs(self) -> list:
@@ -171,10 +179,41 @@ class Execution:
         finally:
             self._computing = False
 
-    async def _general(self, deadline) -> Result:
+    async def compute_in(self, sessions: dict, deadline: float | None) -> Result:
+        """:meth:`compute` through a burst's HAL sessions (by step): what
+        ``Burst.compute`` does. The bound request is bound to the step's
+        session once (for a driver service: a layout of the burst's ring,
+        bound in the service too), again only for another session."""
+        self._begin()
+        self._computing = True
+        try:
+            if deadline is not None:
+                deadline = check_deadline(deadline)
+            if self._hal is None:
+                return await self._general(deadline, sessions)
+            session = sessions.get(id(self._steps[0]))
+            if session is None:   # (a step the burst has none for: moved to the CPU since)
+                outcome = await self._hal.execute(deadline)
+            else:
+                in_burst = self._in_burst
+                if in_burst is None or in_burst[0] is not session:
+                    if in_burst is not None:
+                        in_burst[1].release()
+                    self._in_burst = None
+                    in_burst = self._in_burst = (session, session.create_execution(
+                        self._hal.request, self._measure, self._loop_timeout))
+                outcome = await in_burst[1].execute(deadline)
+            try:
+                return self._result(outcome)
+            except _Recover as recover:
+                return await self._recover(recover, deadline)
+        finally:
+            self._computing = False
+
+    async def _general(self, deadline, sessions: dict | None = None) -> Result:
         compiled = self._compiled
         result = await compiled._execute(self._inputs, self._outputs, self._measure, deadline,
-                                         self._loop_timeout, None)
+                                         self._loop_timeout, sessions)
         self._computed += 1
         if self._outputs is None or not self._given_outputs:
             self._outputs = list(result.outputs)
@@ -246,9 +285,7 @@ class Execution:
     def close(self) -> None:
         """Let go of the binding. Computing afterwards raises BAD_STATE. Idempotent."""
         self._closed = True
-        hal, self._hal = self._hal, None
-        if hal is not None:
-            hal.release()
+        self._unbind()
 
     def __enter__(self) -> "Execution":
         return self

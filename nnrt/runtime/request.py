@@ -84,6 +84,18 @@ def priority(value: Any) -> Priority:
     return check_priority(value)
 
 
+def as_is(value: Any, dtype: np.dtype, shape: tuple | None = None,
+          writable: bool = False) -> bool:
+    """Whether ``value`` is taken as it is -- the one rule for inputs and
+    outputs alike: a numpy array (not a subclass) of ``dtype``, C-contiguous,
+    shaped ``shape`` when one is given, writable when it is an output."""
+    if value.__class__ is not np.ndarray or value.dtype != dtype:
+        return False
+    flags = value.flags
+    return flags.c_contiguous and (not writable or flags.writeable) \
+        and (shape is None or value.shape == shape)
+
+
 def convert(value: Any, operand: Operand, what: str) -> np.ndarray:
     """``value`` as a C-contiguous array of the operand's dtype, by the
     same-kind rule of this module."""

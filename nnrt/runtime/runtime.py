@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import sniffio
 
-from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel, Request
+from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import STATUS_NONE as _NONE, ErrorStatus, NnrtError, bad_state, invalid
@@ -586,8 +586,6 @@ class CompiledModel:
         self._main = hal.main
         self._inputs: list[Operand] = [hal.main.operands[i] for i in hal.main.input_indexes]
         self._outputs: list[Operand] = [hal.main.operands[i] for i in hal.main.output_indexes]
-        self._input_dtypes = tuple(o.type.dtype for o in self._inputs)
-        self._output_dtypes = tuple(o.type.dtype for o in self._outputs)
         self._signature = signature.Signature(model)
         self._use_steps(steps)
         self._state_tried = False   # whether device memories for the state were tried
@@ -669,96 +667,30 @@ class CompiledModel:
 
     async def execute(self, inputs: Sequence[Any], *, outputs: Sequence[np.ndarray] | None = None,
                       measure_timing: bool = False, deadline: float | None = None,
-                      loop_timeout: float | None = None, _sessions: dict | None = None
-                      ) -> Result:
+                      loop_timeout: float | None = None) -> Result:
         """Run the model once. ``inputs`` are numpy arrays (or values numpy can
         convert), None for an omitted optional input. ``outputs`` may give
         the arrays to write results into; otherwise the runtime allocates them.
         ``inputs`` may also be a dict keyed by input name; a stateful model's
         state inputs and outputs are carried by the runtime, not passed.
-        (``_sessions``: a :class:`Burst`'s HAL sessions, by step, that run
-        its frames: ``Burst.execute`` is this, under the burst's lock.)"""
+        Each step runs a one-shot execution of its driver; for a model run
+        again and again, :meth:`create_execution` binds once instead."""
+        return await self._execute_through(None, inputs, outputs, measure_timing, deadline,
+                                           loop_timeout)
+
+    async def _execute_through(self, sessions: dict | None, inputs, outputs, measure_timing,
+                               deadline, loop_timeout) -> Result:
+        """:meth:`execute`, each step run by its HAL burst session in
+        ``sessions`` (by step) when it has one: what a :class:`Burst`'s frames are."""
         if loop_timeout is not None:
             loop_timeout = check_loop_timeout(loop_timeout)
-        steps = self._steps
-        if steps is self._lane_steps and measure_timing is False:
-            step = steps[0]
-            lane = step.lane
-            made = None if lane is None else self._lane_request(lane, inputs, outputs, deadline)
-            if made is not None:
-                hal_request, outs = made
-                # (a step a burst has no session for, after a fall back to the
-                # CPU: a plain execution, as in _run)
-                runner = step.prepared if _sessions is None \
-                    else _sessions.get(id(step), step.prepared)
-                try:
-                    result = await runner.execute(hal_request, False, deadline, loop_timeout)
-                except BaseException:
-                    self._failures += 1
-                    raise
-                # Unchanged lane: the step's state is as when its request was
-                # made, so run_inputs would give the outputs as they are.
-                if result.status == _NONE and result.output_shapes is lane.reported \
-                        and step.lane is lane:
-                    self._executions += 1
-                    return Result(outs, list(lane.result_shapes), None)
-                return await self._execute(
-                    inputs, outputs, False, deadline, loop_timeout, _sessions,
-                    (steps, (hal_request, result, outs, lane.sized if outputs is None else None)))
         sig = self._signature
         if sig.stateful:
             await self._ready_state()
         inputs, outputs = self._order(inputs, outputs)
         result = await self._execute(inputs, outputs, measure_timing, deadline, loop_timeout,
-                                     _sessions)
+                                     sessions)
         return sig.carry_state(result) if sig.stateful else result
-
-    def _lane_request(self, lane, inputs, outputs, deadline) -> tuple[Request, list] | None:
-        """The request and output arrays of an execution on ``lane`` (the
-        whole step's): when the model is open, tracing is off, the deadline
-        is None or a float (as ``check_deadline`` would give it), and the
-        inputs (a list or tuple) and any outputs given are arrays that the
-        general path would take as they are, laid out as the lane. Else
-        None: the general path decides, and raises any error in its order
-        (so the one error raised here is the last it checks, an overlap)."""
-        if (inputs.__class__ is not list and inputs.__class__ is not tuple) \
-                or len(inputs) != len(lane.input_shapes) or self._closed \
-                or self._runtime._devices is None or trace.recording \
-                or (deadline is not None and (deadline.__class__ is not float
-                                              or deadline != deadline)):   # (NaN)
-            return None
-        # An array of a tensor operand's dtype is taken as it is whenever one
-        # of its shape was (``_stage_input``): the lane's came from it.
-        # (A dtype is compared by identity first: numpy's built-in dtypes are
-        # singletons, and ``!=`` on two dtypes is a slow call.)
-        for value, dtype, shape in zip(inputs, self._input_dtypes, lane.input_shapes):
-            if value.__class__ is not np.ndarray \
-                    or (value.dtype is not dtype and value.dtype != dtype) \
-                    or value.shape != shape or not value.flags.c_contiguous:
-                return None
-        if outputs is None:
-            sized = lane.sized
-            if sized is None:
-                return None
-            shapes, dtypes = sized
-            # One output (the usual case) in one call: a map and a list
-            # around it cost as much again.
-            outs = [np.empty(shapes[0], dtypes[0])] if len(shapes) == 1 \
-                else list(map(np.empty, shapes, dtypes))
-        else:
-            if (outputs.__class__ is not list and outputs.__class__ is not tuple) \
-                    or len(outputs) != len(lane.output_shapes):
-                return None
-            for value, dtype, shape in zip(outputs, self._output_dtypes, lane.output_shapes):
-                # (carray: C-contiguous, writable and aligned; an unaligned
-                # array is the general path's to take)
-                if value.__class__ is not np.ndarray \
-                        or (value.dtype is not dtype and value.dtype != dtype) \
-                        or value.shape != shape or not value.flags.carray:
-                    return None
-            request.check_no_overlap(inputs, outputs)
-            outs = list(outputs)
-        return Request(lane.input_arguments, lane.output_arguments, (*inputs, *outs)), outs
 
     async def _ready_state(self) -> None:
         """A stateful model keeps its state in device memories (two per
@@ -826,22 +758,13 @@ class CompiledModel:
 
     @trace.traced("app: execute")
     async def _execute(self, inputs, outputs, measure_timing, deadline, loop_timeout,
-                       sessions: dict | None, tried: tuple | None = None) -> Result:
-        """``tried``: (steps, the step's ``run_inputs(tried=)``) of an
-        execution ``execute`` started on the lane, with inputs and outputs
-        it checked: finished here as if it had started here."""
-        if tried is None:
-            steps = self._steps
-            arrays, user_outputs, measure, deadline = self._check_request(
-                inputs, outputs, measure_timing, deadline)
-        else:
-            steps, arrays, measure = tried[0], list(inputs), False
-            user_outputs = None if outputs is None else list(outputs)
+                       sessions: dict | None) -> Result:
+        arrays, user_outputs, measure, deadline = self._check_request(
+            inputs, outputs, measure_timing, deadline)
         try:
             try:
-                result = await self._run(steps, arrays, user_outputs, measure, deadline,
-                                         loop_timeout, sessions,
-                                         None if tried is None else tried[1])
+                result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
+                                         loop_timeout, sessions)
             except DriverFailure as failure:
                 memories = [v for v in (*arrays, *(user_outputs or ()))
                             if isinstance(v, DeviceMemory) and v.on_device]
@@ -914,8 +837,7 @@ class CompiledModel:
 
     async def _run(self, steps: list[Step], arrays: list, user_outputs, measure: bool,
                    deadline: float | None, loop_timeout: float | None,
-                   sessions: dict | None = None, tried: tuple | None = None) -> Result:
-        """``tried``: the first attempt of the one step, made on its lane."""
+                   sessions: dict | None = None) -> Result:
         main = self._main
         single = len(steps) == 1
         # The one step of a whole-model compilation reads the model's inputs
@@ -935,7 +857,7 @@ class CompiledModel:
                 return runner.execute(request, measure, deadline, loop_timeout)
             result, outs = await step.run_inputs(
                 arrays if whole else [values[i] for i in step.plan.inputs], execute,
-                user_outputs if single else None, tried=tried)
+                user_outputs if single else None)
             if result.status != _NONE:
                 self._step_failed(step, result)
             if not whole:
@@ -961,22 +883,15 @@ class CompiledModel:
         return Result(outputs, shapes, timing)
 
     def _use_steps(self, steps: list[Step]) -> None:
-        """Run on ``steps`` from now on. Decided here once per list of
-        steps, not per execution: whether they are one step that is the
-        whole model (its inputs and outputs the model's, in order: ``_run``
-        needs no table of values), and whether ``execute`` may run that
-        step's lane (not for a stateful model: its state is not the app's
-        inputs; nor with a scalar input: an array is staged reshaped)."""
+        """Run on ``steps`` from now on; whether they are one step that is
+        the whole model (its inputs and outputs the model's, in order:
+        ``_run`` then needs no table of values) is decided here, once."""
         main = self._main
         self._steps = steps
         self._whole_steps = None
         if len(steps) == 1 and steps[0].plan.inputs == main.input_indexes \
                 and steps[0].plan.outputs == main.output_indexes:
             self._whole_steps = steps
-        self._lane_steps = None
-        if self._whole_steps is not None and not self._signature.stateful \
-                and all(o.type.is_tensor for o in self._inputs):
-            self._lane_steps = steps
 
     def _step_failed(self, step: Step, result) -> NoReturn:
         """Raise the error of a step's failed ``result``: a ``DriverFailure``
@@ -1056,9 +971,8 @@ class CompiledModel:
         if len(inputs) != len(self._inputs):
             raise invalid(f"the model takes {len(self._inputs)} inputs, got {len(inputs)}")
         staged = []
-        for value, as_is in zip(inputs, self._as_is):
-            if as_is is not None and value.__class__ is np.ndarray and value.dtype == as_is[0] \
-                    and value.shape == as_is[1] and value.flags.c_contiguous:
+        for value, known in zip(inputs, self._as_is):
+            if known is not None and request.as_is(value, *known):
                 staged.append(value)   # what _stage_input would give, without its checks
             else:
                 staged.append(self._stage_input(len(staged), value))
@@ -1100,8 +1014,7 @@ class CompiledModel:
                           f"output arrays")
         outputs = list(outputs)
         for k, (arr, operand) in enumerate(zip(outputs, self._outputs)):
-            if arr.__class__ is np.ndarray and arr.dtype == operand.type.dtype \
-                    and arr.flags.c_contiguous and arr.flags.writeable:
+            if request.as_is(arr, operand.type.dtype, writable=True):
                 continue      # the common case, before the isinstance checks below
             if isinstance(arr, DeviceMemory):
                 arr.check_use(self, "output", k, f"output {k}")
@@ -1115,8 +1028,8 @@ class CompiledModel:
                 if not arr.memory.writable:
                     raise invalid(f"output {k}: the memory is mapped read-only")
                 continue
-            if not isinstance(arr, np.ndarray) or arr.dtype != operand.type.dtype \
-                    or not arr.flags.c_contiguous or not arr.flags.writeable:
+            if not isinstance(arr, np.ndarray) \
+                    or not request.as_is(np.asarray(arr), operand.type.dtype, writable=True):
                 raise invalid(f"output {k} must be a writable C-contiguous numpy array of "
                               f"{operand.type.dtype}, or a Region of an nnrt.Memory")
         request.check_no_overlap(inputs, outputs)
@@ -1210,19 +1123,40 @@ class Burst:
         for session in (sessions or {}).values():
             session.close()
 
-    async def execute(self, inputs: Sequence[Any], *, outputs=None, measure_timing: bool = False,
-                      deadline: float | None = None, loop_timeout: float | None = None) -> Result:
+    async def compute(self, execution: Execution, *, deadline: float | None = None) -> Result:
+        """Compute ``execution`` (``compiled.create_execution``, of this
+        burst's compiled model) as the burst's next frame (NNAPI's
+        ``ANeuralNetworksExecution_burstCompute``). Its request is bound to
+        the burst once: on a driver service each later frame is a run frame
+        of serial and deadline on the ring, the rest bound in the service."""
         sessions = self._sessions
         if sessions is None:
             raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
-        # A frame is an execution of the compiled model run by the sessions
-        # (its lane too: a frame laid out as the last one skips the general
-        # path's per-call work, as any execution does).
+        if not isinstance(execution, Execution) or execution._compiled is not self._compiled:
+            raise invalid("burst.compute takes an execution of the burst's own compiled model "
+                          "(compiled.create_execution)")
+        async with self._lock:  # a burst runs its frames in order, one at a time
+            try:
+                result = await execution.compute_in(sessions, deadline)
+            except BaseException:
+                self._failures += 1
+                raise
+            self._frames += 1
+            return result
+
+    async def execute(self, inputs: Sequence[Any], *, outputs=None, measure_timing: bool = False,
+                      deadline: float | None = None, loop_timeout: float | None = None) -> Result:
+        """Run ``inputs`` as the next frame (each frame's request placed and
+        sent anew: :meth:`compute` of a reusable execution binds it once)."""
+        sessions = self._sessions
+        if sessions is None:
+            raise bad_state("the burst session is not open: use 'async with compiled.burst()'")
+        # A frame is an execution of the compiled model whose steps the
+        # sessions run.
         async with self._lock:  # a burst runs its requests in order, one at a time
             try:
-                result = await self._compiled.execute(
-                    inputs, outputs=outputs, measure_timing=measure_timing, deadline=deadline,
-                    loop_timeout=loop_timeout, _sessions=sessions)
+                result = await self._compiled._execute_through(
+                    sessions, inputs, outputs, measure_timing, deadline, loop_timeout)
             except BaseException:
                 self._failures += 1
                 raise

@@ -19,9 +19,8 @@ an execution reported are the next execution's first guess.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
-from typing import Awaitable, Callable, NamedTuple, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -127,39 +126,7 @@ def shaped(value, shape: tuple[int, ...], operand: Operand):
     return value.reshape(-1)[:math.prod(shape)].reshape(shape)   # () -> 1: a scalar
 
 
-def _array_shapes(values: Sequence) -> tuple | None:
-    """Each value's shape when every one is a C-contiguous numpy array, else None."""
-    shapes = []
-    for value in values:
-        if value.__class__ is not np.ndarray or not value.flags.c_contiguous:
-            return None
-        shapes.append(value.shape)
-    return tuple(shapes)
-
-
 Execute = Callable[[Request], Awaitable[ExecutionResult]]
-
-
-class Lane(NamedTuple):
-    """What a step's next execution needs when it is laid out as the last
-    one that returned its output arrays as they are: C-contiguous numpy
-    arrays of the operands' dtypes, each its own pool, shaped
-    ``input_shapes`` and ``output_shapes``. Its request has these argument
-    tuples; when the driver answers with ``reported`` (the very object: a
-    driver's result made once for its layout), the outputs are the arrays
-    given, shaped ``result_shapes``. ``sized`` is the step's ``_sized`` the
-    outputs may be made at (None: the lane serves outputs given by the app
-    only). ``CompiledModel.execute`` runs an execution on it with none of
-    ``run_inputs``'s work, and finishes anything else (a failure, other
-    shapes) through ``run_inputs(tried=)``."""
-
-    input_shapes: tuple
-    output_shapes: tuple
-    input_arguments: tuple
-    output_arguments: tuple
-    sized: tuple | None
-    reported: tuple
-    result_shapes: tuple
 
 
 class DriverFailure(Exception):
@@ -189,17 +156,6 @@ class Step:
         self._output_guess: list[tuple[int, ...]] = []
         self._sized: tuple | None = None   # (shapes, dtypes), see _guess
         self._guess([dims[i] for i in plan.outputs])
-        # (shapes of the inputs, of the outputs, input arguments, output
-        # arguments) of the last request made of numpy arrays only: a request
-        # of arrays shaped the same reuses those argument tuples (see
-        # ``request``).
-        self._last_layout: tuple | None = None
-        # The output shapes the last execution reported, and their dimensions.
-        self._reported: tuple = (None, None)
-        # What an execution laid out as the last one needs, while the three
-        # above stay as they were when it ran (each assignment of them drops
-        # it): see ``Lane``.
-        self.lane: Lane | None = None
 
     def sized(self) -> bool:
         """Whether every output's shape is known before running."""
@@ -214,29 +170,20 @@ class Step:
 
     async def run_inputs(self, inputs: list, execute: Execute,
                          user_outputs: Sequence | None = None,
-                         allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array,
-                         tried: tuple | None = None):
+                         allocate: Callable[[tuple[int, ...], Operand], object] = allocate_array):
         """Run the step on ``inputs`` (its input values, in order) with
         ``execute`` (the prepared model's, a burst session's, ...), into
         ``user_outputs`` when given, else into outputs made by ``allocate``
         (retrying larger ones after OUTPUT_INSUFFICIENT_SIZE). Returns the
-        HAL result and the output values, shaped as reported on success.
-        ``tried``: (request, result, outputs, sized) of a first attempt the
-        caller made itself on the step's lane, taken as this loop's first."""
+        HAL result and the output values, shaped as reported on success."""
         for _attempt in range(MAX_RESIZE_RETRIES + 1):
-            if tried is not None:
-                (request, result, outs, sized), tried = tried, None
+            if user_outputs is not None:
+                outs = list(user_outputs)
+            elif allocate is allocate_array and self._sized is not None:
+                outs = list(map(np.empty, *self._sized))
             else:
-                sized = None
-                if user_outputs is not None:
-                    outs = list(user_outputs)
-                elif allocate is allocate_array and self._sized is not None:
-                    sized = self._sized
-                    outs = list(map(np.empty, *sized))   # (no frame per array, as a listcomp has)
-                else:
-                    outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
-                request = self.request(inputs, outs, sized)
-                result = await execute(request)
+                outs = [allocate(dims, o) for dims, o in zip(self.output_guess, self.outputs)]
+            result = await execute(build_request(inputs, self.inputs, outs))
             status = result.status
             if status == _INSUFFICIENT and user_outputs is None and result.output_shapes:
                 self._guess([s.dimensions for s in result.output_shapes])
@@ -244,40 +191,12 @@ class Step:
             break
         if status != _NONE:
             return result, outs
-        reported = result.output_shapes
-        if reported is self._reported[0]:
-            if sized is not None and sized is self._sized:
-                # Arrays made at the shapes expected, which the driver's
-                # result (made once for its layout) reports: as they are.
-                lane = self.lane
-                if lane is None or lane.sized is not sized:
-                    self._keep_lane(request, outs, sized)
-                return result, outs
-            shapes = self._reported[1]
-            keep = self.lane is None
-        else:
-            shapes = [s.dimensions for s in reported]
-            if shapes != self._output_guess:
-                self._guess(shapes)
-            # Kept with the (immutable) shapes it came from, which it keeps
-            # alive; forgotten whenever the guess changes.
-            self._reported = (reported, shapes)
-            self.lane = None
-            keep = False   # a lane when the driver answers with this object again
-        values = [out if out.__class__ is np.ndarray and out.shape == shape
-                  else shaped(out, shape, o)
-                  for out, shape, o in zip(outs, shapes, self.outputs)]
-        if keep and all(map(operator.is_, values, outs)):
-            self._keep_lane(request, outs, None)
-        return result, values
-
-    def _keep_lane(self, request: Request, outs: list, sized: tuple | None) -> None:
-        """Keep the lane of this execution, which returned ``outs`` as they
-        are, when its request was the last layout's."""
-        last = self._last_layout
-        if last is not None and request.inputs is last[2] and request.outputs is last[3]:
-            self.lane = Lane(last[0], last[1], last[2], last[3], sized, self._reported[0],
-                             tuple(out.shape for out in outs))
+        shapes = [s.dimensions for s in result.output_shapes]
+        if shapes != self._output_guess:
+            self._guess(shapes)
+        return result, [out if out.__class__ is np.ndarray and out.shape == shape
+                        else shaped(out, shape, o)
+                        for out, shape, o in zip(outs, shapes, self.outputs)]
 
     @property
     def output_guess(self) -> list[tuple[int, ...]]:
@@ -292,34 +211,6 @@ class Step:
         """Expect ``shapes``; with every one known (and no scalar), keep the
         shapes and the dtypes the next execution's arrays are made at."""
         self._output_guess = shapes
-        self._reported = (None, None)
-        self.lane = None
         self._sized = ((tuple(shapes), tuple(o.type.dtype for o in self.outputs))
                        if all(o.type.is_tensor and dims and all(dims)
                               for dims, o in zip(shapes, self.outputs)) else None)
-
-    def request(self, inputs: Sequence, outputs: Sequence, sized: tuple | None = None
-                ) -> Request:
-        """``build_request`` of these values. When every value is a
-        non-empty numpy array shaped as in the last such request, the
-        arguments are the same (each array is its own pool, at offset 0,
-        its shape and size fixed by its shape: the dtype is the operand's)
-        and the last request's argument tuples are reused -- which a
-        driver's ``RequestValidator`` recognises without looking inside.
-        ``sized`` (``self._sized``) says the outputs are new arrays made at
-        its shapes: nothing of them to check."""
-        shapes = _array_shapes(inputs)
-        out_shapes = sized[0] if sized is not None else _array_shapes(outputs)
-        if shapes is None or out_shapes is None:
-            return build_request(inputs, self.inputs, outputs)
-        pools = (*inputs, *outputs)
-        last = self._last_layout
-        if last is not None and last[0] == shapes and last[1] == out_shapes:
-            # The arrays are the pools: a contiguous array is a byte buffer
-            # as it is (drivers take pools through nnrt.memory.as_buffer).
-            return Request(last[2], last[3], pools)
-        request = build_request(inputs, self.inputs, outputs)
-        if all(v.size for v in pools):
-            self._last_layout = (shapes, out_shapes, request.inputs, request.outputs)
-            self.lane = None
-        return request

@@ -308,6 +308,12 @@ class SyncBurst:
     def execute(self, inputs: Sequence[Any], **kwargs) -> Result:
         return self._rt._call(self.burst.execute(inputs, **kwargs))
 
+    def compute(self, execution, *, deadline: float | None = None) -> Result:
+        """As :meth:`Burst.compute`, of a :class:`SyncExecution` (or its execution)."""
+        if isinstance(execution, SyncExecution):
+            execution = execution.execution
+        return self._rt._call(self.burst.compute(execution, deadline=deadline))
+
     def statistics(self):
         return self.burst.statistics()
 

@@ -50,11 +50,8 @@ def fuzz_protocol(data: bytes) -> None:
         pass
 
 
-_decoder = wire.RequestDecoder()
-
-
 def fuzz_burst(data: bytes) -> None:
-    for decode in (wire.decode, wire.decode_request, wire.decode_result, _decoder.decode):
+    for decode in (wire.decode, wire.decode_frame, wire.decode_request, wire.decode_result):
         try:
             decode(data)
         except wire.BurstProtocolError:

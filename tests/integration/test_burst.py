@@ -247,11 +247,13 @@ async def test_unknown_slots_are_fetched_once_then_cached_and_freed(tmp_path):
             tg.cancel_scope.cancel()
 
 
-async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path):
-    """Frames laid out alike (the runtime's compiled.burst() reuses its
-    argument tuples; a HAL caller passes the same request again): the
-    controller checks and places the pools once, the server turns the
-    layout into driver arguments once, however many frames run."""
+async def test_a_bound_execution_is_placed_and_bound_once_and_its_frames_only_move_bytes(
+        tmp_path):
+    """A reusable execution computed by a burst (``burst.compute``; a HAL
+    caller's ``session.create_execution``): the controller places its pools
+    once, the service binds its layout to the driver once, and every later
+    frame is a run frame -- only the bytes of its pools move. A one-shot
+    frame (``burst.execute``) is placed and sent whole each time."""
     import nnrt
 
     path = str(tmp_path / "layouts.sock")
@@ -262,34 +264,40 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
             rng = np.random.default_rng(16)
             async with nnrt.Runtime(devices=[dev], discover=False) as rt:
                 compiled = await rt.compile(public_add_model())
-                general = []
-                run_general = compiled._execute
-
-                def counted(*a, **k):
-                    general.append(a)
-                    return run_general(*a, **k)
-                compiled._execute = counted
+                x, y = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
+                execution = compiled.create_execution([x, y])
                 async with compiled.burst() as burst:
+                    frames = []
+                    write = burst._sessions[id(compiled._steps[0])]._requests.write_nowait
+                    burst._sessions[id(compiled._steps[0])]._requests.write_nowait = \
+                        lambda f: (frames.append(bytes(f)), write(f))[1]
                     for _ in range(40):
-                        x, y = (rng.standard_normal((1, 4)).astype(np.float32) for _ in "xy")
-                        result = await burst.execute([x, y])
+                        x[...], y[...] = rng.standard_normal((2, 1, 4)).astype(np.float32)
+                        result = await burst.compute(execution)
                         np.testing.assert_array_equal(result.outputs[0], x + y)
                     session, = burst.statistics().sessions
                     assert (session.executions, session.layouts_staged) == (40, 1)
                     assert session.bytes_staged == 40 * 48
-                # The first two frames teach the step its layout and its
-                # result; every later one runs on the step's lane, by the
-                # session, without the runtime's general path.
-                assert len(general) <= 2
+                    assert frames[0][:4] == wire.REQUEST_MAGIC
+                    assert {f[:4] for f in frames[1:]} == {wire.RUN_MAGIC}
+                    assert {len(f) for f in frames[1:]} == {32}
+                    assert svc.burst_statistics().layouts == 1
+                    for _ in range(3):
+                        result = await burst.execute([x, y])
+                        np.testing.assert_array_equal(result.outputs[0], x + y)
+                    session, = burst.statistics().sessions
+                    assert session.layouts_staged == 1 + 3
+                    assert burst.statistics().frames == 43
             assert svc.burst_statistics().layouts == 1
             prepared = await dev.prepare_model(add_model())
             x, y = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
             sums = np.zeros((1, 4), np.float32)
             request = numpy_request([x, y], [sums])
             async with await prepared.configure_burst() as session:
+                bound = session.create_execution(request)
                 for k in range(20):
-                    x[:], y[:] = k, 2 * k     # new contents, the same request
-                    assert (await session.execute(request)).status == ErrorStatus.NONE
+                    x[:], y[:] = k, 2 * k     # new contents, the same binding
+                    assert (await bound.execute()).status == ErrorStatus.NONE
                     assert sums.tolist() == [[3.0 * k] * 4]
                 assert session.statistics().layouts_staged == 1
             assert svc.burst_statistics().layouts == 2
@@ -298,13 +306,11 @@ async def test_a_layout_is_checked_once_and_its_frames_only_move_bytes(tmp_path)
             tg.cancel_scope.cancel()
 
 
-async def test_what_frames_reuse_follows_every_change_mid_burst(tmp_path):
-    """What frames reuse while their layout holds (the controller's encoded
-    frame, kept arena and shared ExecutionResult; the server's decoded
-    request, driver Request and result encoding) follows every change: a
-    layout changed mid-burst and back, timings asked for on one frame, a
-    slot freed and another memory in its place, and frames that are the
-    last frame cut short, lengthened or with one field changed."""
+async def test_bound_executions_follow_every_change_mid_burst(tmp_path):
+    """Two bindings alternating with one-shot frames, timings asked for by
+    one binding, a binding whose memory was closed, a layout number given
+    back and taken by another binding, and frames cut short, lengthened or
+    changed in one field: each frame gets its own right answer."""
     path = str(tmp_path / "reuse.sock")
     async with anyio.create_task_group() as tg:
         svc = await tg.start(serve, ReferenceDevice(), path)
@@ -314,76 +320,86 @@ async def test_what_frames_reuse_follows_every_change_mid_burst(tmp_path):
             rng = np.random.default_rng(4)
             async with await prepared.configure_burst() as session:
                 x, y, sums = (np.zeros((1, 4), np.float32) for _ in "xys")
-                request = numpy_request([x, y], [sums])
+                numpy_bound = session.create_execution(numpy_request([x, y], [sums]))
+                timed = session.create_execution(numpy_request([x, y], [sums]), measure=True)
                 mem = Memory.create(64, "nnrt-burst-reuse")
-                plain = []
+                memory_bound = session.create_execution(memory_request(mem))
                 for k in range(15):
                     x[:], y[:] = rng.standard_normal((2, 1, 4)).astype(np.float32)
-                    if k % 5 == 2:           # another layout (a Memory pool) and back
+                    if k % 5 == 2:           # the Memory binding and a one-shot frame
                         mem.array(np.float32, 8)[:] = np.concatenate([x, y], axis=None)
-                        result = await session.execute(memory_request(mem))
+                        result = await memory_bound.execute()
                         assert result.status == ErrorStatus.NONE, result.message
                         assert mem.array(np.float32, 4, 32).tolist() == (x + y)[0].tolist()
+                        result = await session.execute(numpy_request([x, y], [sums]))
+                        assert result.status == ErrorStatus.NONE, result.message
+                        np.testing.assert_array_equal(sums, x + y)
                         continue
-                    result = await session.execute(request, measure=k == 6)
+                    bound = timed if k == 6 else numpy_bound
+                    result = await bound.execute()
                     assert result.status == ErrorStatus.NONE, result.message
                     np.testing.assert_array_equal(sums, x + y)
-                    if k == 6:
-                        assert result.timing.in_driver != wire.UINT64_MAX
-                    else:
-                        assert result.timing.in_driver == wire.UINT64_MAX
-                        plain.append(result)
-                # Results without timings of one kind are one object (frozen).
-                assert all(r is plain[0] for r in plain[1:])
-                # The numpy layout was checked and placed once (a Memory's,
-                # which places nothing, each time), though the two alternated.
-                assert session.statistics().layouts_staged == 1 + 3
-                assert (await session.execute(memory_request(mem))).status == ErrorStatus.NONE
-                layouts = svc.burst_statistics().layouts
-                for _ in range(5):
-                    assert (await session.execute(request)).status == ErrorStatus.NONE
-                assert svc.burst_statistics().layouts == layouts + 1   # back once, then reused
+                    assert (result.timing.in_driver != wire.UINT64_MAX) == (k == 6)
+                # Three bindings, each defined once in the service.
+                assert svc.burst_statistics().layouts == 3
+                assert session.statistics().layouts_staged == 3 + 3
 
-                # A slot freed and another memory in its place: the server
-                # unmaps the first and runs the second's frames, never the
-                # first's request again.
+                # The memory closed: its binding is refused, the others go on;
+                # the server unmaps the slot and forgets the layout using it.
                 mem.close()
+                result = await memory_bound.execute()
+                assert result.status == ErrorStatus.INVALID_ARGUMENT and "closed" in result.message
+                x[:], y[:] = 1, 2
+                assert (await numpy_bound.execute()).status == ErrorStatus.NONE
+                assert sums.tolist() == [[3.0] * 4]
+                # (left: the two numpy bindings' arenas and the one-shots' arena)
+                await wait_until(lambda: svc.burst_statistics().slots_mapped == 3,
+                                 "the freed slot is unmapped")
+                # Its layout number given back and taken by a new binding,
+                # which defines it anew.
+                memory_bound.release()
                 other = Memory.create(64, "nnrt-burst-reuse")
+                other_bound = session.create_execution(memory_request(other))
                 for k in range(3):
                     other.array(np.float32, 8)[:] = k
-                    result = await session.execute(memory_request(other))
+                    result = await other_bound.execute()
                     assert result.status == ErrorStatus.NONE, result.message
                     assert other.array(np.float32, 4, 32).tolist() == [2.0 * k] * 4
-                assert session.statistics().slots_freed == 1
-                await wait_until(lambda: svc.burst_statistics().slots_mapped == 2,
-                                 "the freed slot is unmapped")   # (the arena's and other's)
+                assert svc.burst_statistics().layouts == 4
 
-                # The last frame's bytes, cut, lengthened or changed in one
-                # field: each refused alone, and the layout's frames go on.
-                frames = []
-                write = session._requests.write_nowait
-                session._requests.write_nowait = lambda f: (frames.append(bytes(f)), write(f))
-                assert (await session.execute(memory_request(other))).status == ErrorStatus.NONE
-                session._requests.write_nowait = write
-                frame = frames[-1]
-                past_the_pool = bytearray(frame)
+                # A run frame and a defining frame, cut, lengthened or changed
+                # in one field: each refused alone, and the bindings go on.
+                run = wire.encode_run(wire.BurstRun(9_000, other_bound._layout))
+                define = wire.encode_request(wire.BurstRequest(
+                    9_001, other_bound._inputs, other_bound._outputs, other_bound._slots,
+                    layout=other_bound._layout))
+                past_the_pool = bytearray(define)
                 # The output argument's offset (the third argument, after the
                 # 40-byte header and two inputs of 24 + 4 * rank 2 bytes; at 8
                 # into the argument) past the memory's end.
                 offset_at = 40 + 2 * (24 + 8) + 8
-                assert int.from_bytes(frame[offset_at:offset_at + 8], "little") == 32
+                assert int.from_bytes(define[offset_at:offset_at + 8], "little") == 32
                 past_the_pool[offset_at:offset_at + 8] = (60).to_bytes(8, "little")
-                malformed = svc.burst_statistics().executions
-                for bad in (frame[:-4], frame + b"\0" * 8, bytes(past_the_pool)):
+                undefined = wire.encode_run(wire.BurstRun(9_002, wire.MAX_LAYOUTS))
+                served = svc.burst_statistics().executions
+                for bad in (run[:-4], run + b"\0" * 8, define[:-4], bytes(past_the_pool),
+                            undefined):
                     result = await session.for_test_execute_raw(bad)
                     assert result.status == ErrorStatus.INVALID_ARGUMENT, result
-                assert svc.burst_statistics().executions == malformed + 3
+                assert svc.burst_statistics().executions == served + 5
+                # The refused definition of its number left the binding's
+                # layout undefined in the service (frames the controller did
+                # not send): its next frame is refused, then it defines the
+                # layout again and goes on.
                 other.array(np.float32, 8)[:] = 5
-                result = await session.execute(memory_request(other))
+                result = await other_bound.execute()
+                assert result.status == ErrorStatus.INVALID_ARGUMENT
+                assert "is not defined" in result.message
+                result = await other_bound.execute()
                 assert result.status == ErrorStatus.NONE, result.message
                 assert other.array(np.float32, 4, 32).tolist() == [10.0] * 4
                 x[:], y[:] = 1, 2
-                assert (await session.execute(request)).status == ErrorStatus.NONE
+                assert (await numpy_bound.execute()).status == ErrorStatus.NONE
                 assert sums.tolist() == [[3.0] * 4]
                 other.close()
         finally:

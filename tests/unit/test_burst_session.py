@@ -202,104 +202,40 @@ async def test_a_corrupted_ring_ends_the_server():
     rig.results.close()
 
 
-# -- the per-layout caches of the wire format ------------------------------------------
+# -- layouts and run frames of the wire format --------------------------------------
 
-def test_the_request_caches_give_what_encode_and_decode_give():
-    encoder, decoder = wire.RequestEncoder(size=2), wire.RequestDecoder(size=2)
+def test_a_layout_definition_and_its_runs_round_trip():
     arg = wire.BurstArgument(False, 0, 16, 16, (1, 4))
-    layouts = [((arg,), (arg,), (3,), False, None), ((arg, arg), (), (3, 4), True, 2.0),
-               ((wire.BurstArgument(True),), (arg,), (9,), False, 0.5)]
-    for serial in range(1, 40):
-        inputs, outputs, slots, measure, loop = layouts[serial % 3]
-        deadline = None if serial % 2 else serial * 1.5
-        request = wire.BurstRequest(serial, inputs, outputs, slots, measure, deadline, loop)
-        data = encoder.encode(request)
-        assert data == wire.encode_request(request)
-        assert decoder.decode(data) == wire.decode_request(data) == request
-    # A hit still checks the two fields it does not take from the cache.
-    data = bytearray(wire.encode_request(wire.BurstRequest(5, (arg,), (arg,), (3,))))
-    decoder.decode(bytes(data))
-    struct.pack_into("<d", data, 16, 1.0)   # a deadline without the deadline flag
+    for layout in (0, 1, wire.MAX_LAYOUTS):
+        request = wire.BurstRequest(5, (arg,), (arg,), (3,), True, 2.5, 0.5, layout)
+        assert wire.decode_frame(wire.encode_request(request)) == request
+    for deadline in (None, 0.0, 7.25):
+        run = wire.BurstRun(2**64 - 1, 3, deadline)
+        data = wire.encode_run(run)
+        assert len(data) == 32 and wire.decode_frame(data) == wire.decode(data) == run
+    with pytest.raises(wire.BurstProtocolError, match="layout"):
+        wire.encode_request(wire.BurstRequest(5, (arg,), (arg,), (3,),
+                                              layout=wire.MAX_LAYOUTS + 1))
+    for layout in (0, wire.MAX_LAYOUTS + 1):
+        with pytest.raises(wire.BurstProtocolError, match="layout"):
+            wire.encode_run(wire.BurstRun(1, layout))
     with pytest.raises(wire.BurstProtocolError, match="deadline"):
-        decoder.decode(bytes(data))
-    with pytest.raises(wire.BurstProtocolError):
-        encoder.encode(wire.BurstRequest(5, (arg,), (arg,), (3,), deadline=float("nan")))
-    with pytest.raises(wire.BurstProtocolError):
-        decoder.decode(b"NBRQ")
+        wire.encode_run(wire.BurstRun(1, 1, float("nan")))
 
 
-def test_the_result_caches_give_what_encode_and_decode_give():
-    encoder, decoder = wire.ResultEncoder(size=2), wire.ResultDecoder(size=2)
-    shapes = (wire.BurstOutputShape((1, 4)),)
-    kinds = [(ErrorStatus.NONE, shapes, ""), (ErrorStatus.OUTPUT_INSUFFICIENT_SIZE,
-             (wire.BurstOutputShape((2, 8), False),), "too small"),
-             (ErrorStatus.GENERAL_FAILURE, (), "driver bug")]
-    for serial in range(1, 40):
-        status, out_shapes, message = kinds[serial % 3]
-        on_device = wire.UINT64_MAX if serial % 2 else serial * 7
-        result = wire.BurstResult(serial, status, out_shapes, on_device, on_device, message)
-        data = encoder.encode(result)
-        assert data == wire.encode_result(result)
-        assert decoder.decode(data) == wire.decode_result(data) == result
-    # A hit still checks the fields it does not take from the cache.
-    encoder.encode(wire.BurstResult(1, ErrorStatus.NONE, shapes))
-    with pytest.raises(wire.BurstProtocolError, match="serial"):
-        encoder.encode(wire.BurstResult(-1, ErrorStatus.NONE, shapes))
-    with pytest.raises(wire.BurstProtocolError, match="on_device"):
-        encoder.encode(wire.BurstResult(2, ErrorStatus.NONE, shapes, on_device=2**64))
-    # A result whose cached part differs in one byte is decoded afresh.
-    data = bytearray(wire.encode_result(wire.BurstResult(3, ErrorStatus.NONE, shapes)))
-    decoder.decode(bytes(data))
-    data[6] = 1                           # the reserved field
-    with pytest.raises(wire.BurstProtocolError, match="reserved"):
-        decoder.decode(bytes(data))
-    with pytest.raises(wire.BurstProtocolError):
-        decoder.decode(b"NBRS")
-
-
-def test_encoding_and_decoding_by_fields_give_what_the_messages_give():
-    """The per-frame forms of the burst wire: encode_fields writes the
-    serial and deadline into the last frame's buffer (valid until the next
-    call), decode_parts hands back one request or result object per kind
-    with the varying fields beside it."""
-    encoder, decoder = wire.RequestEncoder(size=2), wire.RequestDecoder(size=4)
-    arg = wire.BurstArgument(False, 0, 16, 16, (1, 4))
-    layouts = [((arg,), (arg,), (3,), False, None), ((arg, arg), (), (3, 4), True, 2.0)]
-    kinds = {}     # (4 kinds: 2 layouts, with and without a deadline; all cached)
-    for serial in range(1, 30):
-        inputs, outputs, slots, measure, loop = layouts[(serial // 4) % 2]  # runs of 4
-        deadline = None if serial % 3 else serial * 1.5
-        expected = wire.encode_request(wire.BurstRequest(serial, inputs, outputs, slots,
-                                                         measure, deadline, loop))
-        data = bytes(encoder.encode_fields(serial, inputs, outputs, slots, measure, deadline,
-                                           loop))
-        assert data == expected
-        request, got_serial, got_deadline = decoder.decode_parts(data)
-        assert (got_serial, got_deadline) == (serial, deadline)
-        assert (request.inputs, request.outputs, request.slots, request.measure_timing,
-                request.loop_timeout) == (inputs, outputs, slots, measure, loop)
-        assert kinds.setdefault((slots, deadline is None), request) is request  # one per kind
-    with pytest.raises(wire.BurstProtocolError, match="serial"):
-        encoder.encode_fields(-1, (arg,), (arg,), (3,))
-    # A frame of a cached kind with a negative deadline is refused as decode refuses it.
-    data = bytearray(wire.encode_request(wire.BurstRequest(5, (arg,), (arg,), (3,),
-                                                           deadline=1.0)))
-    decoder.decode_parts(bytes(data))
-    struct.pack_into("<d", data, 16, -1.0)
+def test_a_run_frame_is_refused_unless_it_is_exactly_canonical():
+    data = bytearray(wire.encode_run(wire.BurstRun(9, 2)))
+    for offset, value in ((4, 1), (6, 8), (24, 0), (26, 1), (28, 1)):
+        bad = bytearray(data)
+        struct.pack_into("<H", bad, offset, value)   # version, flags, layout 0, padding
+        with pytest.raises(wire.BurstProtocolError):
+            wire.decode_frame(bytes(bad))
+    no_deadline_flag = bytearray(data)
+    struct.pack_into("<d", no_deadline_flag, 16, 1.0)   # a deadline without its flag
     with pytest.raises(wire.BurstProtocolError, match="deadline"):
-        decoder.decode_parts(bytes(data))
+        wire.decode_frame(bytes(no_deadline_flag))
+    for cut in (data[:-1], bytes(data) + b"\0"):
+        with pytest.raises(wire.BurstProtocolError):
+            wire.decode_frame(bytes(cut))
 
-    results, rdecoder = wire.ResultEncoder(size=2), wire.ResultDecoder(size=2)
-    shapes = (wire.BurstOutputShape((1, 4)),)
-    first = None
-    for serial in range(1, 10):
-        on_device = wire.UINT64_MAX if serial % 2 else serial
-        data = bytes(results.encode_fields(serial, ErrorStatus.NONE, shapes, on_device,
-                                           on_device))
-        assert data == wire.encode_result(wire.BurstResult(serial, ErrorStatus.NONE, shapes,
-                                                           on_device, on_device))
-        result, got, device, driver = rdecoder.decode_parts(data)
-        assert (got, device, driver) == (serial, on_device, on_device)
-        assert result is (first := first or result) and result.output_shapes == shapes
-    with pytest.raises(wire.BurstProtocolError, match="in_driver"):
-        results.encode_fields(1, ErrorStatus.NONE, shapes, 0, 2**64)
+

@@ -9,7 +9,7 @@ import pytest
 from nnrt import ErrorStatus, NnrtError
 from nnrt.hal import RequestArgument
 from nnrt.memory import Memory
-from nnrt.memory.staging import ALIGN, ArenaPool, SlotCache, Stager, stage
+from nnrt.memory.staging import ALIGN, ArenaPool, SlotCache, bind, stage
 from nnrt.model.graph import DataLocation
 
 
@@ -101,73 +101,27 @@ def test_slot_cache_learns_of_closes_without_scanning_and_forgets_evicted_memori
     assert cache.take_freed() == sorted([slots[0], slots[3]])
 
 
-def test_a_request_laid_out_as_the_last_is_staged_by_copying_its_bytes_only():
-    arenas = ArenaPool("test-arena", max_free=1)
-    stager = Stager(arenas)
+def test_a_binding_places_its_pools_once_and_each_execution_moves_only_bytes():
     x = np.arange(4, dtype=np.float32)
     out = np.zeros(4, np.float32)
-    inputs, outputs = (arg(0, 0, 16),), (arg(1, 0, 16),)
-    first = stager.stage((x, out), inputs, outputs)
-    places = first.places
-    assert stager.kept_places is places and stager.layouts == 1
-    first.finish()
-    y, out2 = np.full(4, 9, np.float32), np.zeros(4, np.float32)
-    again = stager.stage((y, out2), inputs, outputs)   # other arrays, same layout
-    assert again.places is places and stager.layouts == 1 and again.bytes_in == 16
-    assert np.frombuffer(again.arena.view()[:16], np.float32).tolist() == [9] * 4
-    again.arena.view()[ALIGN:ALIGN + 16] = np.full(4, 5, np.float32).tobytes()
-    assert again.copy_out() == 16 and out2.tolist() == [5] * 4 and out.tolist() == [0] * 4
-    again.finish(reuse=False)                  # cancelled: the arena is closed
-    third = stager.stage((y, out2), inputs, outputs)
-    assert third.places is not places and stager.layouts == 1   # new arena, same checks
-    assert third.places[0].memory is third.arena and not third.arena.closed
-    third.finish()
-    # Anything else is staged in full: new argument tuples, another size, a
-    # read-only output (refused as stage() refuses it), a Memory pool.
-    stager.stage((y, out2), (arg(0, 0, 16),), outputs).finish()
-    assert stager.layouts == 2
-    with pytest.raises(NnrtError, match="read-only"):
-        stager.stage((y, b"\0" * 16), inputs, outputs)
-    with pytest.raises(NnrtError, match="outside pool 0"):
-        stager.stage((np.zeros(2, np.float32), out2), inputs, outputs)
+    bound = bind((x, out), (arg(0, 0, 16),), (arg(1, 0, 16),), "test-bound")
+    arena = bound.arena
+    assert [p.memory for p in bound.places] == [arena, arena]
+    x[:] = 9                                 # the next frame, in the caller's array
+    assert bound.copy_in() == 16
+    assert np.frombuffer(arena.view()[:16], np.float32).tolist() == [9] * 4
+    arena.view()[ALIGN:ALIGN + 16] = np.full(4, 5, np.float32).tobytes()
+    assert bound.copy_out() == 16 and out.tolist() == [5] * 4
+    bound.close()
+    assert arena.closed and bound.copy_in() == 0
+    bound.close()                            # idempotent
+    # A Memory pool is placed as it is: nothing to copy.
     with Memory.create(64) as mem:
-        staged = stager.stage((mem,), (arg(0, 0, 16),), ())
-        assert staged.arena is None and stager.layouts == 3
-        # No Memory kept: what the stager keeps is the last staged layout's.
-        assert stager.kept_places is not None
-        assert all(place.memory is not mem for place in stager.kept_places)
-        staged.finish()
-    arenas.close()
-
-
-def test_the_stager_keeps_its_arena_between_frames_and_gives_it_back_on_a_new_layout():
-    arenas = ArenaPool("test-arena", max_free=1)
-    stager = Stager(arenas)
-    x, out = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
-    inputs, outputs = (arg(0, 0, 16),), (arg(1, 0, 16),)
-    first = stager.stage((x, out), inputs, outputs)
-    arena = first.arena
-    first.finish()
-    other = arenas.take(16)          # the stager kept its arena: not in the pool
-    assert other is not arena
-    arenas.give_back(other)
-    again = stager.stage((x, out), inputs, outputs)
-    assert again.arena is arena and stager.layouts == 1
-    again.finish()
-    # Another layout: the kept arena goes back to the pool and is taken from there.
-    changed = stager.stage((x, out), (arg(0, 0, 16),), outputs)
-    assert stager.layouts == 2 and changed.arena in (arena, other)
-    changed.finish()
-    # A frame of the new layout with an output pool of another size: staged
-    # in full, its copy back into the new buffer.
-    wide = np.zeros(8, np.float32)
-    staged = stager.stage((x, wide), (arg(0, 0, 16),), (arg(1, 0, 16),))
-    assert stager.layouts == 3
-    staged.arena.view()[staged.places[1].offset:staged.places[1].offset + 16] = \
-        np.full(4, 3, np.float32).tobytes()
-    assert staged.copy_out() == 32 and wide.tolist() == [3] * 4 + [0] * 4
-    staged.finish()
-    stager.close()                   # the arena it kept is closed with it
-    assert stager.kept_places is None
-    arenas.close()
-    assert arena.closed and other.closed
+        bound = bind((mem,), (arg(0, 0, 16),), (arg(0, 16, 16),))
+        assert bound.arena is None and bound.places[0].memory is mem
+        assert bound.copy_in() == bound.copy_out() == 0
+    # Refused as stage() refuses.
+    with pytest.raises(NnrtError, match="read-only"):
+        bind((x, b"\0" * 16), (arg(0, 0, 16),), (arg(1, 0, 16),))
+    with pytest.raises(NnrtError, match="outside pool 0"):
+        bind((np.zeros(2, np.float32), out), (arg(0, 0, 16),), (arg(1, 0, 16),))

@@ -63,14 +63,14 @@ def test_non_messages_raise_the_protocol_error(data):
 
 
 def test_bounds_are_checked_before_allocating():
-    head = struct.pack("<4sHHQddHHHH", b"NBRQ", 1, 0, 1, 0.0, 0.0, 65535, 0, 0, 0)
+    head = struct.pack("<4sHHQddHHHH", b"NBRQ", wire.VERSION, 0, 1, 0.0, 0.0, 65535, 0, 0, 0)
     with pytest.raises(BurstProtocolError, match="limit of 1024"):
         decode(head)
     arg = struct.pack("<BBHIQQ", 0, 200, 0, 0, 0, 0)
-    one = struct.pack("<4sHHQddHHHH", b"NBRQ", 1, 0, 1, 0.0, 0.0, 1, 0, 1, 0)
+    one = struct.pack("<4sHHQddHHHH", b"NBRQ", wire.VERSION, 0, 1, 0.0, 0.0, 1, 0, 1, 0)
     with pytest.raises(BurstProtocolError, match="rank 200 exceeds 16"):
         decode(one + arg)
-    res = struct.pack("<4sHHQIHHQQ", b"NBRS", 1, 0, 1, 0, 0, 5000, 0, 0)
+    res = struct.pack("<4sHHQIHHQQ", b"NBRS", wire.VERSION, 0, 1, 0, 0, 5000, 0, 0)
     with pytest.raises(BurstProtocolError, match="message bytes"):
         decode(res)
 
