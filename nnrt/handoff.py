@@ -21,8 +21,7 @@ import os
 import queue
 import sys
 import threading
-import types
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import anyio
 import anyio.lowlevel
@@ -147,75 +146,6 @@ class WorkerThreads:
 
 
 _EXECUTION_THREADS = WorkerThreads("nnrt-execution")
-
-
-@types.coroutine
-def _bare_yield():
-    """What ``asyncio.sleep(0)`` awaits (its ``__sleep0``): a bare yield,
-    which an asyncio task takes as "let the loop run the others first"."""
-    yield
-
-
-# A loop skips the I/O poll of a schedule point for at most this long
-# (see ``schedule_point``): about one inline run (nnrt.qos.front.INLINE_BOUND).
-IO_QUANTUM = 0.0005
-_last_turn: tuple = (None, 0.0)    # (the loop, its time) of the last yield made here
-
-
-def schedule_point() -> Awaitable[None]:
-    """What ``anyio.lowlevel.checkpoint()`` awaits, to await on a per-call
-    hot path: a turn of the loop for its other tasks, where a cancelled
-    task stops. On an asyncio task that is ``asyncio.sleep(0)``'s bare
-    yield, exactly what anyio's asyncio backend awaits, returned here
-    without anyio's per-call look-up of the running library and the
-    coroutine frames it and ``sleep`` add to every suspension and
-    resumption: 6-15 us of CPU per in-process execution on this VM
-    (issue 16). Elsewhere -- trio, or trio as a guest of an asyncio loop,
-    whose code runs outside any asyncio task -- anyio's own.
-
-    A turn that would do nothing but poll the loop's I/O is skipped when
-    the loop polled less than ``IO_QUANTUM`` ago (a task executing back to
-    back; ~10 us a turn here, a quarter of an in-process execution): on
-    an asyncio loop whose ready queue is empty and none of whose timers is
-    due. Another task that is ready, a cancellation (anyio delivers it
-    through a callback, an asyncio timeout through a timer) or a deadline
-    that is due still gets its turn here, as before; only a socket or pipe
-    that became readable waits, for at most the quantum. Loops that do not
-    show their ready queue (uvloop) always turn."""
-    global _last_turn
-    loop = _running_loop()
-    if loop is None or _current_task(loop) is None:
-        # Not an asyncio task: trio, or trio as a guest of an asyncio loop.
-        return anyio.lowlevel.checkpoint()
-    now = loop.time()
-    last_loop, last = _last_turn
-    if last_loop is loop and now - last < IO_QUANTUM and not getattr(loop, "_ready", True):
-        timers = loop._scheduled
-        if not timers or timers[0]._when > now + loop._clock_resolution:
-            return _NO_TURN
-    _last_turn = (loop, now)
-    return _bare_yield()
-
-
-_running_loop = asyncio._get_running_loop    # (None off a loop, where the public one raises)
-# The task running on a loop: on 3.11 ``asyncio.current_task`` is a Python
-# function around a look-up in this dict (the C one's), built in from 3.12.
-_current_task = asyncio.tasks._current_tasks.get if sys.version_info < (3, 12) \
-    else asyncio.current_task
-
-
-class _NoTurn:
-    """An awaitable that completes at once (a skipped turn): its iterator
-    is an exhausted one, shared (built in, where a generator would be made
-    per await)."""
-
-    __slots__ = ()
-    # A built-in method is not bound on look-up: ``__await__()`` returns
-    # the exhausted iterator itself, whose first step ends the await.
-    __await__ = iter(()).__iter__
-
-
-_NO_TURN = _NoTurn()
 
 
 def run_soon(fn: Callable[..., Any], *args: Any) -> None:

@@ -21,7 +21,6 @@ it stopped and computes what an uninterrupted run computes.
 from __future__ import annotations
 
 import math
-import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +33,7 @@ from ..errors import ErrorStatus, NnrtError
 from ..hal.types import NO_TIMING, ExecutionResult, OutputShape, Timing
 from ..model.graph import HalModel, Operand, decode_value
 from ..model.types import OperandLifeTime as L, OperationType
-from ..hal.validate import RequestValidator, ValidatedModel
+from ..hal.validate import ValidatedModel, validate_request
 from ..memory import Memory, as_buffer
 from ..vlog import on as vlog_on, vlog
 from .. import trace as tracing
@@ -154,79 +153,28 @@ class RequestPlan:
     (operand types, element types, declared shapes): what
     ``nnrt.hal.request`` does per execution, without looking anything up.
 
-    :meth:`serving` gives the last binding when it serves a request;
-    :meth:`bind` validates any other request (through the
-    :class:`nnrt.hal.validate.RequestValidator`, which redoes its checks only
-    for a layout it has not seen valid last) and resolves it into a
-    :class:`Binding`: where each input is read and each output written. What
-    the arguments say (offsets, shapes, element types: a :class:`_Layout`)
-    is resolved apart from the pools they point into, so that
+    :meth:`bind` validates a request and resolves it into a
+    :class:`Binding`: where each input is read and each output written. A
+    reusable execution (``ReferencePreparedModel.create_execution``) binds
+    once and runs its binding again and again; a one-shot execution binds
+    for its one run. Tested by tests/unit/test_executor_plan.py."""
 
-    - a request with the same arguments and the same pool objects is bound
-      already: an execution like the last one validates nothing and resolves
-      nothing again (the very same request is recognised by identity);
-    - a request with the same arguments over other pools of the same sizes
-      (the runtime's fresh output arrays, a caller's new buffers) keeps the
-      layout and binds only the pools: their sizes are checked against it,
-      nothing else is resolved again (issue 16); when those arguments are
-      the very tuples of the last binding and every pool is a numpy array
-      of the size it replaces, the binding moves to the new pools without
-      going through the validator (:meth:`Binding.moved`).
-
-    Tested by tests/unit/test_executor_plan.py."""
-
-    __slots__ = ("_validator", "_initial", "_inputs", "_outputs", "_last")
+    __slots__ = ("model", "_initial", "_inputs", "_outputs")
 
     def __init__(self, executor: Executor):
-        model = executor.model
+        model = self.model = executor.model
         sub = model.main
-        self._validator = RequestValidator(model)
         self._initial = executor.main.initial
         self._inputs = tuple((i, sub.operands[i], sub.operands[i].type.is_tensor,
                               sub.operands[i].type.dtype, sub.operands[i].dimensions)
                              for i in sub.input_indexes)
         self._outputs = tuple((i, sub.operands[i].type.dtype, sub.operands[i].dimensions)
                               for i in sub.output_indexes)
-        # Replaced in one store, read once per bind: any thread may bind, and
-        # a stale read only costs a binding made again.
-        self._last: Binding | None = None
-
-    def serving(self, request) -> "Binding | None":
-        """The last binding if it serves ``request`` (valid still), or that
-        binding moved to ``request``'s pools (see :meth:`Binding.moved`);
-        else None."""
-        last = self._last
-        if last is None:
-            return None
-        if request is not last._request:
-            # A new request (the runtime's, with fresh output arrays at every
-            # execution): moving the binding to its pools is tried first.
-            # ``serves`` would only find a pool that differs, and the move
-            # would be tried after it anyway.
-            moved = last.moved(request)
-            if moved is not None:
-                self._last = moved
-                return moved
-        return last if last.serves(request) else None
 
     def bind(self, request) -> "Binding":
-        """``request``, which :meth:`serving` did not serve, validated and
-        resolved; INVALID_ARGUMENT as
+        """``request`` validated and resolved; INVALID_ARGUMENT as
         :func:`nnrt.hal.validate.validate_request` gives it."""
-        last = self._last
-        sizes = self._validator.check(request)
-        layout = last.layout if last is not None else None
-        if layout is None or not layout.describes(request):
-            layout = _Layout(self, request)
-        binding = Binding(layout, request, sizes)
-        self._last = binding
-        return binding
-
-
-def _same(args, others) -> bool:
-    """Whether two tuples of request arguments are equal (the same tuple, as
-    a caller that reuses its request passes, is compared without a walk)."""
-    return args is others or args == others
+        return Binding(_Layout(self, request), request, validate_request(self.model, request))
 
 
 _FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be resized
@@ -265,8 +213,6 @@ class _Layout:
                  "declared", "fits", "done")
 
     def __init__(self, plan: RequestPlan, request):
-        # Tuples (tuple() of a tuple is that tuple): only an immutable
-        # container may be recognised by identity in describes().
         self.inputs = tuple(request.inputs)
         self.outputs = tuple(request.outputs)
         # The main subgraph's values as an execution starts, an omitted
@@ -296,10 +242,6 @@ class _Layout:
         self.fits = all(s.is_sufficient for s in self.declared)
         self.done = ExecutionResult(ErrorStatus.NONE, self.declared)
 
-    def describes(self, request) -> bool:
-        """Whether ``request`` has these arguments (its pools aside)."""
-        return _same(request.inputs, self.inputs) and _same(request.outputs, self.outputs)
-
 
 def _kinds(pools, sizes) -> tuple[tuple, tuple]:
     """The Memories among ``pools``, and the pools that can be resized, with
@@ -324,27 +266,18 @@ class Binding:
     arrays over other pools are made per execution (one call each) and die
     with it, because a view kept here would keep a closed Memory mapped (a
     burst's slots are unmapped when it ends, tests/integration/test_burst.py)
-    or a bytearray from being resized. The same pool objects with the
-    same arguments are the same valid layout as long as no pool changed
-    size and no :class:`nnrt.memory.Memory` was closed, which :meth:`serves`
-    checks: numpy arrays, memoryviews, bytes and Memories have a fixed size;
-    any other buffer (a bytearray, an mmap) can be resized between two
-    executions, so its size is compared at each. A binding holds only the
-    pools of its own request: the next request's pools replace them, never
-    mix with them."""
+    or a bytearray from being resized. The binding stays valid as long as no
+    pool changed size and no :class:`nnrt.memory.Memory` was closed, which
+    :meth:`usable` checks: numpy arrays, memoryviews, bytes and Memories
+    have a fixed size; any other buffer (a bytearray, an mmap) can be
+    resized between two executions, so its size is compared at each."""
 
-    __slots__ = ("layout", "_request", "_pools", "_sources", "_memories", "_resizable",
-                 "_start", "_targets")
+    __slots__ = ("layout", "_pools", "_sources", "_memories", "_resizable", "_start",
+                 "_targets")
 
     def __init__(self, layout: _Layout, request, sizes: tuple[int, ...]):
         self.layout = layout
         self._pools = pools = tuple(request.pools)
-        # The request itself when all it holds is immutable (tuples of frozen
-        # arguments, as the layout recognises them): it is then served on
-        # its identity, its pools checked as any other's.
-        whole = pools is request.pools and request.inputs.__class__ is tuple \
-            and request.outputs.__class__ is tuple
-        self._request = request if whole else None
         memories = resizable = ()
         self._start = self._targets = None
         for p in pools:
@@ -365,61 +298,14 @@ class Binding:
         self._sources = tuple(p.view() if isinstance(p, Memory) else p
                               for p in pools) if memories else pools
 
-    def serves(self, request) -> bool:
-        """Whether ``request`` is the request this binding was made for."""
-        if request is not self._request:
-            pools = self._pools
-            if not (len(request.pools) == len(pools)
-                    and all(map(operator.is_, request.pools, pools))
-                    and self.layout.describes(request)):
-                return False
-        return (not (self._memories and any(m.closed for m in self._memories))
-                and not (self._resizable and any(as_buffer(p).nbytes != n
-                                                 for p, n in self._resizable)))
-
-    def moved(self, request) -> "Binding | None":
-        """A binding of this layout over ``request``'s pools, when ``request``
-        has this binding's very argument tuples and numpy pools only, each
-        C-contiguous and of the size of the pool it replaces (the runtime's
-        fresh output arrays at every execution), or this binding itself when
-        they are its very pools; else None. Nothing is
-        validated again: the validator's answer for these arguments over
-        pools of these sizes was given for this binding (by induction, for
-        the binding it moved from). The tensor inputs' views are kept when
-        the pools they are read from are the same objects."""
-        start = self._start
-        layout = self.layout
-        if start is None or request.inputs is not layout.inputs \
-                or request.outputs is not layout.outputs:
-            return None
-        pools, old = request.pools, self._pools
-        if pools.__class__ is not tuple or len(pools) != len(old):
-            return None
-        same = True
-        for p, q in zip(pools, old):
-            if p is not q:
-                if p.__class__ is not np.ndarray or p.nbytes != q.nbytes \
-                        or not p.flags.c_contiguous:
-                    return None
-                same = False
-        if same:
-            return self     # its very pools (in new tuples): this binding serves it
-        moved = object.__new__(Binding)
-        moved.layout = layout
-        moved._request = request
-        moved._pools = moved._sources = pools
-        moved._memories = moved._resizable = ()
-        # No views of the outputs' regions: a moved binding's outputs are
-        # new arrays (the runtime's at every execution), written as they
-        # come; a view made here would serve one execution.
-        moved._targets = None
-        for i in layout.reads:
-            if pools[i] is not old[i]:
-                moved._start = moved._values(pools)
-                break
-        else:
-            moved._start = start
-        return moved
+    def usable(self) -> str | None:
+        """None while the binding is valid; else why not (a closed Memory,
+        a pool resized since)."""
+        if self._memories and any(m.closed for m in self._memories):
+            return "a memory of the bound request was closed"
+        if self._resizable and any(as_buffer(p).nbytes != n for p, n in self._resizable):
+            return "a pool of the bound request changed size"
+        return None
 
     def read_inputs(self) -> list:
         """Every operand's value as the main subgraph starts (what
@@ -479,9 +365,8 @@ class Binding:
         sources = self._sources
         targets = self._targets
         if targets is not None:
-            # Views made with the binding (a request served again); a pool is
-            # asked whether it is writable now: a view made before keeps the
-            # flag it had then.
+            # Views made with the binding; a pool is asked whether it is
+            # writable now: a view made before keeps the flag it had then.
             for value, out, target in zip(outputs, self.layout.outs, targets):
                 if target is not None and value.shape == out.declared.dimensions \
                         and sources[out.pool_index].flags.writeable:

@@ -16,8 +16,9 @@ from .._version import __version__
 from ..errors import ErrorStatus, NnrtError
 from ..handoff import run_in_worker
 from ..hal import (NO_TIMING, AppKey, Boundaries, Capabilities, Checkpoint, Device, DeviceType,
-                   ExecutionPreference, ExecutionResult, OutputShape, PerformanceInfo,
-                   PreparedModel, Priority, Request, Scheduling, Timing)
+                   Execution, ExecutionPreference, ExecutionResult, OutputShape,
+                   PerformanceInfo, PreparedModel, Priority, Request, RequestExecution,
+                   Scheduling, Timing)
 from ..hal.buffers import BufferRegistry, uses_tokens
 from ..hal.types import BufferDesc, BufferRole
 from ..hal.cache import CacheFiles, check_counts
@@ -119,9 +120,17 @@ class ReferencePreparedModel(PreparedModel):
         self.executor = executor
         self.buffers = BufferRegistry() if buffers is None else buffers
         self.app = app    # who prepared it: the only app whose buffers it may use
-        # Resolved once, used by every execution (issue 16): the operand
-        # facts, and the last request bound (see RequestPlan).
+        # The operand facts every binding uses, resolved once (see RequestPlan).
         self._plan = RequestPlan(executor)
+
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None) -> Execution:
+        """``request`` validated and bound once (:class:`Binding`: where each
+        input is read and each output written). A request naming driver
+        buffers by token runs through the buffer registry each time."""
+        if uses_tokens(request):
+            return RequestExecution(self, request, measure, loop_timeout)
+        return ReferenceExecution(self, self._plan.bind(request), request, measure, loop_timeout)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -130,27 +139,45 @@ class ReferencePreparedModel(PreparedModel):
         """Validate ``request``, run every operation (``checkpoint`` between
         any two), write the outputs. A failure is a result. A request naming
         driver buffers by token runs through the buffer registry."""
-        # The request bound last (the same again, as a caller that reuses
-        # its request passes) is valid still and names no driver buffer: a
-        # bound request's pools are never tokens.
-        bound = self._plan.serving(request)
-        if bound is None and uses_tokens(request):
+        if uses_tokens(request):
             return self.buffers.execute(
                 self, self.app, request,
-                lambda plain: self._execute(plain, None, measure, deadline, loop_timeout,
-                                            checkpoint))
-        return self._execute(request, bound, measure, deadline, loop_timeout, checkpoint)
+                lambda plain: self.execute_synchronously(plain, measure, deadline, loop_timeout,
+                                                         checkpoint=checkpoint))
+        try:
+            binding = self._plan.bind(request)
+        except NnrtError as e:
+            return ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
+        return ReferenceExecution(self, binding, request, measure, loop_timeout) \
+            .execute_synchronously(deadline, checkpoint=checkpoint)
 
-    def _execute(self, request: Request, bound: Binding | None, measure: bool,
-                 deadline: float | None, loop_timeout: float | None,
-                 checkpoint: Checkpoint | None) -> ExecutionResult:
-        started = time.perf_counter_ns() if measure else 0
+
+class ReferenceExecution(Execution):
+    """A request of a :class:`ReferencePreparedModel`, bound (its
+    :class:`Binding`), run by the executor at each computation."""
+
+    def __init__(self, prepared: ReferencePreparedModel, binding: Binding, request: Request,
+                 measure: bool, loop_timeout: float | None):
+        self.prepared = prepared
+        self.request = request
+        self.measure = bool(measure)
+        self.loop_timeout = loop_timeout
+        self._binding = binding
+
+    def execute_synchronously(self, deadline: float | None = None, *,
+                              checkpoint: Checkpoint | None = None) -> ExecutionResult:
+        bound = self._binding
+        if bound is None:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the execution was released")
+        unusable = bound.usable()
+        if unusable is not None:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT, message=unusable)
+        started = time.perf_counter_ns() if self.measure else 0
         shapes: tuple[OutputShape, ...] = ()
         try:
-            if bound is None:
-                bound = self._plan.bind(request)
             stop = (lambda _context: checkpoint()) if checkpoint is not None else None
-            context = ExecutionContext(self.executor, loop_timeout, deadline, stop)
+            context = ExecutionContext(self.prepared.executor, self.loop_timeout, deadline, stop)
             outputs = context.run_main(bound.read_inputs())
             shapes = bound.output_shapes(outputs)
             bound.write_outputs(outputs)
@@ -161,7 +188,13 @@ class ReferencePreparedModel(PreparedModel):
             return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                    message=f"the executor raised {e!r}")
         timing = NO_TIMING
-        if measure:
+        if self.measure:
             elapsed = (time.perf_counter_ns() - started) // 1000
             timing = Timing(elapsed, elapsed)
         return bound.succeeded(shapes, timing)
+
+    def release(self) -> None:
+        self.request = self._binding = None
+
+    def __repr__(self) -> str:
+        return f"<ReferenceExecution of {len(self.prepared.model.main.operations)} operations>"

@@ -252,60 +252,12 @@ def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
         raise invalid(f"{what}: {lifetime.name} operand must not have a value")
 
 
-def validate_request(model: HalModel, request) -> None:
-    """Check a request's arguments against the main subgraph and its pools."""
-    _check_request(model, request, pool_sizes(request.pools))
-
-
-def _layout(args) -> tuple:
-    """Everything of ``args`` that request validation reads, as one comparable tuple."""
-    return tuple((a.has_no_value, None if a.location is None else
-                  (a.location.pool_index, a.location.offset, a.location.length),
-                  tuple(a.dimensions)) for a in args)
-
-
-class RequestValidator:
-    """:func:`validate_request` for the requests of one prepared model, cheap
-    when a request is laid out like the last valid one.
-
-    Whether a request is valid depends on the model (fixed) and on its
-    *layout* only: each argument's has-no-value flag, pool index, offset,
-    length and dimensions, and each pool's size. The layout of the last
-    request that passed is kept; a request with the same layout passes for
-    the same reasons, so only the layout is compared -- every check still
-    applies to every request whose layout is new. ``check`` also returns
-    the pools' sizes.
-
-    Any thread may call ``check``: the one shared field is replaced in a
-    single store, and a stale read only costs a full validation.
-    Tested by tests/unit/test_executor_plan.py."""
-
-    __slots__ = ("model", "_last", "_last_args")
-
-    def __init__(self, model: HalModel):
-        self.model = model
-        self._last: tuple | None = None
-        # The argument tuples of the last valid request, with its pool sizes:
-        # arguments are immutable, so the same tuples (a burst server reuses
-        # them between frames of one layout) have the same layout.
-        self._last_args: tuple | None = None
-
-    def check(self, request) -> tuple[int, ...]:
-        """The sizes of the request's pools in bytes; INVALID_ARGUMENT as
-        :func:`validate_request` gives it."""
-        sizes = pool_sizes(request.pools)
-        last = self._last_args
-        if last is not None and last[1] is request.inputs and last[2] is request.outputs \
-                and last[0] == sizes:
-            return sizes
-        key = (sizes, _layout(request.inputs), _layout(request.outputs))
-        if key != self._last:
-            _check_request(self.model, request, sizes)
-            self._last = key
-        if request.inputs.__class__ is tuple and request.outputs.__class__ is tuple:
-            # (a list can change under the same object)
-            self._last_args = (sizes, request.inputs, request.outputs)
-        return sizes
+def validate_request(model: HalModel, request) -> tuple[int, ...]:
+    """Check a request's arguments against the main subgraph and its pools;
+    the pools' sizes in bytes."""
+    sizes = pool_sizes(request.pools)
+    _check_request(model, request, sizes)
+    return sizes
 
 
 def pool_sizes(pools) -> tuple[int, ...]:

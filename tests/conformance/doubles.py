@@ -9,13 +9,16 @@ import numpy as np
 
 from nnrt.drivers.reference import ReferenceDevice, ReferencePreparedModel
 from nnrt.errors import ErrorStatus
-from nnrt.hal import DeviceType, ExecutionResult
+from nnrt.hal import DeviceType, ExecutionResult, PreparedModel
 from nnrt.model.types import OperationType
 
 
 class WrongStatusPrepared(ReferencePreparedModel):
     """Answers GENERAL_FAILURE where the HAL requires INVALID_ARGUMENT or
     OUTPUT_INSUFFICIENT_SIZE (a lazy error path)."""
+
+    # It binds nothing: each computation is the execute_synchronously below.
+    create_execution = PreparedModel.create_execution
 
     def execute_synchronously(self, request, measure=False, deadline=None, loop_timeout=None, *,
                               checkpoint=None) -> ExecutionResult:

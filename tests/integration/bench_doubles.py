@@ -8,12 +8,16 @@ import time
 import numpy as np
 
 from nnrt.drivers.reference import ReferenceDevice, ReferencePreparedModel
+from nnrt.hal import PreparedModel
 from nnrt.hal.request import write_outputs
 
 GOOD_RUNS = 2
 
 
 class _Misbehaving(ReferencePreparedModel):
+    # It binds nothing: each computation is the execute_synchronously below.
+    create_execution = PreparedModel.create_execution
+
     def __init__(self, prepared: ReferencePreparedModel, fault: str):
         super().__init__(prepared.model, prepared.executor)
         self.fault = fault

@@ -252,16 +252,16 @@ def test_one_shot_executions_and_new_executions_run_on_a_worker_thread():
 
 
 def test_a_model_with_control_flow_never_runs_inline(monkeypatch):
-    from nnrt.drivers.reference import ReferencePreparedModel
+    from nnrt.drivers.reference import ReferenceExecution
     from tests.integration.test_qos_inprocess import endless_model
 
     threads = []
-    run = ReferencePreparedModel.execute_synchronously
+    run = ReferenceExecution.execute_synchronously
 
     def recording(self, *args, **kwargs):
         threads.append(threading.get_ident())
         return run(self, *args, **kwargs)
-    monkeypatch.setattr(ReferencePreparedModel, "execute_synchronously", recording)
+    monkeypatch.setattr(ReferenceExecution, "execute_synchronously", recording)
     device = ScheduledDevice(ReferenceDevice(), inline_bound=GENEROUS)
     x = np.ones(1, np.float32)
     request = Request((RequestArgument(False, DataLocation(0, 0, 4), (1,)),),

@@ -1,8 +1,6 @@
 """The thread/loop hand-off primitives of nnrt/drivers/handoff.py and the
 allocator settings of nnrt/drivers/heap.py."""
-import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -10,8 +8,7 @@ import threading
 import anyio
 import pytest
 
-from nnrt import handoff
-from nnrt.handoff import Waiter, WorkerThreads, schedule_point
+from nnrt.handoff import Waiter, WorkerThreads
 
 TIMEOUT = 10.0
 
@@ -39,98 +36,6 @@ def test_a_cancelled_wait_can_be_resumed_and_still_gets_the_value(backend):
             return await waiter.wait()
 
     assert anyio.run(main, backend=backend) == 42
-
-
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_a_schedule_point_lets_the_other_tasks_run_and_stops_a_cancelled_task(backend):
-    async def main():
-        ran = []
-
-        async def other():
-            ran.append("other")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other)
-            assert ran == []
-            # Trio runs a batch of ready tasks in a random order: by the end
-            # of the second schedule point the other task has had its turn.
-            await schedule_point()
-            await schedule_point()
-            assert ran == ["other"]
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await schedule_point()
-            ran.append("went on")        # not reached: the task stops there
-        assert scope.cancelled_caught and ran == ["other"]
-
-    anyio.run(main, backend=backend)
-
-
-@pytest.fixture
-def long_quantum(monkeypatch):
-    """Schedule points skip I/O-only turns for a minute, not 0.5 ms: what
-    they decide, without depending on how fast this machine runs the test."""
-    monkeypatch.setattr(handoff, "IO_QUANTUM", 60.0)
-
-
-def test_a_schedule_point_skips_a_turn_that_would_only_poll_io(long_quantum):
-    async def main():
-        loop = asyncio.get_running_loop()
-        readable = []
-        r, w = socket.socketpair()
-        loop.add_reader(r, lambda: readable.append(r.recv(1)))
-        try:
-            await schedule_point()         # a turn: the quantum starts
-            w.send(b"x")
-            await schedule_point()         # only the socket would be polled: skipped
-            assert await schedule_point() is None   # (the skipped point's shared iterator, again)
-            assert readable == []
-            handoff.IO_QUANTUM = 0.0       # the quantum is over: the loop polls
-            await schedule_point()         # (the loop runs the reader after this task)
-            await schedule_point()
-            assert readable == [b"x"]
-        finally:
-            loop.remove_reader(r)
-            r.close()
-            w.close()
-
-    asyncio.run(main())
-
-
-def test_a_schedule_point_still_turns_for_a_ready_callback_or_a_due_timer(long_quantum):
-    async def main():
-        loop = asyncio.get_running_loop()
-        ran = []
-        await schedule_point()
-        loop.call_soon(ran.append, "ready")
-        await schedule_point()
-        assert ran == ["ready"]
-        loop.call_later(0, ran.append, "timer")
-        await schedule_point()             # (the loop runs a due timer after this task)
-        await schedule_point()
-        assert ran == ["ready", "timer"]
-        loop.call_later(30, ran.append, "later")   # not due: no turn for it
-        await schedule_point()
-        await schedule_point()
-        assert ran == ["ready", "timer"]
-
-    asyncio.run(main())
-
-
-def test_within_the_quantum_a_cancelled_task_still_stops_at_a_schedule_point(long_quantum):
-    async def main():
-        await schedule_point()
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await schedule_point()
-            raise AssertionError("not reached: the task stops at the schedule point")
-        assert scope.cancelled_caught
-        with anyio.move_on_after(0) as scope:     # a deadline that is due
-            await schedule_point()
-            raise AssertionError("not reached: the deadline stops it")
-        assert scope.cancelled_caught
-
-    anyio.run(main)
 
 
 def test_the_delivering_thread_can_wait_until_the_task_took_the_value():

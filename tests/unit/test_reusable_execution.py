@@ -232,6 +232,8 @@ class WhereItRuns(ReferenceDevice):
         runs = self.runs
 
         class Recording(type(prepared)):
+            create_execution = PreparedModel.create_execution   # binds nothing
+
             def execute_synchronously(self, *a, **k):
                 try:
                     asyncio.get_running_loop()

@@ -12,7 +12,7 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, ResultCode
 from nnrt.drivers.reference import ReferenceDevice, ReferencePreparedModel
-from nnrt.hal import DeviceType, ExecutionResult
+from nnrt.hal import DeviceType, ExecutionResult, PreparedModel
 
 from .test_runtime import add_model
 
@@ -56,6 +56,9 @@ class Accelerator(ReferenceDevice):
 
 
 class FailingPrepared(ReferencePreparedModel):
+    # It binds nothing: each computation is the execute_synchronously below.
+    create_execution = PreparedModel.create_execution
+
     def execute_synchronously(self, request, measure=False, deadline=None, loop_timeout=None,
                               *, checkpoint=None):
         return ExecutionResult(ErrorStatus.GENERAL_FAILURE, message="the NPU hung")
