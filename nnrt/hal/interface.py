@@ -285,21 +285,12 @@ class PreparedModel(abc.ABC):
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
-                      loop_timeout: float | None = None, *,
-                      on_result: Callable[[ExecutionResult], bool] | None = None
-                      ) -> ExecutionResult:
+                      loop_timeout: float | None = None) -> ExecutionResult:
         """Run ``request`` without blocking the caller's event loop (HAL
         ``execute_1_3`` + ``IExecutionCallback``). This default runs
         :meth:`execute_synchronously` on a worker thread, unscheduled; the QoS
         front and the service proxy replace it. A cancelled caller returns
-        only once the thread let go of the request's pools.
-
-        ``on_result(result)``, when given, may be called once with the
-        result on the thread that produced it, before this returns it; it
-        must not raise or block, and returns True when it answered whoever
-        waits for the result itself (a driver service writing the reply
-        from that thread: docs/design/scheduler.md, "In a driver service"). An
-        implementation may never call it; this default does not."""
+        only once the thread let go of the request's pools."""
         return await in_worker(lambda: self.execute_synchronously(
             request, measure, deadline, loop_timeout))
 

@@ -305,14 +305,12 @@ class ScheduledPreparedModel(PreparedModel):
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
-                      loop_timeout: float | None = None, *,
-                      on_result: Callable[[ExecutionResult], bool] | None = None
-                      ) -> ExecutionResult:
+                      loop_timeout: float | None = None) -> ExecutionResult:
         """A one-shot :class:`ScheduledExecution` of ``request``."""
         execution = self._one_shot(request, measure, loop_timeout)
         if execution.__class__ is ExecutionResult:
             return execution
-        return await execution.execute(deadline, on_result=on_result)
+        return await execution.execute(deadline)
 
     def execute_synchronously(self, request: Request, measure: bool = False,
                               deadline: float | None = None,
@@ -361,13 +359,10 @@ class ScheduledExecution(Execution):
         self.request = None
         self.inner.release()
 
-    async def execute(self, deadline: float | None = None, *,
-                      on_result: Callable[[ExecutionResult], bool] | None = None
-                      ) -> ExecutionResult:
-        """``on_result`` (see the HAL's ``PreparedModel.execute``) is called on
-        the thread that ran the job -- its own, or a preempted job's
-        (donation) -- before the awaiting task is woken; not for an inline
-        run, which ends on the awaiting task's own thread."""
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        """Compute on the thread of a job (a worker's, or a preempted job's:
+        donation), or inline (see the class); the result goes from that
+        thread to the awaiting task."""
         model = self.model
         gate = model._gate
         job = None
@@ -402,18 +397,11 @@ class ScheduledExecution(Execution):
                     waiter.deliver(ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                                    message=f"the execution was interrupted: {e!r}"))
                     raise
-            answered = False
-            if on_result is not None:
-                try:
-                    answered = on_result(result)
-                except Exception as e:   # it must not raise; the task answers then
-                    vlog("execution", "%s: on_result raised %r", model.key, e)
             waiter.deliver(result)
-            if gate.running_donated() and not answered:
+            if gate.running_donated():
                 # This thread's own job, preempted by this one, resumes next:
                 # let the awaiting task take the result first, rather than
-                # compete with it for the CPU and the GIL (bounded). Not when
-                # on_result answered already: the task then only tidies up.
+                # compete with it for the CPU and the GIL (bounded).
                 waiter.wait_taken(_DONOR_LINGER)
 
         if job is None:

@@ -762,10 +762,7 @@ class ServicePreparedModel(PreparedModel):
 
     async def execute(self, request: Request, measure: bool = False,
                       deadline: float | None = None,
-                      loop_timeout: float | None = None, *,
-                      on_result=None) -> ExecutionResult:
-        # ``on_result`` is never called: the result is only whole here, on
-        # the caller's loop, after the outputs are copied out.
+                      loop_timeout: float | None = None) -> ExecutionResult:
         staging = self._stage(request)
         if isinstance(staging, ExecutionResult):
             return staging

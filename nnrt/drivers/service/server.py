@@ -47,28 +47,11 @@ slots are asked of the client with a call of ours, GET_MEMORIES, whose
 reply the read loop hands to the waiting task; a burst that ends on our
 side (ring out of sync, model released) is reported with BURST_ENDED.
 
-Reply from the job's thread. An EXECUTE that brings no fds (its pools
-mapped already: the steady state) and whose outputs are no device
-memories is answered by the thread that ran its job (its own, or the
-preempted job's it was donated to), through the driver's ``on_result``,
-not by the handler task: waking the loop for the result and taking the GIL
-back from a job thread running another app's operations was one hop of a
-light app's frame that queued behind whatever held the loop's CPU
-(docs/design/scheduler.md, "In a driver service"). That thread never blocks on the client: it
-writes with ``MSG_DONTWAIT`` under ``_wire``, the lock every write of the
-connection takes (and every encoding of a frame: the core counts them),
-and whatever the socket does not take at once (all of
-it, for a client that stopped reading) is left in ``_rest`` for the loop,
-which writes it before any other frame. While a frame is part-written
-(``_rest`` set, or the loop waiting to write the rest of its own), the
-thread does not write and the handler task answers as before. The handler
-task still ends the call (the cancel target, the in-flight count, the
-fds); a CANCEL that arrives after such a reply is answered, and the call
-not answered twice. Device-memory outputs are answered by the task: their
-mirrors are refreshed on the loop before the reply; so are calls with
-fds, which the task closes (and pools mapped for the call alone, which it
-unmaps) before the reply, so that a reply still means the service holds
-nothing more of the call.
+Replies. Every reply is written by the connection's event loop: a job's
+thread hands its result to the loop (the awaiting handler task), which
+writes it under the send lock. The socket is only ever written from the
+loop, so a client that stops reading blocks its own replies, nobody's
+thread.
 
 Runs on anyio (the asyncio backend and uvloop when the CLI starts it); the
 socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
@@ -77,13 +60,11 @@ socket is waited on with ``anyio.wait_readable``/``wait_writable``, i.e.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import os
 import socket
 import stat
-import threading
 import struct
 from dataclasses import dataclass, fields, replace
 
@@ -194,7 +175,6 @@ class ServiceStatistics:
     calls: int
     malformed: int
     prepared_models: int
-    job_thread_replies: int = 0   # EXECUTE replies written by the thread that ran the job
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +229,6 @@ class DriverService:
         self._connections_total = 0
         self._calls = 0
         self._malformed = 0
-        self._job_thread_replies = 0
-        self._counting = threading.Lock()
         self.burst_counters = BurstCounters()
         # token -> the mirror of a buffer (see mirror.py), refreshed by any
         # connection whose execution writes the buffer; owned by the
@@ -300,8 +278,7 @@ class DriverService:
     def statistics(self) -> ServiceStatistics:
         return ServiceStatistics(len(self.connections), self._connections_total, self._calls,
                                  self._malformed,
-                                 sum(len(c.models) for c in self.connections),
-                                 self._job_thread_replies)
+                                 sum(len(c.models) for c in self.connections))
 
     def burst_statistics(self) -> "BurstStatistics":
         c = self.burst_counters
@@ -360,12 +337,6 @@ class ServiceConnection:
         self.models: dict[int, _Prepared] = {}
         self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
         self._send_lock = anyio.Lock()
-        # Every write to the socket, and _alive's fall, under _wire: a job's
-        # thread may write a reply (see "Reply from the job's thread").
-        self._wire = threading.Lock()
-        self._rest: memoryview | None = None   # a frame's unwritten end: goes first
-        self._mid_frame = False                # a frame is part-written
-        self._answered: set[int] = set()       # EXECUTE calls a job's thread answered
         self._alive = True
         self._in_flight = 0
         self._most_bytes_held = 0   # of unfinished frames, at any time
@@ -388,8 +359,7 @@ class ServiceConnection:
                     # left to answer, so stop its calls.
                     tg.cancel_scope.cancel()
         finally:
-            with self._wire:   # no job's thread writes from here on
-                self._alive = False
+            self._alive = False
             for fd in self.proto.take_fds():
                 os.close(fd)
             for model_id, entry in self.models.items():
@@ -495,68 +465,25 @@ class ServiceConnection:
 
     async def _reply(self, reply: p.Reply) -> None:
         if self._alive:
-            with self._wire:   # the core's counters: a job's thread encodes replies too
-                frame = self.proto.reply(reply)
-            await self._send(*frame)
+            await self._send(*self.proto.reply(reply))
 
     async def _send(self, data: bytes, fds) -> None:
         async with self._send_lock:
-            await self._write(memoryview(data), rights(fds))
-
-    async def _write(self, view: memoryview, anc) -> None:
-        """Write one frame (``anc``: its fds, riding with the first bytes),
-        after the end of a frame a job's thread began, if one waits (it can
-        only have been left between two whole frames); waits for the socket
-        as needed. Under the send lock; each write under ``_wire``."""
-        while True:
-            with self._wire:
-                rest = self._rest is not None
-                current = self._rest if rest else view
-                if not current:
-                    return
+            view, anc = memoryview(data), rights(fds)
+            while view:   # (anc: the fds, riding with the first bytes)
                 try:
-                    sent = self.sock.sendmsg([current], [] if rest else anc,
-                                             socket.MSG_NOSIGNAL) if self._alive else len(current)
+                    sent = self.sock.sendmsg([view], anc, socket.MSG_NOSIGNAL) \
+                        if self._alive else len(view)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 except OSError:
                     self._alive = False  # the reader sees the EOF and cleans up
-                    sent = len(current)
-                current = current[sent:]
-                if rest:
-                    self._rest = current if current else None
-                else:
-                    view = current
-                    if sent:
-                        anc = []
-                self._mid_frame = bool(current)
-            if current:
-                await anyio.wait_writable(self.sock)
-
-    def _answer_from_job(self, call: p.Execute, scope: anyio.CancelScope,
-                         result: ExecutionResult) -> bool:
-        """``on_result`` of an EXECUTE, on the thread that ran its job:
-        write the reply now, never blocking (see "Reply from the job's
-        thread"). False leaves the reply to the handler task: always for a
-        call its client cancelled, which is answered "cancelled"."""
-        with self._wire:
-            if not self._alive or self._mid_frame or scope.cancel_called:
-                return False
-            data, _fds = self.proto.reply(p.reply_for(call, result))  # an execution's: no fds
-            with self.service._counting:   # job threads of several connections
-                self.service._job_thread_replies += 1   # before the client can see it
-            try:
-                sent = self.sock.sendmsg([data], [], socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._alive = False  # the reader sees the EOF and cleans up
-                sent = len(data)
-            if sent < len(data):
-                self._rest = memoryview(data)[sent:]
-                self._mid_frame = True
-            self._answered.add(call.call_id)
-        return True
+                    sent = len(view)
+                view = view[sent:]
+                if sent:
+                    anc = []
+                if view:
+                    await anyio.wait_writable(self.sock)
 
     async def _handle(self, call) -> None:
         """Answer ``call`` with its handler's value, or the error it raised;
@@ -577,11 +504,6 @@ class ServiceConnection:
             self.proto.finished(call.call_id)
             for fd in p.fds_of(call):
                 os.close(fd)
-        if call.call_id in self._answered:   # by the job's thread: write what it left
-            self._answered.discard(call.call_id)
-            async with self._send_lock:
-                await self._write(memoryview(b""), [])
-            return
         await self._reply(reply)
 
     # -- handlers: one per method the service serves -----------------------------
@@ -688,15 +610,9 @@ class ServiceConnection:
                 scope.cancel()   # the CANCEL came before this task ran
             try:
                 entry = self._own(call.model_id)
-                # Not with device-memory outputs (their mirrors are refreshed
-                # here first) nor fds (closed, and pools mapped for this call
-                # only unmapped, by this task: the reply must not come before).
-                direct = None if p.fds_of(call) or any(
-                    isinstance(wp, p.WireToken) for wp in call.pools) \
-                    else functools.partial(self._answer_from_job, call, scope)
                 with self._request(entry, call) as request:
                     result = await entry.prepared.execute(request, call.measure, call.deadline,
-                                                          call.loop_timeout, on_result=direct)
+                                                          call.loop_timeout)
                 if result.status == ErrorStatus.NONE:
                     await self._refresh_mirrors(call)
                 return result
@@ -937,9 +853,8 @@ class ServiceConnection:
             if burst.end_reason is not None and self._alive:
                 # Ended on our side: the controller must not wait for results.
                 # (Its reply is dropped: nobody waits for it.)
-                with self._wire:
-                    frame = self.proto.notify(
-                        lambda cid: p.BurstEnded(cid, burst.burst_id, burst.end_reason))
+                frame = self.proto.notify(
+                    lambda cid: p.BurstEnded(cid, burst.burst_id, burst.end_reason))
                 with anyio.CancelScope(shield=True):
                     await self._send(*frame)
 
@@ -971,8 +886,7 @@ class ServiceConnection:
     async def _call_client(self, build) -> p.Reply:
         """Send the client a call of ours and await its reply."""
         box = _ClientReply()
-        with self._wire:
-            call_id, data, fds = self.proto.call(build, box)
+        call_id, data, fds = self.proto.call(build, box)
         try:
             if self._alive:
                 await self._send(data, fds)
