@@ -174,7 +174,8 @@ class RequestPlan:
     def bind(self, request) -> "Binding":
         """``request`` validated and resolved; INVALID_ARGUMENT as
         :func:`nnrt.hal.validate.validate_request` gives it."""
-        return Binding(_Layout(self, request), request, validate_request(self.model, request))
+        sizes = validate_request(self.model, request)   # first: a layout needs a valid request
+        return Binding(_Layout(self, request), request, sizes)
 
 
 _FIXED_SIZE = (np.ndarray, memoryview, bytes, Memory)   # pools that cannot be resized

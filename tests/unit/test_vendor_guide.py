@@ -13,10 +13,13 @@ from nnrt.drivers.reference import ReferenceDevice
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "vendors" / "adding-a-driver.md"
 
 
-def _guide_driver() -> dict:
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+def _guide_driver(blocks: int = 1) -> dict:
+    """The guide's first ``blocks`` python blocks run in one namespace: the
+    driver, then its binding."""
+    found = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
     namespace: dict = {}
-    exec(compile(blocks[0], str(GUIDE), "exec"), namespace)   # the driver, as written
+    for block in found[:blocks]:
+        exec(compile(block, str(GUIDE), "exec"), namespace)   # as written
     return namespace
 
 
@@ -93,3 +96,29 @@ async def test_the_guides_memory_domain_example_keeps_buffers_for_the_runtime():
         else:
             raise AssertionError("input 1 is not one of the memory's roles")
         assert device.buffers.statistics().executions == 4
+
+
+def test_the_guides_binding_computes_the_request_it_bound_again_and_again():
+    from nnrt.hal import Request, RequestArgument
+    from nnrt.model.graph import DataLocation
+    guide = _guide_driver(blocks=2)
+    m = nnrt.Model()
+    a, b = m.add_operand(T.TENSOR_FLOAT32, [4]), m.add_operand(T.TENSOR_FLOAT32, [4])
+    act = m.add_operand(T.INT32)
+    m.set_operand_value(act, 0)
+    out = m.add_operand(T.TENSOR_FLOAT32, [4])
+    m.add_operation(Op.ADD, [a, b, act], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    hal = m.finish().hal_model
+    x, y, z = np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.float32)
+    request = Request(tuple(RequestArgument(False, DataLocation(k, 0, 16)) for k in (0, 1)),
+                      (RequestArgument(False, DataLocation(2, 0, 16)),), (x, y, z))
+    execution = guide["BindingAdderModel"](hal).create_execution(request)
+    for k in range(3):
+        x[:] = k
+        assert execution.execute_synchronously().status == ErrorStatus.NONE
+        np.testing.assert_array_equal(z, k + 1)
+    short = Request(request.inputs, (RequestArgument(False, DataLocation(2, 0, 8)),), (x, y, z))
+    result = guide["BindingAdderModel"](hal).create_execution(short).execute_synchronously()
+    assert result.status == ErrorStatus.OUTPUT_INSUFFICIENT_SIZE
+    assert result.output_shapes[0].dimensions == (4,)
