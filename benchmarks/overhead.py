@@ -18,8 +18,8 @@ shuffled order), 1 thread everywhere:
   the input array (``compiled.create_execution([x])``), then
   ``execution.compute()`` per call, plain and awaited.
 - ``service burst`` / ``service execute``: a ``litert`` driver service
-  spawned by the runtime, through ``compiled.burst()`` and a plain
-  ``compiled.execute``.
+  spawned by the runtime: a reusable execution computed through
+  ``compiled.burst()`` (``burst.compute``), and a plain ``compiled.execute``.
 
 Prints per way the median and p99 per call (ms) and the ratio of medians to
 ``litert direct`` (async ways also to ``litert to_thread``), measured in the
@@ -91,7 +91,8 @@ def bench_model(name: str, rounds: int, service: bool, sync_rt: nnrt.SyncRuntime
             compiled[way] = loop.run_until_complete(rt.compile(model,
                                                                devices=["overhead-litert"]))
         burst = loop.run_until_complete(compiled["service burst"].burst().__aenter__())
-        calls["service burst"] = (True, lambda: burst.execute([x]))
+        frame = compiled["service burst"].create_execution([x.copy()])
+        calls["service burst"] = (True, lambda: burst.compute(frame))
         calls["service execute"] = (True, lambda: compiled["service execute"].execute([x]))
 
     async def awaited(call):

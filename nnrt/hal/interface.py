@@ -59,11 +59,30 @@ class Scheduling:
     fronted: bool = False
 
 
-Checkpoint = Callable[[], None]
-"""Called by a driver at each declared boundary. Returns to go on (maybe
-after a while: the execution was preempted and resumed), or raises
-``NnrtError`` to stop it (deadline missed, cancelled); the driver then
-returns that error as its result."""
+class Checkpoint:
+    """What a driver calls at each boundary it declared: ``checkpoint()``
+    returns to go on (maybe after a while: the execution was preempted and
+    resumed), or raises ``NnrtError`` to stop it (deadline missed,
+    cancelled); the driver then returns that error as its result.
+
+    ``checkpoint.contended()`` says whether another job waits for the device
+    now. A driver whose boundaries cost something (the litert driver's
+    segments) may run a whole execution without them when nobody waits as
+    it starts; a job that comes meanwhile then waits for that run. The
+    scheduler makes these; ``Checkpoint(fn)`` wraps a plain function as
+    always contended (stop at every boundary)."""
+
+    __slots__ = ("_stop", "_contended")
+
+    def __init__(self, stop: Callable[[], None], contended: Callable[[], bool] | None = None):
+        self._stop = stop
+        self._contended = contended
+
+    def __call__(self) -> None:
+        self._stop()
+
+    def contended(self) -> bool:
+        return True if self._contended is None else self._contended()
 
 AppKey = Hashable
 """Who asks: the key of an app's queue (``("uid", 1000)`` in a service)."""

@@ -38,9 +38,9 @@ import anyio.lowlevel
 
 from ..errors import ErrorStatus, NnrtError
 from ..handoff import Waiter, run_soon
-from ..hal import (AppKey, Boundaries, Capabilities, Device, Execution, ExecutionPreference,
-                   ExecutionResult, PreparedModel, Priority, Request, Scheduling, Timing,
-                   check_deadline, check_priority)
+from ..hal import (AppKey, Boundaries, Capabilities, Checkpoint, Device, Execution,
+                   ExecutionPreference, ExecutionResult, PreparedModel, Priority, Request,
+                   Scheduling, Timing, check_deadline, check_priority)
 from ..hal.cache import CacheFiles
 from ..hal.validate import validate_model
 from ..memory import as_buffer
@@ -457,7 +457,8 @@ class ScheduledExecution(Execution):
         after the slot is given back. Traced as the span "scheduled run"."""
         model = self.model
         gate = model._gate
-        checkpoint = partial(gate.checkpoint, job) if model._stops and not inline else None
+        checkpoint = Checkpoint(partial(gate.checkpoint, job), gate.scheduler.waiting) \
+            if model._stops and not inline else None
         traced = time.monotonic_ns() if trace.recording else 0   # the span's start
         ran = time.perf_counter_ns()
         try:

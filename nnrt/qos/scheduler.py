@@ -705,6 +705,12 @@ class Scheduler:
             return None
         return job.deadline - self._remaining(job, job.ran)
 
+    def waiting(self) -> bool:
+        """Whether any job waits for a slot now (one load: any thread may
+        ask, without the lock; an answer that is stale at once is still one
+        the caller could have got a moment earlier)."""
+        return self._queued > 0
+
     def take_wakeups(self) -> list[Job]:
         """Jobs whose owners must look at them again (dispatched, refused or
         cancelled while waiting), oldest first; empties the outbox."""

@@ -42,7 +42,7 @@ async def test_high_waits_at_most_one_litert_segment_behind_a_low_mobilenet_floo
             return (await rt.statistics("cpu-fast")).of(me, Priority.LOW).running == 1
 
         async with anyio.create_task_group() as tg:
-            for _ in range(3):
+            for _ in range(6):
                 tg.start_soon(flood)
             for k in range(8):
                 for _ in range(2000):
@@ -57,16 +57,16 @@ async def test_high_waits_at_most_one_litert_segment_behind_a_low_mobilenet_floo
     highs = [r for r in records if r.app == me and r.priority == Priority.HIGH]
     lows = [r for r in records if r.app == me and r.priority == Priority.LOW]
     assert len(highs) == 8 and lows
-    longest_segment = max(r.longest_step for r in lows)
-    # The model runs in several segments: a LOW job's longest step is a
-    # segment, shorter than the whole job. Both sides are slot time, from
-    # the scheduler's records: a step counts from its dispatch (the thread's
-    # wake-up included), ``ran`` does not, so on a loaded host a one-step
-    # comparison against ``ran`` would compare two different clocks.
-    assert longest_segment < max(r.finished_at - r.started_at for r in lows)
+    # A HIGH waits at most one step of the LOW it found running (slot time,
+    # from the scheduler's records): a segment when that run began with
+    # other jobs waiting -- the flood keeps several queued -- and the whole
+    # run when it began with none (the driver then runs it uncut).
     for h in highs:
         assert h.status == ErrorStatus.NONE
-        assert h.wait <= longest_segment + 0.002, (h.wait, longest_segment)
+        running = [r for r in lows if r.started_at is not None
+                   and r.started_at <= h.submitted_at < r.finished_at]
+        step = max((r.longest_step for r in running), default=0.0)
+        assert h.wait <= step + 0.002, (h.wait, step)
     assert stats.of(me, Priority.LOW).preempted >= 1
     assert low_results
     for out in low_results:

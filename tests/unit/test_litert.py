@@ -14,7 +14,7 @@ pytest.importorskip("ai_edge_litert")
 
 import nnrt  # noqa: E402
 from nnrt import OperandType as T, OperationType as O  # noqa: E402
-from nnrt.hal import Request, RequestArgument  # noqa: E402
+from nnrt.hal import Checkpoint, Request, RequestArgument  # noqa: E402
 from nnrt.drivers.litert import LiteRTDevice  # noqa: E402
 from nnrt.drivers.litert import segments as seg  # noqa: E402
 from nnrt.drivers.reference import ReferenceDevice  # noqa: E402
@@ -450,9 +450,14 @@ def test_cut_bounds_each_segment_by_the_budget_or_makes_the_count_asked_for():
         assert [k for g in groups for k in g] == list(range(6))
 
 
-def _execute(prepared, x, checkpoint=None):
+def _execute(prepared, x, checkpoint=None, contended=None):
+    """Execute with ``checkpoint`` (a function) at the boundaries, as a
+    scheduler's checkpoint that says whether a job waits (``contended``,
+    default: always)."""
     outs = [np.empty((1, 5), np.float32), np.empty((1, 8, 8, 8), np.float32)]
-    result = prepared.execute_synchronously(request_for([x], outs), checkpoint=checkpoint)
+    result = prepared.execute_synchronously(
+        request_for([x], outs),
+        checkpoint=None if checkpoint is None else Checkpoint(checkpoint, contended))
     return result, outs
 
 
@@ -484,6 +489,26 @@ def test_a_pool_that_is_not_a_contiguous_buffer_is_refused_not_raised():
     assert result.status == ErrorStatus.INVALID_ARGUMENT
     assert "pool 1 is not a contiguous buffer" in result.message
     assert _execute(prepared, x)[0].status == ErrorStatus.NONE
+
+
+def test_a_cut_model_runs_uncut_while_nobody_waits_and_in_segments_while_a_job_does():
+    model = mobilenet_like()
+    prepared = LiteRTDevice(segments=4).prepare_model_synchronously(model.hal_model)
+    assert prepared.segment_count == 4 and prepared.uncut is not None
+    x = random_input(model)
+    calls = []
+    contended = [False]
+    free, free_outs = _execute(prepared, x, lambda: calls.append(1), lambda: contended[0])
+    assert free.status == ErrorStatus.NONE and calls == []      # uncut: no boundary
+    contended[0] = True
+    busy, busy_outs = _execute(prepared, x, lambda: calls.append(1), lambda: contended[0])
+    assert busy.status == ErrorStatus.NONE and calls == [1, 1, 1]   # between 4 segments
+    for a, b in zip(free_outs, busy_outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Without a checkpoint (nobody could stop it): uncut too.
+    assert _execute(prepared, x)[0].status == ErrorStatus.NONE
+    one = LiteRTDevice(segment_time=None).prepare_model_synchronously(model.hal_model)
+    assert one.segment_count == 1 and one.uncut is None
 
 
 def test_a_checkpoint_that_raises_stops_the_execution_with_its_status():

@@ -36,7 +36,8 @@ from .. import cached
 from . import segments as seg
 from .table import OpInfo, Unsupported, lower
 
-DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long
+DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long behind
+                               # a run that began with jobs waiting (segmented)
 
 # Relative to the reference driver (1.0): LiteRT is 5-30x faster on the
 # shared models on a quiet host (docs/performance.md); 0.1 stays on the safe side.
@@ -133,7 +134,7 @@ class LiteRTDevice(Device):
         # setting reads as a foreign file, not as a plan to trust.
         how = f"threads={self.num_threads} segment_time={self.segment_time} " \
               f"segments={self.segments}"
-        return f"litert-plan {how}", f"litert-segments {how}"
+        return f"litert-plan-2 {how}", f"litert-segments-2 {how}"
 
     async def prepare_model_from_cache(self, cache: CacheFiles,
                                        priority: Priority = Priority.MEDIUM,
@@ -163,6 +164,9 @@ class LiteRTDevice(Device):
                      for (ops, inputs, outputs), fb in zip(table, flatbuffers)]
             seconds = float(meta["seconds"])
             dims = {int(i): tuple(int(x) for x in d) for i, d in meta["dims"]}
+            whole = parts.pop() if meta["uncut"] is True else None
+            if not parts:
+                raise ValueError("no segment")
         except (KeyError, TypeError, ValueError) as e:
             raise CacheRejected(CacheReject.UNUSABLE, f"the segment table: {e!r}") from None
         model = cached.model_of(blobs[0])
@@ -170,9 +174,10 @@ class LiteRTDevice(Device):
         if any(i not in dims for i in (*main.input_indexes, *main.output_indexes)):
             raise CacheRejected(CacheReject.UNUSABLE, "the model's inputs and outputs lack "
                                                       "dimensions")
+        io = (model.main.input_indexes, model.main.output_indexes)
         try:
-            runner = seg.Runner(parts, model.main.input_indexes, model.main.output_indexes,
-                                self.num_threads)
+            runner = seg.Runner(parts, *io, self.num_threads)
+            uncut = seg.Runner([whole], *io, self.num_threads) if whole is not None else None
         except (ValueError, RuntimeError) as e:
             raise CacheRejected(CacheReject.UNUSABLE, f"LiteRT refused a cached segment: {e}") \
                 from None
@@ -181,21 +186,26 @@ class LiteRTDevice(Device):
         if deadline is not None and time.monotonic() > deadline:
             raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                             "the model was prepared after its preparation deadline")
-        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds, self.buffers)
+        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds, self.buffers,
+                                   uncut)
 
-    def _save(self, cache: CacheFiles, model, dims, parts, seconds) -> None:
+    def _save(self, cache: CacheFiles, model, dims, parts, seconds, uncut) -> None:
+        """The plan (segment table, dimensions, timing) and the flatbuffers:
+        each segment's, then the uncut model's when the model is cut."""
         plan_kind, data_kind = self._cache_kinds()
-        reduced, parts = _io_only(model, parts)
+        kept_parts = parts + ([uncut] if uncut is not None else [])
+        reduced, kept_parts = _io_only(model, kept_parts)
         main = model.main
         kept = (*main.input_indexes, *main.output_indexes)
         meta = {"dims": [[i, list(dims[old])] for i, old in
                          zip(reduced.main.input_indexes + reduced.main.output_indexes, kept)],
-                "segments": [[list(p.ops), list(p.inputs), list(p.outputs)] for p in parts],
-                "sizes": [len(p.model) for p in parts],
+                "segments": [[list(p.ops), list(p.inputs), list(p.outputs)] for p in kept_parts],
+                "sizes": [len(p.model) for p in kept_parts],
+                "uncut": uncut is not None,
                 "seconds": seconds}
         cached.save(self, cache, [
             (cache.model[0], plan_kind, cached.pack(meta, [cached.model_blob(reduced)])),
-            (cache.data[0], data_kind, [p.model for p in parts])])
+            (cache.data[0], data_kind, [p.model for p in kept_parts])])
 
     def prepare_model_synchronously(self, model, preference: ExecutionPreference =
                                     ExecutionPreference.FAST_SINGLE_ANSWER,
@@ -227,12 +237,17 @@ class LiteRTDevice(Device):
             seconds = seg.time_invoke(first, self.num_threads)
             groups = seg.cut([seg.cost(model, op, dims) for op in lowered], seconds,
                              self.segment_time, self.segments)
+            io = (model.main.input_indexes, model.main.output_indexes)
+            uncut = None
             if len(groups) == 1:
                 parts = [whole]
+                runner = seg.Runner(parts, *io, self.num_threads, first)
             else:
-                parts, first = seg.plan(model, lowered, dims, groups), None
-            runner = seg.Runner(parts, model.main.input_indexes, model.main.output_indexes,
-                                self.num_threads, first)
+                # The uncut interpreter (the one timed) is kept too: it runs
+                # when nobody waits for the device (see LiteRTExecution).
+                parts = seg.plan(model, lowered, dims, groups)
+                runner = seg.Runner(parts, *io, self.num_threads)
+                uncut = seg.Runner([whole], *io, self.num_threads, first)
         except (ValueError, RuntimeError) as e:   # LiteRT refused the converted model
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                             f"{self.name}: LiteRT could not prepare the converted model: {e}") \
@@ -244,8 +259,9 @@ class LiteRTDevice(Device):
             raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                             "the model was prepared after its preparation deadline")
         if cache is not None:
-            self._save(cache, model, dims, parts, seconds)
-        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds, self.buffers)
+            self._save(cache, model, dims, parts, seconds, whole if uncut is not None else None)
+        return LiteRTPreparedModel(model, dims, runner, priority, app, seconds, self.buffers,
+                                   uncut)
 
     async def allocate(self, desc: BufferDesc, prepared_models, input_roles, output_roles, *,
                        app: AppKey = None):
@@ -278,8 +294,14 @@ def _io_only(model, parts: list[seg.Segment]) -> tuple[HalModel, list[seg.Segmen
 
 class LiteRTPreparedModel(PreparedModel):
     def __init__(self, model, dims, runner: seg.Runner, priority: Priority, app: AppKey,
-                 estimated_seconds: float, buffers: BufferRegistry | None = None):
+                 estimated_seconds: float, buffers: BufferRegistry | None = None,
+                 uncut: seg.Runner | None = None):
         self.model = model
+        # A model cut into segments keeps its uncut interpreter too, for the
+        # executions that start while nobody waits for the device: cutting
+        # costs copies across the cuts and fusion lost (5-17 % on the shared
+        # models, docs/performance.md), which only buys preemption.
+        self.uncut = uncut
         self.buffers = BufferRegistry() if buffers is None else buffers
         self.priority = priority
         self.app = app
@@ -358,6 +380,7 @@ class LiteRTExecution(Execution):
         self.request = request
         self.measure = bool(measure)
         self._runner = prepared.runner
+        self._uncut = prepared.uncut
         shapes = prepared.output_shapes_of(request)
         self._inputs = prepared.inputs_of(request)
         if all(s.is_sufficient for s in shapes):
@@ -379,7 +402,11 @@ class LiteRTExecution(Execution):
             if deadline is not None and time.monotonic() > check_deadline(deadline):
                 raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
                                 "the deadline passed before the execution began")
-            busy = self._runner.run(self._inputs, self._outputs, checkpoint)
+            # Segments only when they buy something: a job waits that could
+            # take the device at a boundary.
+            runner = self._runner if self._uncut is None or (
+                checkpoint is not None and checkpoint.contended()) else self._uncut
+            busy = runner.run(self._inputs, self._outputs, checkpoint)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
         except (ValueError, RuntimeError) as e:

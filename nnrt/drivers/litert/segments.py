@@ -4,7 +4,9 @@ One ``invoke()`` cannot be stopped halfway, so a scheduler can only preempt
 a LiteRT execution between invokes. The driver therefore cuts its operations
 into *segments*, each its own TFLite model and interpreter, and calls the
 scheduler's checkpoint between them: a waiting HIGH job waits at most one
-segment.
+segment. Cutting costs something, so the driver keeps the uncut
+interpreter too and runs it when nobody waits as an execution starts
+(``LiteRTExecution``).
 
 How a partition is cut (:func:`cut`). At preparation the whole partition is
 converted once and timed on LiteRT (a warm-up invoke, then the best of a few).
