@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import check_quant_params
+from .common import check_quant_params, multiply_by_quantized_multiplier, quantize_multiplier
 from .recurrent import (bidi_sequence_shape, dim, expect_float_signature, maybe_omitted, real, required,
                         time_major_view, version_of)
 from .registry import Arg, Call, OpView, register
@@ -391,18 +391,6 @@ register(OperationType.BIDIRECTIONAL_SEQUENCE_LSTM, validate=_validate_bidi_lstm
 _INT16_MIN, _INT16_MAX = -32768, 32767
 
 
-def _quantize_multiplier(real_multiplier: float) -> tuple[int, int]:
-    """TF Lite's QuantizeMultiplier: a Q31 mantissa and a power-of-two shift."""
-    if real_multiplier == 0:
-        return 0, 0
-    mantissa, shift = np.frexp(real_multiplier)
-    q = int(np.sign(mantissa) * np.floor(abs(mantissa) * (1 << 31) + 0.5))
-    if q == 1 << 31:
-        q //= 2
-        shift += 1
-    return q, int(shift)
-
-
 def _rounding_divide_by_pot(x: np.ndarray, exponent: int) -> np.ndarray:
     """gemmlowp RoundingDivideByPOT: divide by 2^exponent, ties away from zero."""
     if exponent == 0:
@@ -424,12 +412,6 @@ def _srdhm(a: np.ndarray, b, bits: int) -> np.ndarray:
     # C integer division truncates toward zero.
     q = np.sign(total) * (np.abs(total) >> (bits - 1))
     return np.where((a == lo) & (b == lo), hi, q)
-
-
-def _multiply_by_quantized_multiplier(x: np.ndarray, q: int, shift: int) -> np.ndarray:
-    left, right = max(shift, 0), max(-shift, 0)
-    x = np.clip(x * (1 << left), -(1 << 31), (1 << 31) - 1)
-    return _rounding_divide_by_pot(_srdhm(x, q, 32), right)
 
 
 def _q15(x: np.ndarray) -> np.ndarray:
@@ -485,7 +467,7 @@ def _kernel_quantized_lstm(call: Call) -> list[np.ndarray]:
     h = ins[14].value.astype(np.int64) - 128
     c = ins[13].value.astype(np.int64)
     w_zero = ins[1].zero_point
-    multiplier, shift = _quantize_multiplier(4096.0 * float(np.float32(ins[9].scale)))
+    multiplier, shift = quantize_multiplier(4096.0 * float(np.float32(ins[9].scale)))
 
     # NNAPI's reference multiplies the concatenation [input, previous output]
     # by the concatenation [recurrent weights | input weights]: the columns
@@ -497,7 +479,7 @@ def _kernel_quantized_lstm(call: Call) -> list[np.ndarray]:
         """Gate k (0 input, 1 forget, 2 cell, 3 output) pre-activation in Q3.12."""
         weights = np.concatenate([ins[5 + k].value, ins[1 + k].value], axis=1)
         acc = ins[9 + k].value.astype(np.int64) + concat @ (weights.astype(np.int64) - w_zero).T
-        acc = _multiply_by_quantized_multiplier(acc, multiplier, shift)
+        acc = multiply_by_quantized_multiplier(acc, multiplier, shift)
         return np.clip(acc, _INT16_MIN, _INT16_MAX) / 4096.0
 
     def sigmoid_q15(k):

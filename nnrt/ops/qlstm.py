@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import qrange
+from .common import multiply_by_quantized_multiplier, qrange, quantize_multiplier
 from .lstm import _srdhm
 from .recurrent import dim, maybe_omitted
 from .registry import Call, OpView, register
@@ -97,29 +97,6 @@ def _sat_shift_left(x, exponent: int, bits: int):
     """gemmlowp SaturatingRoundingMultiplyByPOT for a positive exponent."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     return np.clip(np.asarray(x, np.int64) << exponent, lo, hi)
-
-
-def quantize_multiplier(real: float) -> tuple[int, int]:
-    """NNAPI's QuantizeMultiplier: Q31 mantissa and power-of-two exponent
-    (multipliers below 2^-31 flush to zero)."""
-    if real == 0:
-        return 0, 0
-    mantissa, shift = math.frexp(real)
-    q = int(math.copysign(math.floor(abs(mantissa) * (1 << 31) + 0.5), mantissa))
-    if q == 1 << 31:
-        q //= 2
-        shift += 1
-    if shift < -31:
-        return 0, 0
-    return q, shift
-
-
-def _mbqm(x, multiplier, shift):
-    """TF Lite MultiplyByQuantizedMultiplier on int32 values (array-capable)."""
-    shift = np.asarray(shift, np.int64)
-    left, right = np.maximum(shift, 0), np.maximum(-shift, 0)
-    x = np.clip(np.asarray(x, np.int64) << left, I32_MIN, I32_MAX)
-    return _rdbp(_srdhm(x, np.asarray(multiplier, np.int64), 32), right)
 
 
 def _const16(raw32: int) -> int:
@@ -248,10 +225,10 @@ def _layer_norm(g, weights, bias, scale_q: tuple[int, int], variance_limit: int)
     variance = _cdiv(variance, 1 << 20)
     variance = np.where(variance < 1, variance_limit, variance)
     inv_a, inv_b = _inv_sqrt_multiplier(variance)
-    rescaled = _mbqm(1024 * g - mean, inv_a, inv_b)
+    rescaled = multiply_by_quantized_multiplier(1024 * g - mean, inv_a, inv_b)
     scaled = rescaled * weights + bias
     scaled = _cdiv(scaled + np.where(scaled > 0, 512, -512), 1024)
-    return _sat16(_mbqm(scaled, scale_q[0], scale_q[1] + 12))
+    return _sat16(multiply_by_quantized_multiplier(scaled, scale_q[0], scale_q[1] + 12))
 
 
 # --- the cell --------------------------------------------------------------------
@@ -300,13 +277,13 @@ def _kernel(call: Call) -> list[np.ndarray]:
         acc = (x - x_arg.zero_point) @ w_in.T
         if not layer_norm:
             acc = acc + val[BIAS[k]]
-        g = _sat16(_mbqm(acc, *_effective(ins[INPUT_W[k]].scale, x_arg.scale, scale)))
+        g = _sat16(multiply_by_quantized_multiplier(acc, *_effective(ins[INPUT_W[k]].scale, x_arg.scale, scale)))
         acc = (h_prev - h_arg.zero_point) @ w_rec.T
-        g = _sat16(g + _mbqm(acc, *_effective(ins[RECURRENT_W[k]].scale, h_arg.scale, scale)))
+        g = _sat16(g + multiply_by_quantized_multiplier(acc, *_effective(ins[RECURRENT_W[k]].scale, h_arg.scale, scale)))
         if peephole_k is not None and present[PEEPHOLE_W[peephole_k]]:
             p = ins[PEEPHOLE_W[peephole_k]]
             q = quantize_multiplier(_f32(2.0 ** cell_shift * _f32(p.scale) / _f32(scale)))
-            g = _sat16(g + _mbqm(val[PEEPHOLE_W[peephole_k]] * cell, *q))
+            g = _sat16(g + multiply_by_quantized_multiplier(val[PEEPHOLE_W[peephole_k]] * cell, *q))
         if layer_norm:
             ln = ins[LAYER_NORM_W[k]]
             limit = min(1, int(np.float32(10000) * np.float32(ln.scale)))
@@ -330,14 +307,14 @@ def _kernel(call: Call) -> list[np.ndarray]:
     if not hidden_scale > 0:
         raise call.fail(f"input {HIDDEN_SCALE}: hidden state scale must be > 0")
     q_hidden = quantize_multiplier(_f32(2.0 ** -15 / hidden_scale * 2.0 ** -15))
-    hidden = np.clip(_mbqm(o * tanh16(c, cell_shift + 15), *q_hidden) - hidden_zp, -128, 127)
+    hidden = np.clip(multiply_by_quantized_multiplier(o * tanh16(c, cell_shift + 15), *q_hidden) - hidden_zp, -128, 127)
 
     if present[PROJ_W]:
         w = val[PROJ_W]
         bias = val[PROJ_B] if present[PROJ_B] else 0
         acc = bias + hidden_zp * w.sum(axis=1) + hidden @ w.T
         q_proj = _effective(ins[PROJ_W].scale, hidden_scale, h_arg.scale)
-        out = np.clip(_mbqm(acc, *q_proj) + h_arg.zero_point, -128, 127)
+        out = np.clip(multiply_by_quantized_multiplier(acc, *q_proj) + h_arg.zero_point, -128, 127)
         proj_clip = _f32(ins[PROJ_CLIP].value)
         if proj_clip > 0:
             q_clip = int(min(max(np.float32(proj_clip) / np.float32(ins[PROJ_W].scale),

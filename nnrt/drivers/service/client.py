@@ -80,12 +80,13 @@ from ...errors import ErrorStatus, NnrtError, bad_state, invalid
 from ...fence.outcome import FenceState
 from ...fence.sync_fence import SyncFence
 from ...handoff import Waiter, run_soon
-from ...hal import (Buffer, BufferDesc, Capabilities, Device, ExecutionPreference,
-                    ExecutionResult, FencedCallback, PreparedModel, Request, Scheduling, Timing)
+from ...hal import (Buffer, BufferDesc, Capabilities, Device, Execution, ExecutionPreference,
+                    ExecutionResult, FencedCallback, PreparedModel, Request, RequestExecution,
+                    Scheduling, Timing)
 from ...hal.cache import CacheFiles, CacheRejected
 from ...hal.types import Priority
 from ...memory import DeviceToken, Memory
-from ...memory.staging import ArenaPool, Staging, stage
+from ...memory.staging import ArenaPool, Staging, bind, stage
 from ...model.graph import HalModel
 from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ...vlog import vlog
@@ -855,6 +856,16 @@ class ServicePreparedModel(PreparedModel):
             fence.close()  # sent (or not): our copies above live on
         return caller_fence, callback
 
+    def create_execution(self, request: Request, measure: bool = False,
+                         loop_timeout: float | None = None):
+        """A reusable execution bound in the service (:class:`ServiceExecution`);
+        a request naming driver buffers runs as an EXECUTE each time."""
+        if self._released:
+            raise invalid("the prepared model was released")
+        if any(isinstance(pool, DeviceToken) for pool in request.pools):
+            return RequestExecution(self, request, measure, loop_timeout)
+        return ServiceExecution(self, request, measure, loop_timeout)
+
     async def configure_burst(self):
         """A burst session over two shared-memory rings (nnrt.burst.controller):
         after this one round trip, each execution is a ring hand-off."""
@@ -872,6 +883,114 @@ class ServicePreparedModel(PreparedModel):
                 burst.close()
         self._channel.send_only(lambda proto: proto.release_model(self.model_id))
         self._arenas.close()
+
+
+class ServiceExecution(Execution):
+    """A reusable execution of a service's prepared model: the request's
+    pools placed once (the numpy ones in an arena of its own, a Memory as
+    it is: :func:`nnrt.memory.staging.bind`), created in the service with
+    its first computation (CREATE_EXECUTION, every pool's fd with it: the
+    service maps them for it alone and binds the request to its driver),
+    then computed by id: each COMPUTE carries the id and the deadline, and
+    only the pools' bytes move (copied into the arena, and out after a good
+    result). An error creating it is its first computation's result (and
+    the next one tries again)."""
+
+    def __init__(self, prepared: ServicePreparedModel, request: Request, measure: bool,
+                 loop_timeout: float | None):
+        self.prepared = prepared
+        self.request = request
+        self.measure = bool(measure)
+        self.loop_timeout = loop_timeout
+        self._channel = prepared._channel
+        self._pools = bind(request.pools, request.inputs, request.outputs, "nnrt-execution")
+        self._id: int | None = None
+
+    def _create(self, proto, token):
+        return proto.create_execution(token, self.prepared.model_id, self.request.inputs,
+                                      self.request.outputs, self._pools.places, self.measure,
+                                      self.loop_timeout)
+
+    def _unusable(self) -> ExecutionResult | None:
+        if self._pools is None:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the execution was released")
+        if self.prepared._released:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="the prepared model was released")
+        if self._channel.dead is not None:
+            return ExecutionResult(ErrorStatus.DEAD_OBJECT, message=self._channel.dead.message)
+        return None
+
+    def _created(self, reply: p.Reply) -> ExecutionResult | None:
+        if reply.status != ErrorStatus.NONE:
+            return ExecutionResult(reply.status, message=reply.message)
+        self._id = reply.value
+        return None
+
+    def _computed(self, reply: p.Reply) -> ExecutionResult:
+        if reply.method == p.Method.COMPUTE:
+            result = reply.value
+        else:  # the service could not read the call at all
+            result = ExecutionResult(reply.status, message=reply.message)
+        if result.status == ErrorStatus.NONE:
+            self._pools.copy_out()
+        return result
+
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        problem = self._unusable()
+        if problem is not None:
+            return problem
+        try:
+            if self._id is None:
+                failed = self._created(await self._channel.await_call(self._create))
+                if failed is not None:
+                    return failed
+            self._pools.copy_in()
+            execution_id = self._id
+            reply = await self._channel.await_call(
+                lambda proto, token: proto.compute(token, execution_id, deadline),
+                on_cancel=lambda reply: None)
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        return self._computed(reply)
+
+    def execute_synchronously(self, deadline: float | None = None, *,
+                              checkpoint=None) -> ExecutionResult:
+        """A blocking round trip (from a thread, not a coroutine).
+        ``checkpoint`` is not taken: the service's own scheduler decides."""
+        if checkpoint is not None:
+            return ExecutionResult(ErrorStatus.INVALID_ARGUMENT,
+                                   message="a service execution takes no outside checkpoint")
+        problem = self._unusable()
+        if problem is not None:
+            return problem
+        try:
+            if self._id is None:
+                failed = self._created(self._channel.call_blocking(self._create))
+                if failed is not None:
+                    return failed
+            self._pools.copy_in()
+            execution_id = self._id
+            reply = self._channel.call_blocking(
+                lambda proto, token: proto.compute(token, execution_id, deadline))
+        except NnrtError as e:
+            return ExecutionResult(e.status, message=e.message)
+        return self._computed(reply)
+
+    def release(self) -> None:
+        """Release it in the service and close the arena (the service maps
+        its own). Idempotent."""
+        pools, self._pools = self._pools, None
+        if pools is None:
+            return
+        if self._id is not None:
+            execution_id = self._id
+            self._channel.send_only(lambda proto: proto.release_execution(execution_id))
+        pools.close()
+
+    def __repr__(self) -> str:
+        return f"<ServiceExecution {self._id} of model {self.prepared.model_id}>"
 
 
 class ServiceFencedCallback(FencedCallback):

@@ -82,7 +82,7 @@ from ...wirecodec import Reader, Writer
 # of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
 # PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
 # client and a service of different versions refuse each other at HELLO.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
@@ -140,6 +140,10 @@ class Method(enum.IntEnum):
     # 30-39: compilation caching (the cache files travel as SCM_RIGHTS)
     PREPARE_MODEL_CACHING = 30     # PREPARE_MODEL that also writes the cache files
     PREPARE_MODEL_FROM_CACHE = 31  # reply: a FromCache (the model id, or why not)
+    # 40-49: reusable executions (a request bound once in the service)
+    CREATE_EXECUTION = 40     # an EXECUTE's request, its pools' fds with it; reply: the id
+    COMPUTE = 41              # compute an execution by id; reply: as EXECUTE's
+    RELEASE_EXECUTION = 42
 
 
 # Calls the service makes to the client (the burst server asking the
@@ -277,6 +281,35 @@ class ExecuteFenced(Execute):
     timeout_after_fence: float | None = None
     fence: int | None = None                # the result fence's fd (required on the wire)
     method = Method.EXECUTE_FENCED
+
+
+@dataclass(frozen=True, slots=True)
+class CreateExecution(Execute):
+    """A reusable execution (NNAPI ``createReusableExecution``): the
+    request of an :class:`Execute` (its ``deadline`` unused), validated and
+    bound to the driver once. Every pool comes with its fd and pool id 0:
+    the service maps them for the execution alone, for its whole life, apart
+    from the prepared model's pool cache. The reply is the execution id."""
+
+    method = Method.CREATE_EXECUTION
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Compute execution ``execution_id`` once more: the reply is an
+    :class:`ExecutionResult`, as EXECUTE's; CANCEL stops it as it stops one."""
+
+    call_id: int
+    execution_id: int
+    deadline: float | None = None
+    method = Method.COMPUTE
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseExecution:
+    call_id: int
+    execution_id: int
+    method = Method.RELEASE_EXECUTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +485,8 @@ class Malformed:
 
 
 Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseModel
-        | ExecuteFenced | Cancel | PrepareModelCaching | PrepareModelFromCache)
+        | ExecuteFenced | Cancel | PrepareModelCaching | PrepareModelFromCache
+        | CreateExecution | Compute | ReleaseExecution)
 
 
 # -- statistics on the wire ---------------------------------------------------
@@ -1178,6 +1212,21 @@ def _get_execute_fenced(r: _Reader, call_id: int, method: Method) -> ExecuteFenc
                          r.fd("result fence"))
 
 
+def _get_create_execution(r: _Reader, call_id: int, method: Method) -> CreateExecution:
+    e = _get_execute(r, call_id, method)
+    return CreateExecution(e.call_id, e.model_id, e.inputs, e.outputs, e.pools, e.release,
+                           e.measure, e.deadline, e.loop_timeout)
+
+
+def _put_compute(w: _Writer, m: Compute) -> None:
+    w.u64(m.execution_id)
+    w.opt_f64(m.deadline)
+
+
+def _get_compute(r: _Reader, call_id: int, method: Method) -> Compute:
+    return Compute(call_id, r.u64("execution id"), r.finite("deadline"))
+
+
 def _put_result(w: _Writer, v: ExecutionResult) -> None:
     _put_shapes_and_timings(w, v.output_shapes, (v.timing,))
 
@@ -1448,6 +1497,12 @@ CODECS: dict[Method, Codec] = {
         _put_from_cache, _get_from_cache, _put_from_cache_value, _get_from_cache_value,
         lambda status, message: FromCache(status, message),
         fds=lambda call: (*call.cache_model, *call.cache_data)),
+    Method.CREATE_EXECUTION: Codec(_put_execute, _get_create_execution, _put_id,
+                                   _get_id("execution id"), fds=lambda call: _pool_fds(call.pools)),
+    Method.COMPUTE: Codec(_put_compute, _get_compute, _put_result, _get_result,
+                          _execution_error),
+    Method.RELEASE_EXECUTION: Codec(lambda w, m: w.u64(m.execution_id),
+                                    _get_u64_call(ReleaseExecution, "execution id")),
 }
 assert set(CODECS) == set(Method), "every method has its codec"
 
@@ -1832,6 +1887,27 @@ class ClientConnection(Connection):
         self._pending[call_id] = _Pending(token, message.method, model_id, tuple(new))
         return call_id, data, fds
 
+    def create_execution(self, token, model_id: int, inputs, outputs, places, measure: bool,
+                         loop_timeout) -> tuple[int, bytes, list[int]]:
+        """CREATE_EXECUTION of the request whose pools lie at ``places``
+        (``Place``s of Memories, None for an empty pool): each pool's fd goes
+        with it, for the execution alone (pool id 0, not the prepared
+        model's cache)."""
+        pools = tuple(WirePool(0, None, True, 0, 0, 0, 0) if place is None else
+                      WirePool(0, place.memory.fileno(), place.memory.writable,
+                               place.memory.fd_offset, place.memory.size, place.offset,
+                               place.length)
+                      for place in places)
+        return self.call(lambda cid: CreateExecution(cid, model_id, tuple(inputs),
+                                                     tuple(outputs), pools, (), bool(measure),
+                                                     None, loop_timeout), token)
+
+    def compute(self, token, execution_id: int, deadline) -> tuple[int, bytes, list[int]]:
+        return self.call(lambda cid: Compute(cid, execution_id, deadline), token)
+
+    def release_execution(self, execution_id: int) -> tuple[bytes, list[int]]:
+        return self.notify(lambda cid: ReleaseExecution(cid, execution_id))
+
     def release_model(self, model_id: int) -> tuple[bytes, list[int]]:
         """RELEASE_MODEL; the model's pool cache goes with it."""
         self._pools.pop(model_id, None)
@@ -1870,6 +1946,9 @@ class ClientConnection(Connection):
                 for call_id, e in pending.items()]
 
 
+_CANCELLABLE = (Method.EXECUTE, Method.COMPUTE)   # (not fenced: its fence settles it)
+
+
 class ServerConnection(Connection):
     """The service's side: the cancel targets of running executions, its
     own calls to the client (GET_MEMORIES, BURST_ENDED) awaiting a reply,
@@ -1877,11 +1956,11 @@ class ServerConnection(Connection):
     on this connection. ``max_fds`` and ``max_frame`` bound what the client
     can make the service hold (see :meth:`Connection.next_event`).
 
-    Cancel targets. An EXECUTE is a cancel target from the moment it is
+    Cancel targets. An EXECUTE (or COMPUTE) is a cancel target from the moment it is
     decoded, before any handler runs: its handler registers its cancel
     handle later (:meth:`running`), and a CANCEL that arrives in between is
     recorded and applied then, never lost. Invariant: ``_running`` holds
-    exactly the EXECUTEs decoded and not yet :meth:`finished` (the
+    exactly the EXECUTEs and COMPUTEs decoded and not yet :meth:`finished` (the
     transport calls ``finished`` for every call it took, refused or not),
     and ``_cancelled`` is a subset of its keys; so both are bounded by the
     calls in flight (``test_protocol.py::test_cancel_before_registration``).
@@ -1907,7 +1986,7 @@ class ServerConnection(Connection):
         return cancelled
 
     def finished(self, call_id: int) -> None:
-        """Call ``call_id`` is answered (any method; a no-op unless EXECUTE)."""
+        """Call ``call_id`` is answered (any method; a no-op unless EXECUTE or COMPUTE)."""
         self._running.pop(call_id, None)
         self._cancelled.discard(call_id)
         assert self._cancelled <= self._running.keys()
@@ -1940,7 +2019,7 @@ class ServerConnection(Connection):
         event = super().next_event()
         if isinstance(event, Reply):
             return Answer(self._pending.pop(event.call_id, None), event)
-        if isinstance(event, Execute) and event.method is Method.EXECUTE:   # not fenced
+        if isinstance(event, (Execute, Compute)) and event.method in _CANCELLABLE:
             self._running.setdefault(event.call_id, None)
         return event
 

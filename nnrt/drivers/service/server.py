@@ -97,6 +97,7 @@ _RECV_SIZE = 1 << 16
 MAX_CALLS_IN_FLIGHT = 1024
 MAX_MODELS_PER_CONNECTION = 1024
 MAX_BUFFERS_PER_CONNECTION = 1024   # driver buffers (memory domains) alive
+MAX_EXECUTIONS_PER_CONNECTION = 1024   # reusable executions alive
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
 # A connection that made us buffer this much gives it back to the kernel as
 # it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
@@ -320,6 +321,27 @@ class _Prepared:
         self.model_pools.clear()
 
 
+class _Bound:
+    """A reusable execution of one connection: the driver's execution and
+    the memories its pools are mapped from (its own mappings, closed after
+    the execution lets go of them)."""
+
+    def __init__(self, model_id: int, execution, memories: list[Memory]):
+        self.model_id = model_id
+        self.execution = execution
+        self.memories = memories
+        self.computing = False
+
+    def close(self) -> None:
+        execution, self.execution = self.execution, None
+        if execution is not None:
+            execution.release()
+        del execution           # its views of the memories go first
+        for m in self.memories:
+            m.close()
+        self.memories = []
+
+
 class ServiceConnection:
     """The transport of one client: a reader task feeding the sans-I/O
     :class:`~.protocol.ServerConnection` (which holds the cancel targets,
@@ -336,6 +358,7 @@ class ServiceConnection:
                                         limits.frame_bytes_per_connection)
         self.models: dict[int, _Prepared] = {}
         self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
+        self.executions: dict[int, _Bound] = {}   # id -> a reusable execution it made
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
@@ -362,6 +385,9 @@ class ServiceConnection:
             self._alive = False
             for fd in self.proto.take_fds():
                 os.close(fd)
+            for bound in self.executions.values():
+                bound.close()
+            self.executions.clear()
             for model_id, entry in self.models.items():
                 entry.close()
                 for m in self.proto.drop_model(model_id):
@@ -595,6 +621,10 @@ class ServiceConnection:
         return p.FromCache(ErrorStatus.NONE, model_id=model_id)
 
     async def _release_model(self, call: p.ReleaseModel) -> None:
+        self._own(call.model_id)
+        for execution_id in [k for k, b in self.executions.items()
+                             if b.model_id == call.model_id]:
+            self.executions.pop(execution_id).close()
         self._own(call.model_id).close()
         del self.models[call.model_id]
         for m in self.proto.drop_model(call.model_id):
@@ -622,6 +652,75 @@ class ServiceConnection:
         # device's execute returns only then).
         return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                message="the execution was cancelled by its caller")
+
+    async def _create_execution(self, call: p.CreateExecution) -> int:
+        """Bind a request once (the driver's ``create_execution``): its pools
+        mapped for it alone, from the fds that came with the call."""
+        if len(self.executions) >= MAX_EXECUTIONS_PER_CONNECTION:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                            f"more than {MAX_EXECUTIONS_PER_CONNECTION} executions on one "
+                            f"connection; release some")
+        entry = self._own(call.model_id)
+        memories: list[Memory] = []
+        pools: list = []
+        try:
+            for k, wp in enumerate(call.pools):
+                if isinstance(wp, p.WireToken):
+                    raise invalid(f"request pool {k}: a reusable execution binds shared "
+                                  f"memory, not a driver buffer (run it with EXECUTE)")
+                if wp.fd is None:
+                    if wp.map_size:
+                        raise invalid(f"request pool {k} came without its fd")
+                    pools.append(bytearray(0))
+                    continue
+                mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
+                                     PROT_RW if wp.writable else PROT_READ, require_sealed=True)
+                memories.append(mem)
+                pools.append(mem.view()[wp.offset:wp.offset + wp.length])
+            execution = entry.prepared.create_execution(
+                Request(call.inputs, call.outputs, tuple(pools)), call.measure,
+                call.loop_timeout)
+        except BaseException:
+            pools.clear()   # the views go before the mappings
+            for m in memories:
+                m.close()
+            raise
+        execution_id = self.service.next_id()
+        self.executions[execution_id] = _Bound(call.model_id, execution, memories)
+        return execution_id
+
+    @trace.traced("service: compute")
+    async def _compute(self, call: p.Compute) -> ExecutionResult:
+        with anyio.CancelScope() as scope:
+            if self.proto.running(call.call_id, scope):
+                scope.cancel()   # the CANCEL came before this task ran
+            try:
+                bound = self.executions.get(call.execution_id)
+                if bound is None:
+                    raise invalid(f"execution {call.execution_id} is not one of this "
+                                  f"connection's")
+                if bound.computing:
+                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                    f"execution {call.execution_id} is computing already")
+                bound.computing = True
+                try:
+                    return await bound.execution.execute(call.deadline)
+                finally:
+                    bound.computing = False
+            finally:
+                self.proto.finished(call.call_id)
+        return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                               message="the execution was cancelled by its caller")
+
+    async def _release_execution(self, call: p.ReleaseExecution) -> None:
+        bound = self.executions.get(call.execution_id)
+        if bound is None:
+            raise invalid(f"execution {call.execution_id} is not one of this connection's")
+        if bound.computing:   # (its compute returns first: then it goes)
+            raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                            f"execution {call.execution_id} is computing")
+        del self.executions[call.execution_id]
+        bound.close()
 
     async def _execute_fenced(self, call: p.ExecuteFenced) -> p.FencedInfo:
         """Run a fenced execution and signal the client's result fence: with
@@ -932,6 +1031,9 @@ _HANDLERS = {
     p.Method.COPY_TO: ServiceConnection._copy,
     p.Method.COPY_FROM: ServiceConnection._copy,
     p.Method.RELEASE_BUFFER: ServiceConnection._release_buffer,
+    p.Method.CREATE_EXECUTION: ServiceConnection._create_execution,
+    p.Method.COMPUTE: ServiceConnection._compute,
+    p.Method.RELEASE_EXECUTION: ServiceConnection._release_execution,
 }
 assert set(_HANDLERS) | p.SERVICE_CALLS | {p.Method.ERROR, p.Method.CANCEL} == set(p.Method)
 
