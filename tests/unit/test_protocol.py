@@ -307,6 +307,16 @@ def all_method_messages():
         p.Execute(24, 7, (RequestArgument(False, DataLocation(1, 0, 0)),),
                   (RequestArgument(False, DataLocation(0, 0, 16)),),
                   (pool, p.WireToken(5)), (), False, None, None),
+        p.CreateExecution(25, 7, (RequestArgument(False, DataLocation(0, 0, 16), (1, 4)),),
+                          (RequestArgument(False, DataLocation(0, 16, 16)),), (pool,), (),
+                          True, None, 0.5),
+        p.Reply(25, p.Method.CREATE_EXECUTION, value=12),
+        p.Compute(26, 12, 123.5),
+        p.Compute(27, 12, None),
+        p.Reply(26, p.Method.COMPUTE, value=ExecutionResult(
+            ErrorStatus.NONE, (OutputShape((1, 4)),), Timing(7, 9))),
+        p.ReleaseExecution(28, 12),
+        p.Reply(28, p.Method.RELEASE_EXECUTION),
     ]
 
 
