@@ -108,6 +108,13 @@ MESSAGES = [
     p.Reply(15, p.Method.PREPARE_MODEL_FROM_CACHE, ErrorStatus.GENERAL_FAILURE, "cache corrupt",
             p.FromCache(ErrorStatus.GENERAL_FAILURE, "cache corrupt",
                         reason=CacheReject.CORRUPT)),
+    p.CreateExecution(30, 7, (ARG, ARG), (ARG,), (POOL,), (), True, None, 2.0),
+    p.Reply(30, p.Method.CREATE_EXECUTION, value=41),
+    p.Compute(31, 41, 12.5),
+    p.Reply(31, p.Method.COMPUTE, ErrorStatus.NONE, "",
+            ExecutionResult(ErrorStatus.NONE, (OutputShape((2, 2)),), Timing(3, 5))),
+    p.ReleaseExecution(32, 41),
+    p.Reply(32, p.Method.RELEASE_EXECUTION),
 ]
 FRAMES = [p.encode(m) for m in MESSAGES]
 
