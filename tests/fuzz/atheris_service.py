@@ -26,6 +26,7 @@ with atheris.instrument_imports(include=["nnrt"]):
     from nnrt.burst import wire
     from nnrt.drivers.sample import make_driver
     from nnrt.drivers.service import protocol as p
+    from nnrt.drivers.service.protocol import codecs
     from nnrt.drivers.service.server import DriverService, ServiceLimits
 
 FAKE_FDS = (1000, 1001, 1002, 1003, 1004, 1005)   # numbers only: decoders never use them
@@ -116,7 +117,7 @@ async def _wait_for_mark(sock: socket.socket) -> None:
                 break
             body = buf[p.FRAME_HEADER_SIZE:p.FRAME_HEADER_SIZE + length]
             buf = buf[p.FRAME_HEADER_SIZE + length:]
-            call_id, _method = p._peek_ids(body)
+            call_id, _method = codecs._peek_ids(body)
             if call_id == (1 << 63) + 1:
                 return
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import nnrt
 from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
-from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                       OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.hal.cache import CacheReject
@@ -89,7 +89,7 @@ MESSAGES = [
     p.Reply(12, p.Method.BURST_ENDED),
     p.Cancel(13, 5),
     p.Reply(13, p.Method.CANCEL),
-    p.Allocate(20, (0, 2), (7,), (p.BufferRole(0, 0, 0.5),), (p.BufferRole(0, 0),)),
+    p.Allocate(20, (0, 2), (7,), (BufferRole(0, 0, 0.5),), (BufferRole(0, 0),)),
     p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(3, 10, 64 + 2 * 16)),
     p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(4)),
     p.CopyBuffer(21, p.Method.COPY_TO, 3, POOL),

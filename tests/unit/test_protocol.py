@@ -9,9 +9,10 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
-from nnrt.hal import (Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
+from nnrt.drivers.service.protocol import codecs
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
 from nnrt.model.types import OperandLifeTime as L
@@ -251,10 +252,10 @@ def test_a_job_record_with_an_unknown_priority_or_status_is_refused():
     value = statistics_value()
     job = value.jobs[0]
     data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
-    at = data.index(p._JOB_FIXED.pack(job.priority, job.seq, job.submitted_at, math.nan,
+    at = data.index(codecs._JOB_FIXED.pack(job.priority, job.seq, job.submitted_at, math.nan,
                                       job.finished_at, job.ran, job.preemptions,
                                       job.longest_step, job.status))
-    status_at = at + p._JOB_FIXED.size - 4
+    status_at = at + codecs._JOB_FIXED.size - 4
     for where, value, what in ((at, 7, "priority: 7 is not a Priority"),
                                (status_at, 99999, "job status: 99999 is not a ErrorStatus")):
         bad = data[:where] + struct.pack("<I", value) + data[where + 4:]
@@ -293,8 +294,8 @@ def all_method_messages():
         p.PrepareModelFromCache(19, Priority.MEDIUM, None, (4,), (5,), b"t" * 32),
         p.Reply(19, p.Method.PREPARE_MODEL_FROM_CACHE,
                 value=p.FromCache(ErrorStatus.NONE, model_id=6)),
-        p.Allocate(20, (0, 4), (7, 8), (p.BufferRole(0, 1, 0.5),),
-                   (p.BufferRole(1, 0), p.BufferRole(0, 0, 1.0))),
+        p.Allocate(20, (0, 4), (7, 8), (BufferRole(0, 1, 0.5),),
+                   (BufferRole(1, 0), BufferRole(0, 0, 1.0))),
         p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(5, 11, 64 + 2 * 16)),
         p.Reply(20, p.Method.ALLOCATE, value=p.Allocated(6)),
         p.CopyBuffer(21, p.Method.COPY_TO, 5, pool),
