@@ -37,7 +37,18 @@ class ValidatedModel:
 def validate_model(model: HalModel) -> ValidatedModel:
     """Check everything the runtime can check. Extension and OEM operations
     are checked only as a graph (operand indexes, run order, declared
-    outputs); their semantics are the driver's to validate."""
+    outputs); their semantics are the driver's to validate. A valid model
+    keeps its answer (``HalModel._validated``): the runtime, the scheduler
+    in front of a driver and the driver validating the same model object
+    cost one validation; an invalid one is refused every time."""
+    if model._validated:
+        return model._validated[0]
+    validated = _validate(model)
+    model._validated[:] = [validated]
+    return validated
+
+
+def _validate(model: HalModel) -> ValidatedModel:
     version = HalVersion.V1_0
     if model.relax_computation_float32_to_float16:
         version = HalVersion.V1_1

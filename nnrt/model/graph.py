@@ -91,6 +91,11 @@ class HalModel:
     relax_computation_float32_to_float16: bool = False
     extension_prefixes: tuple[ExtensionPrefix, ...] = ()
     _constants: dict = field(default_factory=dict, repr=False, compare=False)
+    # What validation learned of this model (``nnrt.hal.validate``), kept
+    # with it: a model is immutable once built, so the runtime, the QoS
+    # front and the driver each asking costs one validation. Not copied by
+    # ``dataclasses.replace`` (init=False): a changed model is validated anew.
+    _validated: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def subgraph(self, index: int | None) -> Subgraph:
         """``None`` is the main subgraph, an int a referenced one."""
