@@ -11,6 +11,7 @@ from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                       OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
+from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.hal.cache import CacheReject
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import DataLocation
@@ -44,10 +45,10 @@ ARG = RequestArgument(False, DataLocation(0, 0, 16), (2, 2))
 POOL = p.WirePool(1, 4, True, 0, 4096, 0, 64)
 PERF = PerformanceInfo(1.0, 2.0)
 STATISTICS = p.StatisticsValue(
-    p.WireSchedulerStatistics(1, 1, (p.WireClassStatistics(
+    SchedulerStatistics(1, 1, (ClassStatistics(
         ("uid", 1000), Priority.HIGH, 1, 0, 3, 1, 0, 0, 0, 0.002, None, 0.5),)),
-    (p.WireJobRecord(("pid", 7), Priority.LOW, 4, 1.0, 1.5, 2.0, 0.5, 0, 0.25,
-                     ErrorStatus.NONE, "ok"),))
+    (JobRecord(("pid", 7), Priority.LOW, None, 4, 1.0, 1.5, 2.0, 0.5, 0, 0.25,
+               ErrorStatus.NONE, "ok"),))
 # A call (where the method has one) and a reply of every method of the codec
 # table: test_every_codec_is_fuzzed keeps this list complete.
 MESSAGES = [

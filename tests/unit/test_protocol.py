@@ -1,6 +1,7 @@
 """The driver-service protocol without sockets: every message round-trips,
 framing and the call-stream state machine refuse what they must."""
 import math
+from dataclasses import fields
 
 import anyio
 import struct
@@ -13,6 +14,7 @@ from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.drivers.service.protocol import codecs
+from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
 from nnrt.model.types import OperandLifeTime as L
@@ -227,19 +229,40 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
 
 
 def statistics_value():
-    stats = p.WireSchedulerStatistics(2, 1, (p.WireClassStatistics(
+    stats = SchedulerStatistics(2, 1, (ClassStatistics(
         ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),))
-    job = p.WireJobRecord(("uid", 7), Priority.LOW, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
-                          ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
+    job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
+                    ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
     return p.StatisticsValue(stats, (job,))
+
+
+def test_the_statistics_records_wire_layout_is_pinned_to_the_protocol_version():
+    """The wire form of the scheduler's records is made from their fields: a
+    field added, removed, retyped or moved changes the wire, so it must come
+    with a new PROTOCOL_VERSION (and this list)."""
+    layout = {cls.__name__: [(f.name, str(f.type)) for f in fields(cls)]
+              for cls in (ClassStatistics, JobRecord)}
+    assert (p.PROTOCOL_VERSION, layout) == (3, {
+        "ClassStatistics": [("app", "Hashable"), ("priority", "Priority"), ("queued", "int"),
+                            ("running", "int"), ("completed", "int"), ("preempted", "int"),
+                            ("deadline_misses", "int"), ("cancelled", "int"),
+                            ("failed", "int"), ("wait_p50", "float | None"),
+                            ("wait_p99", "float | None"), ("run_time", "float")],
+        "JobRecord": [("app", "Hashable"), ("priority", "Priority"), ("model", "Hashable"),
+                      ("seq", "int"), ("submitted_at", "float"),
+                      ("started_at", "float | None"), ("finished_at", "float"),
+                      ("ran", "float"), ("preemptions", "int"), ("longest_step", "float"),
+                      ("status", "ErrorStatus"), ("message", "str")]})
+    # The job record's fixed fields go in one struct, its model key not at all.
+    assert codecs._JOB.plan[1][0].format == "<IQddddQdI"
 
 
 def test_statistics_reply_round_trips():
     from nnrt.drivers.reference import ReferenceDevice
     for value in (statistics_value(), p.StatisticsValue(None, ()),
-                  p.StatisticsValue(None, (p.WireJobRecord("app", Priority.MEDIUM, 1, 0.0, 0.5,
-                                                           1.0, 0.5, 0, 0.5, ErrorStatus.NONE,
-                                                           ""),))):
+                  p.StatisticsValue(None, (JobRecord("app", Priority.MEDIUM, None, 1, 0.0, 0.5,
+                                                     1.0, 0.5, 0, 0.5, ErrorStatus.NONE,
+                                                     ""),))):
         data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
         assert p.decode_body(data[p.FRAME_HEADER_SIZE:], fds).value == value
         for cut in range(p.FRAME_HEADER_SIZE, len(data) - 1):
@@ -252,12 +275,13 @@ def test_a_job_record_with_an_unknown_priority_or_status_is_refused():
     value = statistics_value()
     job = value.jobs[0]
     data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
-    at = data.index(codecs._JOB_FIXED.pack(job.priority, job.seq, job.submitted_at, math.nan,
-                                      job.finished_at, job.ran, job.preemptions,
-                                      job.longest_step, job.status))
-    status_at = at + codecs._JOB_FIXED.size - 4
-    for where, value, what in ((at, 7, "priority: 7 is not a Priority"),
-                               (status_at, 99999, "job status: 99999 is not a ErrorStatus")):
+    fixed = codecs._JOB.plan[1][0]
+    at = data.index(fixed.pack(job.priority, job.seq, job.submitted_at, math.nan,
+                               job.finished_at, job.ran, job.preemptions, job.longest_step,
+                               job.status))
+    status_at = at + fixed.size - 4
+    for where, value, what in ((at, 7, "JobRecord priority: 7 is not a Priority"),
+                               (status_at, 99999, "JobRecord status: 99999 is not a ErrorStatus")):
         bad = data[:where] + struct.pack("<I", value) + data[where + 4:]
         with pytest.raises(p.ProtocolError, match=what):
             p.decode_body(bad[p.FRAME_HEADER_SIZE:], fds)

@@ -88,7 +88,6 @@ from ...hal.types import Priority
 from ...memory import DeviceToken, Memory
 from ...memory.staging import ArenaPool, Staging, bind, stage
 from ...model.graph import HalModel
-from ...qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ...vlog import vlog
 from . import protocol as p
 from .mirror import HEADER as MIRROR_HEADER, read_mirror
@@ -412,20 +411,6 @@ def _value(reply: p.Reply, what: str):
     return reply.value
 
 
-def _scheduler_statistics(value: p.StatisticsValue):
-    """The scheduler's statistics and finished jobs from their wire form."""
-    st = value.statistics
-    stats = None if st is None else SchedulerStatistics(
-        st.slots, st.busy, tuple(ClassStatistics(
-            c.app, c.priority, c.queued, c.running, c.completed, c.preempted,
-            c.deadline_misses, c.cancelled, c.failed, c.wait_p50, c.wait_p99, c.run_time)
-            for c in st.classes))
-    jobs = tuple(JobRecord(j.app, j.priority, None, j.seq, j.submitted_at, j.started_at,
-                           j.finished_at, j.ran, j.preemptions, j.longest_step, j.status,
-                           j.message) for j in value.jobs)
-    return stats, jobs
-
-
 class ServiceDevice(Device):
     """A driver service seen through the HAL. Make one with :meth:`connect`."""
 
@@ -510,7 +495,8 @@ class ServiceDevice(Device):
 
     async def _statistics(self):
         reply = await self._channel.call(lambda cid: p.Query(cid, p.Method.STATISTICS))
-        return _scheduler_statistics(_value(reply, "statistics"))
+        value = _value(reply, "statistics")   # the scheduler's own records (their model: None)
+        return value.statistics, value.jobs
 
     async def supported_operations(self, model: HalModel) -> list[bool]:
         """Asks the service."""

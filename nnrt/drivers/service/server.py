@@ -556,7 +556,7 @@ class ServiceConnection:
                 statistics = replace(statistics, classes=tuple(
                     c for c in statistics.classes if c.app == app))
             jobs = [j for j in jobs if j.app == app]
-        return _wire_statistics(statistics, jobs)
+        return p.StatisticsValue(statistics, tuple(jobs))
 
     async def _supported_operations(self, call: p.SupportedOperations) -> list[bool]:
         model, memories = _map_model(call.model)
@@ -1079,18 +1079,6 @@ def _known_size(call: p.Allocate, entries: list[_Prepared]) -> int | None:
     if not fully_specified(dims) or element * math.prod(dims) > MAX_BUFFER_BYTES:
         return None
     return element * math.prod(dims)
-
-
-def _wire_statistics(statistics, jobs) -> p.StatisticsValue:
-    """The scheduler's statistics and finished jobs in the protocol's own types."""
-    st = None if statistics is None else p.WireSchedulerStatistics(
-        statistics.slots, statistics.busy, tuple(p.WireClassStatistics(
-            c.app, c.priority, c.queued, c.running, c.completed, c.preempted,
-            c.deadline_misses, c.cancelled, c.failed, c.wait_p50, c.wait_p99, c.run_time)
-            for c in statistics.classes))
-    return p.StatisticsValue(st, tuple(p.WireJobRecord(
-        j.app, j.priority, j.seq, j.submitted_at, j.started_at, j.finished_at, j.ran,
-        j.preemptions, j.longest_step, j.status, j.message) for j in jobs))
 
 
 def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:

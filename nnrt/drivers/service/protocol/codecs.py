@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 from ....errors import ErrorStatus, NnrtError
@@ -21,6 +21,7 @@ from ....model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalMod
 from ....model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
                                   operand_type, operation_type)
 from ....model.types import OperandLifeTime, OperandType, OperationType
+from ....qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from ....wirecodec import Reader, Writer
 from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_FRAME,
                        MAX_JOB_RECORDS, MAX_STRING, Allocate, Allocated, BurstEnded, Cancel,
@@ -29,8 +30,9 @@ from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_
                        Kind, Method, PrepareModel, PrepareModelCaching, PrepareModelFromCache,
                        ProtocolError, Query, ReleaseBuffer, ReleaseBurst, ReleaseExecution,
                        ReleaseModel, Reply, StatisticsValue, SupportedOperations,
-                       WireClassStatistics, WireJobRecord, WirePool, WireSchedulerStatistics,
-                       WireToken, _BODY, _FRAME)
+                       WirePool, WireToken, _BODY, _FRAME)
+
+# -- the bytes: reader and writer ----------------------------------------------
 
 _MEMBERS: dict[type, dict] = {}    # per enum class read off the wire: its members by value
 
@@ -739,6 +741,83 @@ def _get_burst_ended(r: _Reader, call_id: int, method: Method) -> BurstEnded:
     return BurstEnded(call_id, burst_id, r.str_("reason"))
 
 
+class _RecordCodec:
+    """The wire form of one of the scheduler's record dataclasses, made from
+    its fields (``dataclasses.fields``) by their declared types: the app key
+    in its own form, then each run of fixed-size fields in one struct (a
+    reply carries up to 256 job records: reading them field by field took
+    ~12 us each, issue 15), then strings. Fields in ``omit`` stay on the
+    service (None on the client). The wire changes when the record does:
+    ``tests/unit/test_protocol.py`` pins the layout against PROTOCOL_VERSION."""
+
+    # declared type -> (struct code, to the wire, from the wire given what it is)
+    _FIXED = {
+        "int": ("Q", int, lambda what: int),
+        "Priority": ("I", int, lambda what: lambda v: _member(Priority, v, what)),
+        "ErrorStatus": ("I", int, lambda what: lambda v: _member(ErrorStatus, v, what)),
+        "float": ("d", float, lambda what: float),
+        "float | None": ("d", lambda v: math.nan if v is None else float(v),
+                         lambda what: lambda v: None if math.isnan(v) else v),
+    }
+
+    def __init__(self, cls, omit: tuple[str, ...] = ()):
+        self.cls = cls
+        self.omit = omit
+        self.plan: list = []     # ("app", name) | ("str", name) | (Struct, names, puts, gets)
+        run: list = []
+
+        def close_run():
+            if run:
+                self.plan.append((struct.Struct("<" + "".join(c for _, c, _, _ in run)),
+                                  tuple(n for n, _, _, _ in run),
+                                  tuple(put for _, _, put, _ in run),
+                                  tuple(get for _, _, _, get in run)))
+                run.clear()
+        for f in fields(cls):
+            if f.name in omit:
+                continue
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if kind == "Hashable":
+                close_run()
+                self.plan.append(("app", f.name))
+            elif kind == "str":
+                close_run()
+                self.plan.append(("str", f.name))
+            elif kind in self._FIXED:
+                code, put, get = self._FIXED[kind]
+                run.append((f.name, code, put, get(f"{cls.__name__} {f.name}")))
+            else:
+                raise TypeError(f"{cls.__name__}.{f.name}: no wire form for {kind}")
+        close_run()
+
+    def put(self, w: _Writer, record) -> None:
+        for step in self.plan:
+            if step[0] == "app":
+                _put_app(w, getattr(record, step[1]))
+            elif step[0] == "str":
+                w.str_(getattr(record, step[1]))
+            else:
+                packer, names, puts, _ = step
+                w.pack(packer, *(put(getattr(record, n)) for n, put in zip(names, puts)))
+
+    def get(self, r: _Reader):
+        values = dict.fromkeys(self.omit)
+        for step in self.plan:
+            if step[0] == "app":
+                values[step[1]] = _get_app(r)
+            elif step[0] == "str":
+                values[step[1]] = r.str_(f"{self.cls.__name__} {step[1]}")
+            else:
+                unpacker, names, _, gets = step
+                raw = r.take(unpacker, f"{self.cls.__name__} fields")
+                values.update((n, get(v)) for n, get, v in zip(names, gets, raw))
+        return self.cls(**values)
+
+
+_CLASS = _RecordCodec(ClassStatistics)
+_JOB = _RecordCodec(JobRecord, omit=("model",))   # the service's own key of a prepared model
+
+
 def _put_statistics(w: _Writer, v: StatisticsValue) -> None:
     st = v.statistics
     w.flag(st is not None)
@@ -747,64 +826,23 @@ def _put_statistics(w: _Writer, v: StatisticsValue) -> None:
         w.u32(st.busy)
         w.u32(len(st.classes))
         for c in st.classes:
-            _put_app(w, c.app)
-            w.u32(c.priority)
-            for n in (c.queued, c.running, c.completed, c.preempted, c.deadline_misses,
-                      c.cancelled, c.failed):
-                w.u32(n)
-            w.nan_or_f64(c.wait_p50)
-            w.nan_or_f64(c.wait_p99)
-            w.f64(c.run_time)
+            _CLASS.put(w, c)
     jobs = v.jobs[-MAX_JOB_RECORDS:]
     w.u32(len(jobs))
     for j in jobs:
-        _put_app(w, j.app)
-        w.u32(j.priority)
-        w.u64(j.seq)
-        w.f64(j.submitted_at)
-        w.nan_or_f64(j.started_at)
-        w.f64(j.finished_at)
-        w.f64(j.ran)
-        w.u32(j.preemptions)
-        w.f64(j.longest_step)
-        w.u32(j.status)
-        w.str_(j.message)
+        _JOB.put(w, j)
 
 
 def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
     st = None
     if r.flag("statistics flag"):
         slots, busy = r.u32("slots"), r.u32("busy slots")
-        classes = []
-        for _ in range(r.count("class count", 30)):
-            app = _get_app(r)
-            priority = r.enum(Priority, "priority")
-            counts = [r.u32("counter") for _ in range(7)]
-            classes.append(WireClassStatistics(app, priority, *counts, r.nan_or_f64("wait p50"),
-                                               r.nan_or_f64("wait p99"), r.f64("run time")))
-        st = WireSchedulerStatistics(slots, busy, tuple(classes))
+        classes = tuple(_CLASS.get(r) for _ in range(r.count("class count", 30)))
+        st = SchedulerStatistics(slots, busy, classes)
     n = r.count("job count", 50)
     if n > MAX_JOB_RECORDS:
         raise ProtocolError(f"job count {n} exceeds {MAX_JOB_RECORDS}")
-    jobs = []
-    for _ in range(n):
-        # The fixed fields in one unpack: a reply carries up to 256 records,
-        # and reading them field by field took ~12 us each (issue 15).
-        app = _get_app(r)
-        (priority, seq, submitted, started, finished, ran, preemptions, longest,
-         status) = r.take(_JOB_FIXED, "job record")
-        jobs.append(WireJobRecord(app, _member(Priority, priority, "priority"),
-                                  seq, submitted, None if math.isnan(started) else started,
-                                  finished, ran, preemptions, longest,
-                                  _member(ErrorStatus, status, "job status"),
-                                  r.str_("job message")))
-    return StatisticsValue(st, tuple(jobs))
-
-
-# A job record after its app key, as _put_statistics writes it: priority,
-# seq, submitted at, started at (NaN: never), finished at, run time,
-# preemptions, longest step, status.
-_JOB_FIXED = struct.Struct("<IQddddIdI")
+    return StatisticsValue(st, tuple(_JOB.get(r) for _ in range(n)))
 
 
 def _put_roles(w: _Writer, roles) -> None:

@@ -425,58 +425,15 @@ Call = (Hello | Query | SupportedOperations | PrepareModel | Execute | ReleaseMo
         | CreateExecution | Compute | ReleaseExecution)
 
 
-# -- statistics on the wire ---------------------------------------------------
-#
-# The protocol's own types: the service converts its scheduler's statistics
-# into these and the client converts them back (at the edge, in server.py
-# and client.py), so a change of the scheduler's dataclasses never changes
-# the wire silently. An app key is ("uid", n) / ("pid", n) or text.
-
-@dataclass(frozen=True, slots=True)
-class WireClassStatistics:
-    app: Any
-    priority: Priority
-    queued: int
-    running: int
-    completed: int
-    preempted: int
-    deadline_misses: int
-    cancelled: int
-    failed: int
-    wait_p50: float | None
-    wait_p99: float | None
-    run_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class WireSchedulerStatistics:
-    slots: int
-    busy: int
-    classes: tuple[WireClassStatistics, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class WireJobRecord:
-    app: Any
-    priority: Priority
-    seq: int
-    submitted_at: float
-    started_at: float | None
-    finished_at: float
-    ran: float
-    preemptions: int
-    longest_step: float
-    status: ErrorStatus
-    message: str
-
+# -- statistics on the wire: the scheduler's own records (see codecs._RecordCodec) --
 
 @dataclass(frozen=True, slots=True)
 class StatisticsValue:
     """The reply to STATISTICS: ``statistics`` is None when the driver has
     no scheduler; ``jobs`` are its recent finished jobs."""
 
-    statistics: WireSchedulerStatistics | None
-    jobs: tuple[WireJobRecord, ...] = ()
+    statistics: Any   # nnrt.qos.SchedulerStatistics or None
+    jobs: tuple = ()  # nnrt.qos.JobRecord, their ``model`` None on the client
 
 
 # -- the call stream's state machine -----------------------------------------
@@ -509,8 +466,6 @@ def transition(state: State, event: Event) -> State:
         raise ProtocolError(f"{event.value} is not allowed in state {state.value}") from None
 
 
-# -- the bytes: reader and writer ----------------------------------------------
-
 
 __all__ = ["Allocate", "Allocated", "BURST_RING_FDS", "BurstEnded", "CLIENT_CACHED_POOLS", "Call",
            "Cancel", "Compute", "ConfigureBurst", "CopyBuffer", "CreateExecution", "DeviceInfo",
@@ -521,5 +476,4 @@ __all__ = ["Allocate", "Allocated", "BURST_RING_FDS", "BurstEnded", "CLIENT_CACH
            "PrepareModelCaching", "PrepareModelFromCache", "ProtocolError", "Query",
            "ReleaseBuffer", "ReleaseBurst", "ReleaseExecution", "ReleaseModel", "Reply",
            "SERVICE_CALLS", "State", "StatisticsValue", "SupportedOperations", "TRANSITIONS",
-           "WireClassStatistics", "WireJobRecord", "WirePool", "WireSchedulerStatistics",
-           "WireToken", "transition"]
+           "WirePool", "WireToken", "transition"]
