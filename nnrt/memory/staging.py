@@ -181,12 +181,7 @@ class Staging:
         """Copy the staged outputs back into the caller's buffers; the bytes copied."""
         if self.arena is None or self.arena.closed:
             return 0
-        view, copied = self.arena.view(), 0
-        for raw, base in self._copy_back:
-            n = raw.nbytes
-            raw[:] = view[base:base + n]
-            copied += n
-        return copied
+        return _copy(self.arena.view(), self._copy_back, out=True)
 
     def finish(self, reuse: bool = True) -> None:
         """Give the arena back for the next execution; ``reuse=False`` when
@@ -258,6 +253,21 @@ def _stage(pools, inputs, outputs, arenas):
             output_pools)
 
 
+def _copy(view: memoryview, pairs, out: bool) -> int:
+    """Each ``(caller's buffer, its offset in the arena)`` of ``pairs`` out of
+    the arena ``view`` into the buffer (``out``), or into the arena; the
+    bytes copied."""
+    copied = 0
+    for raw, base in pairs:
+        n = raw.nbytes
+        if out:
+            raw[:] = view[base:base + n]
+        else:
+            view[base:base + n] = raw
+        copied += n
+    return copied
+
+
 class BoundPools:
     """A request's pools placed once, for every execution of a binding (a
     reusable burst execution): Memories as they are, the other pools in an
@@ -275,25 +285,11 @@ class BoundPools:
 
     def copy_in(self) -> int:
         """Copy the input pools into the arena; the bytes copied."""
-        if not self._copy_in:
-            return 0
-        view, copied = self.arena.view(), 0
-        for raw, base in self._copy_in:
-            n = raw.nbytes
-            view[base:base + n] = raw
-            copied += n
-        return copied
+        return _copy(self.arena.view(), self._copy_in, out=False) if self._copy_in else 0
 
     def copy_out(self) -> int:
         """Copy the outputs back into the caller's buffers; the bytes copied."""
-        if not self._copy_back:
-            return 0
-        view, copied = self.arena.view(), 0
-        for raw, base in self._copy_back:
-            n = raw.nbytes
-            raw[:] = view[base:base + n]
-            copied += n
-        return copied
+        return _copy(self.arena.view(), self._copy_back, out=True) if self._copy_back else 0
 
     def close(self) -> None:
         """Close the arena (the peer must be done with it). Idempotent."""

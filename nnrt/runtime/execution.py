@@ -142,14 +142,21 @@ class Execution:
         """Run the model on the bound inputs, into the bound outputs
         (``ANeuralNetworksExecution_compute``, awaited). ``deadline`` as for
         ``execute``."""
+        return await self.compute_in(None, deadline)
+
+    async def compute_in(self, sessions: dict | None, deadline: float | None) -> Result:
+        """:meth:`compute`, through a burst's HAL sessions (by step) when
+        given: what ``Burst.compute`` does. The bound request is bound to the
+        step's session once (for a driver service: a layout of the burst's
+        ring, bound in the service too), again only for another session."""
         self._begin()
         self._computing = True
         try:
             if deadline is not None:
                 deadline = check_deadline(deadline)
             if self._hal is None:
-                return await self._general(deadline)
-            outcome = await self._hal.execute(deadline)
+                return await self._general(deadline, sessions)
+            outcome = await self._runner(sessions).execute(deadline)
             try:
                 return self._result(outcome)
             except _Recover as recover:
@@ -157,11 +164,27 @@ class Execution:
         finally:
             self._computing = False
 
+    def _runner(self, sessions: dict | None):
+        """What computes the bound request: its HAL execution, or its binding
+        to the burst session of its step (a step the burst has no session
+        for, after a move to the CPU: the HAL execution)."""
+        session = None if sessions is None else sessions.get(id(self._steps[0]))
+        if session is None:
+            return self._hal
+        in_burst = self._in_burst
+        if in_burst is None or in_burst[0] is not session:
+            if in_burst is not None:
+                in_burst[1].release()
+            self._in_burst = None
+            in_burst = self._in_burst = (session, session.create_execution(
+                self._hal.request, self._measure, self._loop_timeout))
+        return in_burst[1]
+
     def compute_synchronously(self, deadline: float | None = None) -> Result | None:
         """:meth:`compute` on the calling thread, with no event loop, when
         the execution is bound; None when it must run on the runtime's loop
         instead (not bound, or a driver failure to recover from): the
-        caller then awaits :meth:`compute` there. What ``SyncRuntime``'s
+        caller then awaits :meth:`recover` there. What ``SyncRuntime``'s
         executions do."""
         self._begin()
         if self._hal is None:
@@ -176,37 +199,6 @@ class Execution:
             except _Recover as recover:
                 self._pending = recover
                 return None
-        finally:
-            self._computing = False
-
-    async def compute_in(self, sessions: dict, deadline: float | None) -> Result:
-        """:meth:`compute` through a burst's HAL sessions (by step): what
-        ``Burst.compute`` does. The bound request is bound to the step's
-        session once (for a driver service: a layout of the burst's ring,
-        bound in the service too), again only for another session."""
-        self._begin()
-        self._computing = True
-        try:
-            if deadline is not None:
-                deadline = check_deadline(deadline)
-            if self._hal is None:
-                return await self._general(deadline, sessions)
-            session = sessions.get(id(self._steps[0]))
-            if session is None:   # (a step the burst has none for: moved to the CPU since)
-                outcome = await self._hal.execute(deadline)
-            else:
-                in_burst = self._in_burst
-                if in_burst is None or in_burst[0] is not session:
-                    if in_burst is not None:
-                        in_burst[1].release()
-                    self._in_burst = None
-                    in_burst = self._in_burst = (session, session.create_execution(
-                        self._hal.request, self._measure, self._loop_timeout))
-                outcome = await in_burst[1].execute(deadline)
-            try:
-                return self._result(outcome)
-            except _Recover as recover:
-                return await self._recover(recover, deadline)
         finally:
             self._computing = False
 

@@ -633,25 +633,32 @@ class ServiceConnection:
             if burst.model_id == call.model_id:
                 burst.stop("its prepared model was released")
 
-    @trace.traced("service: execute")
-    async def _execute(self, call: p.Execute) -> ExecutionResult:
+    async def _cancellable(self, call, run) -> ExecutionResult:
+        """``await run()`` for an EXECUTE or COMPUTE, under a cancel scope
+        that the call's CANCEL cancels (one that came first cancels it at
+        once); a cancelled one answers so, once the driver has let go of
+        its pools (the scheduler's execute returns only then)."""
         with anyio.CancelScope() as scope:
             if self.proto.running(call.call_id, scope):
                 scope.cancel()   # the CANCEL came before this task ran
             try:
-                entry = self._own(call.model_id)
-                with self._request(entry, call) as request:
-                    result = await entry.prepared.execute(request, call.measure, call.deadline,
-                                                          call.loop_timeout)
-                if result.status == ErrorStatus.NONE:
-                    await self._refresh_mirrors(call)
-                return result
+                return await run()
             finally:
                 self.proto.finished(call.call_id)
-        # CANCEL: the driver has let go of the pools by now (the reference
-        # device's execute returns only then).
         return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
                                message="the execution was cancelled by its caller")
+
+    @trace.traced("service: execute")
+    async def _execute(self, call: p.Execute) -> ExecutionResult:
+        async def run() -> ExecutionResult:
+            entry = self._own(call.model_id)
+            with self._request(entry, call) as request:
+                result = await entry.prepared.execute(request, call.measure, call.deadline,
+                                                      call.loop_timeout)
+            if result.status == ErrorStatus.NONE:
+                await self._refresh_mirrors(call)
+            return result
+        return await self._cancellable(call, run)
 
     async def _create_execution(self, call: p.CreateExecution) -> int:
         """Bind a request once (the driver's ``create_execution``): its pools
@@ -691,26 +698,19 @@ class ServiceConnection:
 
     @trace.traced("service: compute")
     async def _compute(self, call: p.Compute) -> ExecutionResult:
-        with anyio.CancelScope() as scope:
-            if self.proto.running(call.call_id, scope):
-                scope.cancel()   # the CANCEL came before this task ran
+        async def run() -> ExecutionResult:
+            bound = self.executions.get(call.execution_id)
+            if bound is None:
+                raise invalid(f"execution {call.execution_id} is not one of this connection's")
+            if bound.computing:
+                raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                                f"execution {call.execution_id} is computing already")
+            bound.computing = True
             try:
-                bound = self.executions.get(call.execution_id)
-                if bound is None:
-                    raise invalid(f"execution {call.execution_id} is not one of this "
-                                  f"connection's")
-                if bound.computing:
-                    raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
-                                    f"execution {call.execution_id} is computing already")
-                bound.computing = True
-                try:
-                    return await bound.execution.execute(call.deadline)
-                finally:
-                    bound.computing = False
+                return await bound.execution.execute(call.deadline)
             finally:
-                self.proto.finished(call.call_id)
-        return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
-                               message="the execution was cancelled by its caller")
+                bound.computing = False
+        return await self._cancellable(call, run)
 
     async def _release_execution(self, call: p.ReleaseExecution) -> None:
         bound = self.executions.get(call.execution_id)
