@@ -33,6 +33,7 @@ import operator
 import os
 import pickle
 import shutil
+import stat
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
@@ -174,6 +175,32 @@ def step_token(key: str, step: int) -> bytes:
 def _file_names(step: int, needed: tuple[int, int]) -> tuple[list[str], list[str]]:
     return ([f"step{step}-model{i}" for i in range(needed[0])],
             [f"step{step}-data{i}" for i in range(needed[1])])
+
+
+def check_folder(cache_dir) -> str:
+    """``cache_dir`` as a path, when it is a folder only this user may
+    write (or not there yet: it is made 0700). INVALID_ARGUMENT for one that
+    another user owns or may write (group or others: mode 0775, 0777): they
+    could plant, swap or remove entries under the app."""
+    path = os.fspath(cache_dir)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise NnrtError(ErrorStatus.INVALID_ARGUMENT, f"cache_dir {path}: {e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NnrtError(ErrorStatus.INVALID_ARGUMENT, f"cache_dir {path} is not a folder")
+    if st.st_uid != os.geteuid():
+        raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                        f"cache_dir {path} belongs to uid {st.st_uid}, not to this user "
+                        f"({os.geteuid()}): use a folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
+                        f"cache_dir {path} may be written by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}): they could plant or swap its "
+                        f"entries; use a folder only you can write (chmod 700 {path})")
+    return path
 
 
 class Entry:

@@ -298,8 +298,9 @@ class Runtime:
         allow = allow and not explicit
         entry = None
         if cache_dir is not None:
-            entry = cache.Entry(cache_dir, cache.entry_key(hal, token, candidates, preference,
-                                                           allow), self._cache_counters)
+            entry = cache.Entry(cache.check_folder(cache_dir),
+                                cache.entry_key(hal, token, candidates, preference, allow),
+                                self._cache_counters)
             record = entry.read_record()
             if record is not None:
                 compiled = await self._compile_cached(model, hal, record, candidates, entry,

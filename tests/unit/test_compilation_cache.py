@@ -414,3 +414,25 @@ def test_a_fifo_planted_as_an_entry_file_is_rejected_not_waited_on(tmp_path, sma
     outputs, stats = done[0]
     assert stats.hits == 0 and stats.written == 1, stats     # compiled afresh, entry mended
     assert all(np.array_equal(a, b) for a, b in zip(plain, outputs))
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
+def test_a_cache_folder_others_may_write_is_refused_before_anything_is_read(tmp_path, small,
+                                                                             mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(NnrtError) as e:
+        _run(ReferenceDevice(), small, shared)
+    assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert "may be written by other users" in e.value.message and "chmod 700" in e.value.message
+    assert list(shared.iterdir()) == []            # nothing staged, nothing written
+    shared.chmod(0o700)
+    _, stats = _run(ReferenceDevice(), small, shared)
+    assert stats.written == 1
+    # Not a folder, or not there yet (made 0700).
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(NnrtError, match="is not a folder"):
+        _run(ReferenceDevice(), small, tmp_path / "file")
+    _, stats = _run(ReferenceDevice(), small, tmp_path / "new" / "cache")
+    assert stats.written == 1 and ((tmp_path / "new" / "cache").stat().st_mode & 0o777) == 0o700
