@@ -5,13 +5,13 @@ batches, under each event loop.
 (a) ADD of two 1x4 float tensors, per path: p50 and p99, and the p50 as a
     ratio to the *eventfd floor* (a Python eventfd ping-pong between two
     processes, blocking reads: the least any cross-process hand-off costs
-    from Python) and to the *driver alone* (the reference driver's
-    ``execute_synchronously`` on a ready request, in process: the work every
-    path pays). Paths: the driver alone; ``await compiled.execute`` in
+    from Python) and to the *driver alone* (the reference driver's bound
+    execution, ``create_execution`` once then ``execute_synchronously``, in
+    process: the work every path pays). Paths: the driver alone; ``await compiled.execute`` in
     process on that driver (the runtime and the QoS front); ``execute`` on
     a driver service over the socket (HAL and ``compiled.execute``); a burst to the
     service (HAL session with numpy pools and with a Memory pool, and
-    ``compiled.burst()``); and the eventfd ping-pong with the app awaiting
+    ``compiled.burst()``; bound executions, and one-shot frames); and the eventfd ping-pong with the app awaiting
     its eventfd on the event loop (the floor an async app can reach).
     Goals (issue 16): driver alone <= 15 us; in-process compiled.execute
     <= driver alone + 25 us; burst (HAL, numpy pools, default asyncio loop)
@@ -196,13 +196,14 @@ def report(title: str, samples: dict[str, list[float]], floor: str, driver: str
 
 FLOOR = "eventfd ping-pong, 2 processes (the floor)"
 AWAITED = "eventfd ping-pong, app awaits on the loop"
-DRIVER = "driver alone (execute_synchronously)"
+DRIVER = "driver alone (a bound execution's execute_synchronously)"
 INPROC = "await compiled.execute, in process"
 SOCKET_HAL = "execute over the socket (HAL, numpy pools)"
 SOCKET = "await compiled.execute over the socket"
-BURST = "burst to the service (HAL, numpy pools)"
-BURST_MEM = "burst to the service (HAL, Memory pool)"
-BURST_COMPILED = "await burst.execute (compiled.burst())"
+BURST = "burst to the service (HAL, numpy pools, bound)"
+BURST_MEM = "burst to the service (HAL, Memory pool, bound)"
+BURST_ONE_SHOT = "burst to the service (HAL, numpy pools, one-shot)"
+BURST_COMPILED = "await burst.compute (compiled.burst(), bound)"
 
 
 async def main(rounds: int, batches: int, loop: str, frame: bool, breakdown: bool) -> None:
@@ -263,8 +264,10 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
     mem_request = memory_request(mem, (1, 4), 2)
     model = public_add_model()
 
+    bound_locally = local.create_execution(request)   # bound once, as a frame loop would
+
     async def driver_alone():
-        return local.execute_synchronously(request)
+        return bound_locally.execute_synchronously()
 
     async def floor():
         echo.blocking()
@@ -283,6 +286,8 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
         over_socket = await rt_remote.compile(model)
         assert [d.name for d in over_socket.devices] == [dev2.name], over_socket.devices
         async with await remote.configure_burst() as burst, over_socket.burst() as cburst:
+            bound, bound_mem = burst.create_execution(request), burst.create_execution(mem_request)
+            execution = over_socket.create_execution([x, y])
             samples = await measure({
                 FLOOR: floor,
                 AWAITED: awaited,
@@ -290,9 +295,10 @@ async def bench(dev, dev2, echo: EventfdEcho, echo_awaited: EventfdEcho, rounds:
                 INPROC: lambda: in_process.execute([x, y]),
                 SOCKET_HAL: lambda: remote.execute(request),
                 SOCKET: lambda: over_socket.execute([x, y]),
-                BURST: lambda: burst.execute(request),
-                BURST_MEM: lambda: burst.execute(mem_request),
-                BURST_COMPILED: lambda: cburst.execute([x, y]),
+                BURST: bound.execute,
+                BURST_MEM: bound_mem.execute,
+                BURST_ONE_SHOT: lambda: burst.execute(request),
+                BURST_COMPILED: lambda: cburst.compute(execution),
             }, rounds, batches)
     mem.close()
     p50 = report(f"(a) ADD of two 1x4 tensors [{loop}]", samples, FLOOR, DRIVER)
@@ -374,13 +380,13 @@ async def bench_frame(dev, rounds: int, batches: int) -> None:
 # woken process can take its core), so a stamp taken after the write says
 # when the writer ran again, not when the frame arrived.
 STAGES = [
-    ("app: stage pools, encode the request", "app_start", "app_encoded"),
+    ("app: copy the inputs in, encode the run frame", "app_start", "app_encoded"),
     ("hand-off app -> service: publish, signal, thread wakes + reads", "app_encoded",
      "srv_woke"),
     ("service: decode the frame", "srv_woke", "srv_decoded"),
-    ("service: slots -> request, call the front", "srv_decoded", "front_in"),
+    ("service: find the layout, call the front", "srv_decoded", "front_in"),
     ("QoS front: submit + claim (gate lock)", "front_in", "driver_in"),
-    ("driver: validate, run, write outputs", "driver_in", "driver_out"),
+    ("driver: run the bound request, write outputs", "driver_in", "driver_out"),
     ("QoS front: finish (gate lock)", "driver_out", "front_out"),
     ("service: encode the result", "front_out", "srv_encoded"),
     ("hand-off service -> app: publish, signal, loop wakes", "srv_encoded", "app_read"),
@@ -427,9 +433,9 @@ def install_service_trace(trace_path: str) -> None:
         return frame
     Ring.read_or = read_or
     wrap(burst_server, "decode_frame", after="srv_decoded")
-    wrap(front.ScheduledPreparedModel, "execute_synchronously", before="front_in",
+    wrap(front.ScheduledExecution, "execute_synchronously", before="front_in",
          after="front_out")
-    wrap(reference.ReferencePreparedModel, "execute_synchronously", before="driver_in",
+    wrap(reference.ReferenceExecution, "execute_synchronously", before="driver_in",
          after="driver_out")
     wrap(gate.ExecutionGate, "checkpoint", accumulate="gate_checkpoints")
     wrap(Ring, "write_nowait", before="srv_encoded")
@@ -459,8 +465,9 @@ async def bench_breakdown(folder: str, frames: int) -> None:
             app: list[dict] = []
             now = time.perf_counter_ns
             async with await remote.configure_burst() as burst:
+                bound = burst.create_execution(request)   # its frames: run frames
                 for _ in range(50):
-                    await burst.execute(request)
+                    await bound.execute()
                 requests, results = burst._requests, burst._results
                 write, read = requests.write_nowait, results.read_nowait
 
@@ -475,7 +482,7 @@ async def bench_breakdown(folder: str, frames: int) -> None:
                 requests.write_nowait, results.read_nowait = traced_write, traced_read
                 for _ in range(frames):
                     app.append({"app_start": now()})
-                    await burst.execute(request)
+                    await bound.execute()
                     app[-1]["app_end"] = now()
             await wait_for_file(trace_path)
         finally:
@@ -597,14 +604,14 @@ async def driver_warm_and_cold(rounds: int = 2000) -> None:
     clocks gone cold, as in the service's burst thread)."""
     local = await ReferenceDevice().prepare_model(add_model((1, 4)))
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
-    request = numpy_request([x, x], [np.zeros((1, 4), np.float32)])
+    bound = local.create_execution(numpy_request([x, x], [np.zeros((1, 4), np.float32)]))
     for gap in (0.0, 200e-6):
         samples = []
         for _ in range(rounds):
             if gap:
                 time.sleep(gap)
             t = time.perf_counter()
-            local.execute_synchronously(request)
+            bound.execute_synchronously()
             samples.append(time.perf_counter() - t)
         label = (f"driver alone, {gap * 1e6:.0f} us asleep between calls" if gap
                  else "driver alone, back to back")

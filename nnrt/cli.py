@@ -73,8 +73,10 @@ def _driver_serve(args) -> int:
     except nnrt.NnrtError as e:
         print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         return 1
+    # inline_bound=0: the service's event loop, shared by every app, runs
+    # no app's work itself (an inline run would).
     device = ScheduledDevice(driver, slots=args.slots, queue_limit=args.queue_limit,
-                             memory_limit=args.memory_limit, policy=policy)
+                             memory_limit=args.memory_limit, policy=policy, inline_bound=0)
     path = args.socket or default_socket_path(args.name)
     if args.realtime is not None:
         try:

@@ -70,8 +70,9 @@ _DONOR_LINGER = 0.002
 # next one when its work cannot depend on the data: a bound execution's
 # shapes are fixed, and a model with control flow (a WHILE's trip count is
 # the data's) is never run inline. A one-shot execution (``execute`` of a
-# request) has no past runs, so a driver service, which makes one per
-# EXECUTE, never runs an app's work on its shared event loop.
+# request) counts only when every input of its model has fixed shapes (the
+# prepared model's record); otherwise it has no past runs. A driver service
+# runs no app's work on its shared event loop: its front has inline_bound 0.
 INLINE_BOUND = 0.0005
 INLINE_AFTER = 2
 
@@ -202,9 +203,10 @@ class ScheduledDevice(Device):
                             "the model was prepared after its preparation deadline")
         vlog("driver", "%s: prepared %d operations behind the scheduler (app %r, %s)",
              self.name, len(model.main.operations), app, priority.name)
+        fixed = all(model.main.operands[i].is_fully_specified for i in model.main.input_indexes)
         return ScheduledPreparedModel(prepared, self.gate, priority, app,
                                       self._boundaries is not Boundaries.NONE,
-                                      0.0 if control_flow else self.inline_bound)
+                                      0.0 if control_flow else self.inline_bound, fixed)
 
     def _admit(self, priority, deadline, app):
         """The checks every preparation starts with: ``(priority capped by
@@ -266,7 +268,11 @@ class ScheduledPreparedModel(PreparedModel):
 
     def __init__(self, prepared: PreparedModel, gate: ExecutionGate,
                  priority: Priority = Priority.MEDIUM, app: AppKey = None,
-                 stops: bool = True, inline_bound: float = INLINE_BOUND):
+                 stops: bool = True, inline_bound: float = INLINE_BOUND,
+                 fixed_shapes: bool = False):
+        """``fixed_shapes``: every input of the model has fully specified
+        dimensions, so every request runs the same shapes and its one-shot
+        executions share one record of short runs (see ScheduledExecution)."""
         self.prepared = prepared
         self.priority = Priority(priority)
         self.app = app
@@ -276,6 +282,7 @@ class ScheduledPreparedModel(PreparedModel):
         self.key = f"prepared-{next(_PREPARED_IDS)}"
         # The longest run of one of its executions that counts as short (see INLINE_BOUND).
         self._inline_bound_ns = int(inline_bound * 1e9)
+        self._one_shots = _ShortRuns() if fixed_shapes else None
 
     def release(self) -> None:
         self.prepared.release()
@@ -297,7 +304,8 @@ class ScheduledPreparedModel(PreparedModel):
         """An execution computed once; a request the driver refuses to bind
         is a result."""
         try:
-            return self.create_execution(request, measure, loop_timeout)
+            return ScheduledExecution(self, self.prepared.create_execution(
+                request, measure, loop_timeout), self._one_shots)
         except NnrtError as e:
             return ExecutionResult(e.status, tuple(e.output_shapes or ()), message=e.message)
         except Exception as e:
@@ -330,30 +338,42 @@ class ScheduledPreparedModel(PreparedModel):
         return f"<ScheduledPreparedModel {self.key} app={self.app!r} {self.priority.name}>"
 
 
+class _ShortRuns:
+    """Runs in a row that took at most the inline bound (see ScheduledExecution)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
 class ScheduledExecution(Execution):
     """A driver's :class:`~nnrt.hal.Execution` whose computations are jobs of
     the model's app and priority.
 
     Whether a computation may run on the awaiting task's own thread (an
-    inline run, no hand-off to a worker) is this execution's own record:
-    its last INLINE_AFTER runs each took at most the model's inline bound of
-    real time, unpreempted. The request is bound, so its shapes are fixed;
-    only a model with control flow (bound 0) could take longer on other
-    data."""
+    inline run, no hand-off to a worker) is a record of short runs: the
+    last INLINE_AFTER runs each took at most the model's inline bound of
+    real time, unpreempted. A reusable execution keeps its own (its request
+    is bound, so its shapes are fixed); the one-shot executions of a model
+    whose inputs all have fixed shapes share the prepared model's; any other
+    one-shot execution has none and never runs inline. Only a model with
+    control flow (bound 0) could take longer on other data."""
 
-    def __init__(self, model: ScheduledPreparedModel, inner: Execution):
+    def __init__(self, model: ScheduledPreparedModel, inner: Execution,
+                 record: _ShortRuns | None = None):
         self.model = model
         self.inner = inner
         self.request = inner.request
         self.measure = inner.measure
         self.loop_timeout = inner.loop_timeout
-        self._short_runs = 0   # short runs in a row (see ``inline``)
+        self._record = _ShortRuns() if record is None else record
 
     @property
     def inline(self) -> bool:
         """Whether the next computation, when its job gets a slot at once,
         runs on the awaiting task's thread."""
-        return self._short_runs >= INLINE_AFTER
+        return self._record.count >= INLINE_AFTER
 
     def release(self) -> None:
         self.request = None
@@ -366,7 +386,7 @@ class ScheduledExecution(Execution):
         model = self.model
         gate = model._gate
         job = None
-        if self._short_runs >= INLINE_AFTER:
+        if self._record.count >= INLINE_AFTER:
             # A schedule point, as any execute (the loop's other tasks run; a
             # cancelled caller stops here, with nothing queued), then the
             # inline run if the job gets its slot at once.
@@ -476,9 +496,9 @@ class ScheduledExecution(Execution):
         # hold its event loop for. A preempted run is not short.
         now = time.perf_counter_ns()
         if job.preemptions == 0 and 0 < now - ran <= model._inline_bound_ns:
-            self._short_runs += 1
+            self._record.count += 1
         else:
-            self._short_runs = 0
+            self._record.count = 0
         if traced:
             trace.complete("scheduled run", traced / 1000, time.monotonic_ns() / 1000)
             trace.interval("queue wait", job.submitted_at, job.started_at, app=job.app,

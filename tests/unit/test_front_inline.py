@@ -285,3 +285,56 @@ def test_the_inline_bound_is_checked():
     with pytest.raises(NnrtError) as e:
         ScheduledDevice(ReferenceDevice(), inline_bound=-1)
     assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+
+
+def test_one_shot_executions_of_a_model_of_fixed_shapes_share_its_record():
+    """Every request of a model whose inputs have fixed shapes runs the same
+    shapes: its one-shot executions (``execute`` of a request) count their
+    short runs together and then run inline too."""
+    model = Recording()
+    device = ScheduledDevice(ReferenceDevice(), slots=1, inline_bound=GENEROUS)
+    prepared = ScheduledPreparedModel(model, device.gate, LOW, device.app,
+                                      inline_bound=GENEROUS, fixed_shapes=True)
+
+    async def main():
+        for _ in range(INLINE_AFTER + 2):
+            await prepared.execute(REQUEST)
+        return threading.get_ident()
+
+    loop_thread = anyio.run(main)
+    assert loop_thread not in model.threads[:INLINE_AFTER]
+    assert model.threads[INLINE_AFTER:] == [loop_thread] * 2
+
+
+async def test_a_driver_service_runs_no_apps_work_on_its_event_loop(tmp_path, monkeypatch):
+    """The service's front has inline bound 0: however short and however
+    often an app's executions run, reusable (COMPUTE) or one-shot, its job
+    runs on a worker thread, never on the loop every app shares."""
+    from nnrt.drivers.reference import ReferenceExecution
+    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.drivers.service.server import serve
+    from tests.integration.test_service import add_model, numpy_request
+    threads = []
+    run = ReferenceExecution.execute_synchronously
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.get_ident())
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(ReferenceExecution, "execute_synchronously", recording)
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve, ReferenceDevice(), str(tmp_path / "s.sock"))
+        dev = await ServiceDevice.connect(str(tmp_path / "s.sock"))
+        try:
+            prepared = await dev.prepare_model(add_model())
+            x = np.ones((1, 4), np.float32)
+            out = np.zeros((1, 4), np.float32)
+            execution = prepared.create_execution(numpy_request([x, x], [out]))
+            for _ in range(INLINE_AFTER + 3):
+                assert (await execution.execute()).status == ErrorStatus.NONE
+                assert (await prepared.execute(numpy_request([x, x], [out]))).status \
+                    == ErrorStatus.NONE
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
+    assert len(threads) == 2 * (INLINE_AFTER + 3)
+    assert threading.get_ident() not in threads    # the service's loop is this thread

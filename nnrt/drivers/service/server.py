@@ -208,8 +208,10 @@ class DriverService:
             raise invalid(f"app key {app_key!r} is neither 'uid' nor 'pid'")
         if statistics not in ("own", "all"):
             raise invalid(f"statistics scope {statistics!r} is neither 'own' nor 'all'")
-        # Every served driver sits behind the per-app scheduler.
-        self.device = device if device.scheduling().fronted else ScheduledDevice(device)
+        # Every served driver sits behind the per-app scheduler, which runs no
+        # app's work on the service's shared event loop (inline_bound=0).
+        self.device = device if device.scheduling().fronted \
+            else ScheduledDevice(device, inline_bound=0)
         self.app_key = app_key
         self.limits = limits
         # Who sees every app's work in STATISTICS: everyone ("all"), or the
