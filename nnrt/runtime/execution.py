@@ -247,7 +247,7 @@ class Execution:
         """Move the compiled model to the CPU after its driver failed, bind
         there and compute again."""
         try:
-            await self._compiled._move_to_cpu(recover.failure)
+            await self._compiled._move_off(recover.failure)
             self._bind()
             if self._hal is None:
                 return await self._general(deadline)

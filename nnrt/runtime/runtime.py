@@ -772,7 +772,7 @@ class CompiledModel:
                 # The memories' contents follow the execution to the CPU when
                 # the dead driver left them readable (a service's mirrors).
                 moved = [m.move_off_device() for m in memories]
-                await self._move_to_cpu(failure)
+                await self._move_off(failure)
                 if not all(moved):
                     raise failure.error from None   # they died with the driver
                 if memories:
@@ -789,27 +789,61 @@ class CompiledModel:
             result = _written(result, outputs)
         return result
 
-    async def _move_to_cpu(self, failure: DriverFailure) -> None:
-        """After a driver failure: the whole model runs on the CPU from now on."""
-        self._fall_back(failure)
-        self._use_steps(await self._cpu_steps())
-
-    def _fall_back(self, failure: DriverFailure) -> None:
-        """Record (and log, at WARNING, once per compiled model) that a
-        driver failure moves the whole model to the CPU."""
-        cpu = self._runtime.cpu.name
+    async def _move_off(self, failure: DriverFailure) -> None:
+        """After a driver failure: the whole model moves to the best devices
+        left (partitioned by capabilities, as a compilation would, without
+        the one that failed: the in-process litert device before the
+        reference one), or, when one of them refuses, to the CPU device."""
         kind = "died" if failure.error.status == ErrorStatus.DEAD_OBJECT else "failed"
+        detail = f"{failure.device.name} {kind} during an execution: {failure.error}"
+        note = Fallback(kind, failure.device.name, detail)
+        hal = self.model.hal_model
+        ops = hal.main.operations
+        try:
+            steps, placed = await self._steps_without(failure.device, note)
+        except NnrtError as e:
+            vlog("execution", "moving off %s: %s; the whole model goes to the CPU device",
+                 failure.device.name, e)
+            steps = await self._cpu_steps()
+            placed = (PlacedStep(steps[0].device.name, tuple(range(len(ops))),
+                                 tuple(op.type.name for op in ops), note),)
         if self._fallbacks == 0:
             _log.warning("%s %s during an execution (%s); this compiled model now runs on %s "
                          "(compile with fallback=False to get the error instead)",
-                         failure.device.name, kind, failure.error, cpu)
+                         failure.device.name, kind, failure.error,
+                         ", ".join(dict.fromkeys(p.device for p in placed)))
         self._fallbacks += 1
+        self._placement = Placement(placed)
+        self._use_steps(steps)
+
+    async def _steps_without(self, gone: Device, note: Fallback) -> tuple[list[Step], tuple]:
+        """The whole model partitioned over the runtime's devices but
+        ``gone`` and prepared; each placed step carries ``note``.
+        NnrtError when a device refuses its part (what was prepared is
+        released)."""
         hal = self.model.hal_model
         ops = hal.main.operations
-        self._placement = Placement((PlacedStep(
-            cpu, tuple(range(len(ops))), tuple(op.type.name for op in ops),
-            Fallback(kind, failure.device.name,
-                     f"{failure.device.name} {kind} during an execution: {failure.error}")),))
+        candidates = [d for d in self._runtime.devices if d is not gone]
+        if not candidates:
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "no device is left")
+        supported = [await d.supported_operations(hal) for d in candidates]
+        assignment = partition.assign_devices(hal, candidates, supported, self.preference)
+        steps: list[Step] = []
+        try:
+            for plan in partition.split(hal, assignment):
+                prepared = await plan.device.prepare_model(plan.model, self.preference,
+                                                           self.priority)
+                self._prepared_models.append(prepared)
+                steps.append(Step(plan.device, prepared, plan, self._validated))
+        except NnrtError:
+            for step in steps:
+                self._prepared_models.remove(step.prepared)
+            _release([step.prepared for step in steps])
+            raise
+        placed = tuple(PlacedStep(device.name, tuple(indexes),
+                                  tuple(ops[k].type.name for k in indexes), note)
+                       for device, indexes in groups(assignment))
+        return steps, placed
 
     def close(self) -> None:
         """Release the prepared models in their drivers now (also done when

@@ -147,6 +147,26 @@ async def test_a_driver_failure_at_run_time_reruns_the_model_on_the_cpu():
         assert e.value.status == ErrorStatus.GENERAL_FAILURE
 
 
+async def test_a_failed_device_moves_the_model_to_the_best_devices_left():
+    """Not straight to the reference CPU device: the model is partitioned
+    again over the devices left, by capabilities (a fast in-process device
+    before the reference one), and the placement says why for each step."""
+    flaky = FailsAtRun("flaky", set(Op), ErrorStatus.DEAD_OBJECT)
+    fast = OnlyDevice("fast", {Op.ADD, Op.MUL}, exec_time=0.5)
+    async with nnrt.Runtime(devices=[flaky, fast, ReferenceDevice()]) as rt:
+        compiled = await rt.compile(chain_model())
+        assert {d.name for d in compiled.devices} == {"flaky"}
+        r = await compiled.execute([X, C])
+        assert np.array_equal(r.outputs[0], EXPECTED_Y)
+        # CONV_2D on the reference device, ADD and MUL on the fast one.
+        assert [d.name for d in compiled.devices] == ["nnrt-reference", "fast"]
+        fallbacks = compiled.placement.fallbacks
+        assert {f.kind for f in fallbacks} == {"died"} and {f.device for f in fallbacks} == {"flaky"}
+        assert len(fallbacks) == 2 and compiled.statistics().fallbacks == 1
+        assert np.array_equal((await compiled.execute([X, C])).outputs[0], EXPECTED_Y)
+        assert compiled.statistics().fallbacks == 1
+
+
 async def test_a_dead_device_leaves_the_device_list():
     dead = FailsAtRun("dead", {Op.ADD}, ErrorStatus.DEAD_OBJECT)
     async with nnrt.Runtime(devices=[dead, ReferenceDevice()]) as rt:
