@@ -213,6 +213,11 @@ class Reconnector:
         self._seen: dict[str, object] = {}     # path -> socket identity at the last attempt
         self._retry_at: dict[str, float] = {}  # path -> when a quickly refused one is tried again
 
+    @property
+    def configured(self) -> bool:
+        """Whether any service is configured (else there is nothing to watch)."""
+        return bool(self._paths)
+
     def states(self) -> list[ServiceState]:
         for path, device in self._devices.items():
             if not device.alive and self._states[path].state == "up":

@@ -134,9 +134,11 @@ class Execution:
                             "(create another execution to run concurrently)")
         if self._computed and not self._reusable:
             raise bad_state("the execution was not made reusable: it computes once")
-        self._compiled._check_open()
-        if self._compiled._steps is not self._steps:
-            self._bind()     # the compiled model moved to the CPU meanwhile
+        compiled = self._compiled
+        compiled._check_open()
+        compiled._watch_for_return()
+        if compiled._steps is not self._steps:
+            self._bind()     # the compiled model moved (off a device, or back) meanwhile
 
     async def compute(self, *, deadline: float | None = None) -> Result:
         """Run the model on the bound inputs, into the bound outputs

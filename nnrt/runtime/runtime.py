@@ -148,6 +148,8 @@ class Runtime:
                 if self._discover:
                     self._reconnector = discovery.Reconnector()
                     found += await self._reconnector.connect_all()
+                    if self._reconnector.configured:
+                        self._task_group.start_soon(self._watch_services, discovery.RETRY_INTERVAL)
                 if self._spawn:
                     self._folder = discovery.private_folder()
                     self._services, spawned = await discovery.spawn(self._spawn,
@@ -187,6 +189,19 @@ class Runtime:
             return "<nnrt.Runtime closed>"
         names = ", ".join(d.name for d in self._devices)
         return f"<nnrt.Runtime open{' strict' if self.strict else ''}: devices {names}>"
+
+    async def _watch_services(self, interval: float) -> None:
+        """While open: every ``interval`` seconds, reconnect to configured
+        services that came back (a stat per service that is down), so
+        compiled models that left one move back to it by themselves."""
+        while self._devices is not None:
+            await anyio.sleep(interval)
+            if self._devices is None:
+                return
+            try:
+                await self.reconnect()
+            except NnrtError as e:   # one service's trouble: the next round tries again
+                vlog("manager", "reconnecting: %s", e)
 
     @property
     def services(self) -> list:
@@ -590,6 +605,11 @@ class CompiledModel:
         self._signature = signature.Signature(model)
         self._use_steps(steps)
         self._state_tried = False   # whether device memories for the state were tried
+        # The name of a device this compiled model lost (died or failed under
+        # it), while it waits for it to come back; and whether a move back
+        # is being prepared.
+        self._left: str | None = None
+        self._moving_back = False
         self._input_names = [i.name for i in signature.describe(model).inputs]
         # Per input: (dtype, shape) an array must have to be taken as it is
         # (a tensor of known shape), else None (see _stage_inputs).
@@ -762,6 +782,7 @@ class CompiledModel:
                        sessions: dict | None) -> Result:
         arrays, user_outputs, measure, deadline = self._check_request(
             inputs, outputs, measure_timing, deadline)
+        self._watch_for_return()
         try:
             try:
                 result = await self._run(self._steps, arrays, user_outputs, measure, deadline,
@@ -816,14 +837,58 @@ class CompiledModel:
         self._placement = Placement(placed)
         self._use_steps(steps)
 
-    async def _steps_without(self, gone: Device, note: Fallback) -> tuple[list[Step], tuple]:
+    def _watch_for_return(self) -> None:
+        """At an execution's start: when the device this model lost is back
+        (the runtime reconnected a device of that name), prepare the model
+        on the devices again in the background; the next execution after
+        that runs there (a frame boundary: an execution reads the steps once)."""
+        left = self._left
+        if left is None or self._moving_back or self._closed:
+            return
+        devices = self._runtime._devices or ()
+        back = next((d for d in devices if d.name == left and d.alive), None)
+        if back is None:
+            return
+        self._moving_back = True
+        try:
+            self._runtime.task_group.start_soon(self._move_back, back)
+        except NnrtError:      # the runtime is closing
+            self._moving_back = False
+
+    async def _move_back(self, back: Device) -> None:
+        try:
+            if self._fallback_allowed:
+                steps, placed = await self._steps_without(None, None)
+            else:   # pinned: the device it was compiled for, again
+                steps, placed = await self._steps_over([back], None)
+        except NnrtError as e:
+            vlog("execution", "%s is back but preparing on it failed: %s", back.name, e)
+            self._moving_back = False
+            return
+        if self._closed:
+            _release([s.prepared for s in steps])
+            return
+        self._left = None
+        self._moving_back = False
+        self._placement = Placement(placed)
+        self._use_steps(steps)
+        _log.warning("%s is back; %s runs on %s again", back.name, self,
+                     ", ".join(dict.fromkeys(p.device for p in placed)))
+
+    async def _steps_without(self, gone: Device | None,
+                             note: Fallback | None) -> tuple[list[Step], tuple]:
         """The whole model partitioned over the runtime's devices but
         ``gone`` and prepared; each placed step carries ``note``.
         NnrtError when a device refuses its part (what was prepared is
         released)."""
+        return await self._steps_over([d for d in self._runtime.devices if d is not gone], note)
+
+    async def _steps_over(self, candidates: list[Device],
+                          note: Fallback | None) -> tuple[list[Step], tuple]:
+        """The whole model partitioned over ``candidates`` and prepared (see
+        :meth:`_steps_without`)."""
         hal = self.model.hal_model
         ops = hal.main.operations
-        candidates = [d for d in self._runtime.devices if d is not gone]
         if not candidates:
             raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "no device is left")
         supported = [await d.supported_operations(hal) for d in candidates]
@@ -938,6 +1003,7 @@ class CompiledModel:
                           output_shapes=[s.dimensions for s in result.output_shapes])
         if result.status == ErrorStatus.DEAD_OBJECT:
             self._runtime._forget(step.device)
+            self._left = step.device.name    # (moved back when a device of that name returns)
         if result.status not in _NOT_THE_DRIVERS_FAULT and self._can_fall_back(step):
             raise DriverFailure(step.device, error)
         raise error

@@ -1,0 +1,98 @@
+"""A configured driver service killed and restarted under a running app: the
+compiled model moves off it (to the best devices left) and back to it once
+it is reachable again, with no app code for either; pinned to it
+(``devices=[...]``), it fails with DEAD_OBJECT while the service is down
+and works again once it is back."""
+import os
+import signal
+
+import anyio
+import numpy as np
+import pytest
+
+import nnrt
+from nnrt import ErrorStatus
+
+from ..conftest import start_service, stop
+from .test_service import GUARD, public_add_model
+
+pytestmark = pytest.mark.service
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+SUM = (X + X).tolist()
+
+
+def _kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+async def _until(compiled, devices: list[str]) -> int:
+    """Execute until the model runs on ``devices`` (the move back happens in
+    the background: a guard, not a timing assertion); the executions it took."""
+    with anyio.fail_after(GUARD):
+        for n in range(1, 10_000):
+            result = await compiled.execute([X, X])
+            assert result.outputs[0].tolist() == SUM
+            if [d.name for d in compiled.devices] == devices:
+                return n
+            await anyio.sleep(0.05)
+    raise AssertionError("never moved")
+
+
+async def test_a_model_moves_off_a_dead_service_and_back_when_it_returns(tmp_path,
+                                                                         monkeypatch):
+    path = tmp_path / "npu.sock"
+    monkeypatch.setenv("NNRT_DRIVERS", str(path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    proc = start_service(path, "sample-float-fast", "npu")
+    try:
+        async with nnrt.Runtime(litert=False) as rt:
+            compiled = await rt.compile(public_add_model())
+            assert [d.name for d in compiled.devices] == ["npu"]
+            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+            _kill(proc)
+            # The next execution reruns on the devices left, and so do later ones.
+            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+            assert [d.name for d in compiled.devices] == ["nnrt-reference"]
+            assert [f.kind for f in compiled.placement.fallbacks] == ["died"]
+            proc = start_service(path, "sample-float-fast", "npu")
+            await _until(compiled, ["npu"])
+            assert compiled.placement.fallbacks == ()
+            assert compiled.statistics().fallbacks == 1
+            # A reusable execution follows the model: it binds on the service again.
+            execution = compiled.create_execution([X, X])
+            assert (await execution.compute()).outputs[0].tolist() == SUM
+    finally:
+        stop(proc)
+
+
+async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(tmp_path,
+                                                                           monkeypatch):
+    path = tmp_path / "npu.sock"
+    monkeypatch.setenv("NNRT_DRIVERS", str(path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    proc = start_service(path, "sample-float-fast", "npu")
+    try:
+        async with nnrt.Runtime(litert=False) as rt:
+            compiled = await rt.compile(public_add_model(), devices=["npu"])
+            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+            _kill(proc)
+            for _ in range(3):
+                with pytest.raises(nnrt.NnrtError) as e:
+                    await compiled.execute([X, X])
+                assert e.value.status == ErrorStatus.DEAD_OBJECT
+            proc = start_service(path, "sample-float-fast", "npu")
+            with anyio.fail_after(GUARD):
+                while True:
+                    try:
+                        result = await compiled.execute([X, X])
+                        break
+                    except nnrt.NnrtError as e:
+                        assert e.status == ErrorStatus.DEAD_OBJECT
+                        await anyio.sleep(0.05)
+            assert result.outputs[0].tolist() == SUM
+            assert [d.name for d in compiled.devices] == ["npu"]
+            assert compiled.statistics().fallbacks == 0
+    finally:
+        stop(proc)
