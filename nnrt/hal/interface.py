@@ -458,6 +458,11 @@ class Device(abc.ABC):
         """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
         return ()
 
+    def forget_app(self, app: AppKey) -> None:
+        """``app`` has gone (a driver service's last connection of it
+        closed): drop what is kept for it (a scheduler's counters, once its
+        last job ends). This default keeps nothing."""
+
     @property
     def alive(self) -> bool:
         """False once the device is gone for good (a service that died: the

@@ -174,6 +174,10 @@ class ScheduledDevice(Device):
     async def finished_jobs(self) -> tuple[JobRecord, ...]:
         return self.gate.finished_jobs()
 
+    def forget_app(self, app: AppKey) -> None:
+        """The app's counters leave the statistics (once its last job ends)."""
+        self.gate.forget_app(check_key(app, "app key"))
+
     # -- preparation ---------------------------------------------------------------
 
     async def prepare_model(self, model: HalModel,

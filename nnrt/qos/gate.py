@@ -312,6 +312,10 @@ class ExecutionGate:
         with self._lock:
             return self.scheduler.statistics()
 
+    def forget_app(self, app: Hashable) -> None:
+        with self._lock:
+            self.scheduler.forget_app(app)
+
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         with self._lock:
             return self.scheduler.finished_jobs()

@@ -480,6 +480,7 @@ class Scheduler:
         # of the last app that went idle (F7; EEVDF's V, CFS's min_vruntime).
         self._vtime = 0.0
         self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
+        self._leaving: set = set()    # apps gone, forgotten when their last job ends
 
     # --- the calls that drive it ------------------------------------------
 
@@ -762,11 +763,14 @@ class Scheduler:
                                j.message) for j in self._history)
 
     def forget_app(self, app: Hashable) -> None:
-        """Drop an app's counters once it has nothing queued or running (a
-        driver service calls this when a client disconnects)."""
+        """The app has gone (a driver service's client disconnected): drop
+        its counters now, or, while it still has executions queued or
+        running (a cancelled call's job finishing), when the last one ends."""
         state = self._apps.get(app)
         if state is not None and (state.queue or state.running or state.held):
-            raise invalid(f"app {app!r} still has executions queued or running")
+            self._leaving.add(app)
+            return
+        self._leaving.discard(app)
         self._apps.pop(app, None)
         for key in [k for k in self._classes if k[0] == app]:
             del self._classes[key]
@@ -1114,6 +1118,8 @@ class Scheduler:
         # The job itself: a DONE job never changes again, so its record is
         # made only when asked for (finished_jobs), not on every finish.
         self._history.append(job)
+        if self._leaving and job.app in self._leaving:
+            self.forget_app(job.app)
         if _VLOG:
             self._vlog("job %d (app %r, %s) done after %.4f s running: %s%s", job.seq,
                        job.app, job.priority.name, job.ran, status.name,

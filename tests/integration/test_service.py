@@ -708,3 +708,30 @@ def test_the_service_keeps_what_it_set_up_out_of_the_garbage_collector(tmp_path)
     frozen = [int(line.split(": ")[-1].split()[0]) for line in err.splitlines()
               if "kept out of the garbage collector's passes" in line]
     assert len(frozen) == 1 and frozen[0] > 1000, err
+
+
+async def test_an_app_that_leaves_leaves_the_statistics(tmp_path):
+    """When an app's last connection closes, its rows go from STATISTICS
+    (nnrt driver status) once its last job ends; its finished jobs stay in
+    the recent history."""
+    from nnrt.drivers.service.server import serve
+    path = str(tmp_path / "leaving.sock")
+    async with anyio.create_task_group() as tg:
+        service = await tg.start(serve, ReferenceDevice("leaving"), path)
+        first = await ServiceDevice.connect(path)
+        prepared = await first.prepare_model(add_model())
+        x = np.ones((1, 4), np.float32)
+        out = np.zeros((1, 4), np.float32)
+        assert (await prepared.execute(numpy_request([x, x], [out]))).status == ErrorStatus.NONE
+        assert len((await first.statistics()).classes) == 1
+        first.close()
+        with anyio.fail_after(GUARD):
+            while service.connections:
+                await anyio.sleep(0.01)
+        second = await ServiceDevice.connect(path)     # the same app (uid), back
+        try:
+            assert (await second.statistics()).classes == ()
+            assert len(await second.finished_jobs()) == 1
+        finally:
+            second.close()
+            tg.cancel_scope.cancel()

@@ -406,12 +406,18 @@ def test_illegal_transitions_name_the_state():
 
 def test_forget_app():
     s, _ = make()
-    job = s.submit("gone", MEDIUM)
-    with pytest.raises(NnrtError):
-        s.forget_app("gone")
-    s.finish(job)
+    s.finish(s.submit("gone", MEDIUM))
     s.forget_app("gone")
     assert s.statistics().classes == ()
+    # One with work left is forgotten when its last job ends.
+    running, waiting = s.submit("leaving", MEDIUM), s.submit("leaving", LOW)
+    s.forget_app("leaving")
+    assert {c.app for c in s.statistics().classes} == {"leaving"}
+    s.finish(running)        # (the waiting one gets the slot)
+    assert {c.app for c in s.statistics().classes} == {"leaving"}
+    s.finish(waiting)        # its last one
+    assert s.statistics().classes == ()
+    assert [j.app for j in s.finished_jobs()][-2:] == ["leaving", "leaving"]
 
 
 def test_a_job_on_an_idle_device_is_dispatched_with_the_accounting_of_the_queue():

@@ -304,6 +304,9 @@ class DriverService:
         finally:
             self.connections.discard(conn)
             self.hold(conn, 0, 0)
+            app = self.app_of(conn.peer)
+            if not any(self.app_of(c.peer) == app for c in self.connections):
+                self.device.forget_app(app)   # an exited app leaves the statistics
 
 
 class _Prepared:
