@@ -54,9 +54,11 @@ class Runtime:
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
-        (driver kinds such as ``"sample-float-fast"``, or ``(name, kind)``
-        pairs), stopped on close, and the in-process CPU devices: ``litert``
-        when LiteRT is installed (and ``litert`` is true), then the reference.
+        (driver kinds such as ``"sample-float-fast"``, named after the kind --
+        ``"<kind>-service"`` for ``"litert"``, the in-process device's name --
+        or ``(name, kind)`` pairs), stopped on close, and the in-process CPU
+        devices: ``litert`` when LiteRT is installed (and ``litert`` is
+        true), then the reference.
 
         ``strict=True`` makes every fallback to the CPU an error (the default
         of ``compile(..., fallback=)``): an operation no other device
@@ -143,6 +145,7 @@ class Runtime:
             self._cpu = (ours or cpus or [None])[0]
         else:
             found: list[Device] = []
+            in_process = in_process_devices(litert=self._litert)
             if self._discover or self._spawn:
                 from . import discovery  # the service client needs only be loaded when used
                 if self._discover:
@@ -151,12 +154,16 @@ class Runtime:
                     if self._reconnector.configured:
                         self._task_group.start_soon(self._watch_services, discovery.RETRY_INTERVAL)
                 if self._spawn:
+                    # A kind named like an in-process device ("litert") names
+                    # its service "<kind>-service": two devices of one name
+                    # could not be told apart (devices=, nnrt bench rows).
+                    taken = {d.name for d in in_process}
+                    specs = [(f"{spec}-service", spec) if isinstance(spec, str) and spec in taken
+                             else spec for spec in self._spawn]
                     self._folder = discovery.private_folder()
-                    self._services, spawned = await discovery.spawn(self._spawn,
-                                                                    self._folder.name)
+                    self._services, spawned = await discovery.spawn(specs, self._folder.name)
                     found += spawned
-            local = [ScheduledDevice(d, policy=self._policy)
-                     for d in in_process_devices(litert=self._litert)]
+            local = [ScheduledDevice(d, policy=self._policy) for d in in_process]
             self._cpu = local[-1]    # the reference device: the fallback
             self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))

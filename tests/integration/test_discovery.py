@@ -293,3 +293,16 @@ def test_nnrt_devices_lists_capabilities_and_every_configured_service(tmp_path):
     assert "TENSOR_FLOAT32: 1, 1" in out
     assert f"{path}: up (npu)" in out
     assert f"{missing}: unreachable: no driver service at {missing}" in out
+
+
+async def test_a_spawned_kind_named_like_an_in_process_device_is_named_apart(monkeypatch,
+                                                                           tmp_path):
+    """``spawn=["litert"]`` next to the in-process litert device: the service
+    is "litert-service", so devices= and reports can tell the two apart."""
+    pytest.importorskip("ai_edge_litert")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
+    async with nnrt.Runtime(spawn=["litert", "reference"], discover=False) as rt:
+        names = [d.name for d in rt.devices]
+        assert names == ["litert-service", "reference", "litert", "nnrt-reference"]
+        assert len(set(names)) == len(names)
