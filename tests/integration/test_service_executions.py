@@ -174,3 +174,41 @@ async def test_a_reusable_execution_on_a_service_falls_back_when_the_service_die
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_the_pools_a_connections_executions_map_are_bounded(tmp_path, monkeypatch):
+    """Each reusable execution maps its pools (an fd and a mapping each): a
+    connection creating execution after execution is refused past the
+    bound, RESOURCE_EXHAUSTED for it alone, and another connection is served."""
+    from nnrt.drivers.service import server
+    monkeypatch.setattr(server, "MAX_EXECUTION_POOLS_PER_CONNECTION", 6)
+    path = str(tmp_path / "executions.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        greedy, other = await ServiceDevice.connect(path), await ServiceDevice.connect(path)
+        try:
+            prepared = await greedy.prepare_model(add_model())
+            kept = []
+            for k in range(7):    # one mapping each: its arena (three pools in it)
+                mem = Memory.create(64)   # (its output: a numpy view, staged like the rest)
+                x = np.ones((1, 4), np.float32)
+                out = mem.array(np.float32, 4).reshape(1, 4)
+                kept.append((mem, prepared.create_execution(numpy_request([x, x], [out]))))
+            statuses = [(await e.execute()).status for _, e in kept]
+            assert statuses == [ErrorStatus.NONE] * 6 + [ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT]
+            assert "the limit of 6" in (await kept[-1][1].execute()).message
+            mine = await other.prepare_model(add_model())
+            x, y, sums = (np.ones((1, 4), np.float32) for _ in "xys")
+            assert (await mine.create_execution(numpy_request([x, y], [sums])).execute()) \
+                .status == ErrorStatus.NONE
+            kept[0][1].release()          # room again
+            connection = next(c for c in svc.connections if len(c.executions) >= 5)
+            await wait_until(lambda: len(connection.executions) == 5, "released")
+            assert (await kept[-1][1].execute()).status == ErrorStatus.NONE
+        finally:
+            for mem, execution in kept:
+                execution.release()
+                mem.close()
+            greedy.close()
+            other.close()
+            tg.cancel_scope.cancel()

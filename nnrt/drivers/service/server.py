@@ -98,6 +98,9 @@ MAX_CALLS_IN_FLIGHT = 1024
 MAX_MODELS_PER_CONNECTION = 1024
 MAX_BUFFERS_PER_CONNECTION = 1024   # driver buffers (memory domains) alive
 MAX_EXECUTIONS_PER_CONNECTION = 1024   # reusable executions alive
+# Pools mapped for a connection's reusable executions, all together: each
+# holds an fd and a mapping, and the fds are every app's (RLIMIT_NOFILE).
+MAX_EXECUTION_POOLS_PER_CONNECTION = 256
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
 # A connection that made us buffer this much gives it back to the kernel as
 # it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
@@ -673,7 +676,9 @@ class ServiceConnection:
                             f"more than {MAX_EXECUTIONS_PER_CONNECTION} executions on one "
                             f"connection; release some")
         entry = self._own(call.model_id)
+        held = sum(len(b.memories) for b in self.executions.values())
         memories: list[Memory] = []
+        by_file: dict[tuple, Memory] = {}   # one mapping per memory, however many pools name it
         pools: list = []
         try:
             for k, wp in enumerate(call.pools):
@@ -685,9 +690,19 @@ class ServiceConnection:
                         raise invalid(f"request pool {k} came without its fd")
                     pools.append(bytearray(0))
                     continue
-                mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                     PROT_RW if wp.writable else PROT_READ, require_sealed=True)
-                memories.append(mem)
+                st = os.fstat(wp.fd)
+                key = (st.st_dev, st.st_ino, wp.fd_offset, wp.map_size, wp.writable)
+                mem = by_file.get(key)
+                if mem is None:
+                    if held + len(memories) >= MAX_EXECUTION_POOLS_PER_CONNECTION:
+                        raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                                        f"the connection's executions map "
+                                        f"{held + len(memories)} memories, the limit of "
+                                        f"{MAX_EXECUTION_POOLS_PER_CONNECTION}; release some")
+                    mem = by_file[key] = Memory.from_fd(
+                        wp.fd, wp.fd_offset, wp.map_size, PROT_RW if wp.writable else PROT_READ,
+                        require_sealed=True)
+                    memories.append(mem)
                 pools.append(mem.view()[wp.offset:wp.offset + wp.length])
             execution = entry.prepared.create_execution(
                 Request(call.inputs, call.outputs, tuple(pools)), call.measure,
