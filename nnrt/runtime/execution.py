@@ -21,11 +21,13 @@ binds again on the CPU step and carries on there.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import STATUS_NONE as _NONE, bad_state, invalid
+from .. import handoff
+from ..errors import STATUS_NONE as _NONE, NnrtError, bad_state, invalid
 from ..hal import UINT64_MAX, Execution as HalExecution, ExecutionResult
 from ..hal.types import check_deadline, check_loop_timeout
 from . import request
@@ -70,6 +72,12 @@ class Execution:
         # (a burst's HAL session, the bound request bound to it): see compute_in.
         self._in_burst: tuple | None = None
         self._shapes: list | None = None
+        # What a collected execution releases (on a worker thread: the
+        # collector may run with a service channel's send lock held, which a
+        # release takes), as the compiled model does with its prepared models.
+        self._held: list = []
+        self._finalizer = weakref.finalize(self, handoff.run_soon, _release_all, self._held)
+        self._finalizer.atexit = False
         self._bind()
 
     def _zeros(self, k: int) -> np.ndarray:
@@ -99,14 +107,12 @@ class Execution:
         self._hal = step.prepared.create_execution(
             build_request(self._inputs, step.inputs, self._outputs), self._measure,
             self._loop_timeout)
+        self._held.append(self._hal)
 
     def _unbind(self) -> None:
-        old, self._hal = self._hal, None
-        if old is not None:
-            old.release()
-        in_burst, self._in_burst = self._in_burst, None
-        if in_burst is not None:
-            in_burst[1].release()
+        self._hal = self._in_burst = None
+        held, self._held[:] = list(self._held), []
+        _release_all(held)
 
     @property
     def inputs(self) -> list:
@@ -176,10 +182,12 @@ class Execution:
         in_burst = self._in_burst
         if in_burst is None or in_burst[0] is not session:
             if in_burst is not None:
+                self._held.remove(in_burst[1])
                 in_burst[1].release()
             self._in_burst = None
             in_burst = self._in_burst = (session, session.create_execution(
                 self._hal.request, self._measure, self._loop_timeout))
+            self._held.append(in_burst[1])
         return in_burst[1]
 
     def compute_synchronously(self, deadline: float | None = None) -> Result | None:
@@ -277,8 +285,10 @@ class Execution:
     _pending: "_Recover | None" = None
 
     def close(self) -> None:
-        """Let go of the binding. Computing afterwards raises BAD_STATE. Idempotent."""
+        """Let go of the binding (also done when the execution is garbage
+        collected). Computing afterwards raises BAD_STATE. Idempotent."""
         self._closed = True
+        self._finalizer.detach()
         self._unbind()
 
     def __enter__(self) -> "Execution":
@@ -302,6 +312,14 @@ class Execution:
                 state += ", one-shot"
         return (f"<nnrt.Execution {state}, computed {self._computed} time(s), of "
                 f"{self._compiled!r}>")
+
+
+def _release_all(held: list) -> None:
+    for execution in held:
+        try:
+            execution.release()
+        except NnrtError:   # its service is gone: nothing left to release
+            pass
 
 
 class _Recover(Exception):

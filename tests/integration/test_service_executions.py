@@ -212,3 +212,25 @@ async def test_the_pools_a_connections_executions_map_are_bounded(tmp_path, monk
             greedy.close()
             other.close()
             tg.cancel_scope.cancel()
+
+
+async def test_an_execution_the_app_drops_is_released_in_the_service(tmp_path):
+    import gc
+    path = str(tmp_path / "executions.sock")
+    async with anyio.create_task_group() as tg:
+        svc = await tg.start(serve, ReferenceDevice(), path)
+        dev = await ServiceDevice.connect(path)
+        try:
+            async with nnrt.Runtime(devices=[dev, ReferenceDevice()]) as rt:
+                compiled = await rt.compile(public_add_model())
+                x = np.ones((1, 4), np.float32)
+                for _ in range(3):
+                    execution = compiled.create_execution([x, x])
+                    assert (await execution.compute()).outputs[0].tolist() == [[2.0] * 4]
+                connection, = svc.connections
+                del execution
+                gc.collect()
+                await wait_until(lambda: connection.executions == {}, "released when collected")
+        finally:
+            dev.close()
+            tg.cancel_scope.cancel()
