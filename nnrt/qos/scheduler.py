@@ -356,10 +356,21 @@ class ClassStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class AppStatistics:
+    """What the policy gives one app the scheduler knows (``nnrt driver status``)."""
+
+    app: Hashable
+    rule: str                  # the policy rule that matched, "[default]" for none
+    weight: float              # its share of the device, relative to other apps
+    max_priority: Priority     # requested priorities above it are lowered to it
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
     slots: int
     busy: int
     classes: tuple[ClassStatistics, ...]
+    apps: tuple[AppStatistics, ...] = ()
 
     def of(self, app: Hashable, priority: Priority) -> ClassStatistics:
         for c in self.classes:
@@ -754,7 +765,10 @@ class Scheduler:
                                            c.preempted, c.deadline_misses, c.cancelled,
                                            c.failed, _percentile(waits, 0.50),
                                            _percentile(waits, 0.99), c.run_time))
-        return SchedulerStatistics(self.slots, self._busy, tuple(classes))
+        apps = tuple(AppStatistics(key, state.settings.name or "[default]",
+                                   state.settings.weight, state.settings.max_priority)
+                     for key, state in self._apps.items())
+        return SchedulerStatistics(self.slots, self._busy, tuple(classes), apps)
 
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         """The most recent finished jobs (``history`` of them), oldest first."""

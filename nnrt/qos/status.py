@@ -26,7 +26,8 @@ def _app_name(app: Hashable) -> str:
 
 def render(device: str, stats: SchedulerStatistics | None,
            jobs: Iterable[JobRecord] = ()) -> str:
-    """A table: per app its queue depth (waiting, held included), running
+    """A table: per app its policy rule, weight and priority cap, its queue
+    depth (waiting, held included), running
     jobs, share of the device time (since it was first seen, and over the
     recent finished jobs), queue waits p50/p99 (worst of its priorities),
     preemptions and deadline misses."""
@@ -50,11 +51,17 @@ def render(device: str, stats: SchedulerStatistics | None,
         recent[r.app] = recent.get(r.app, 0.0) + r.ran
     total = sum(a["run"] for a in apps.values()) or 1.0
     recent_total = sum(recent.values()) or 1.0
+    policy = {a.app: a for a in stats.apps}
     lines = [f"{device}: {stats.busy}/{stats.slots} slot(s) busy, {len(apps)} app(s)",
-             f"{'app':<16} {'queued':>6} {'run':>3} {'share':>6} {'recent':>6} "
-             f"{'wait p50':>8} {'wait p99':>8} {'done':>7} {'preempt':>7} {'misses':>6}"]
+             f"{'app':<16} {'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
+             f"{'share':>6} {'recent':>6} {'wait p50':>8} {'wait p99':>8} {'done':>7} "
+             f"{'preempt':>7} {'misses':>6}"]
     for app, a in sorted(apps.items(), key=lambda kv: -kv[1]["run"]):
-        lines.append(f"{_app_name(app):<16.16} {a['queued']:>6} {a['running']:>3} "
+        rule = policy.get(app)
+        lines.append(f"{_app_name(app):<16.16} {rule.rule if rule else '-':<12.12} "
+                     f"{f'{rule.weight:g}' if rule else '-':>6} "
+                     f"{rule.max_priority.name if rule else '-':<6} "
+                     f"{a['queued']:>6} {a['running']:>3} "
                      f"{100 * a['run'] / total:>5.1f}% "
                      f"{100 * recent.get(app, 0.0) / recent_total:>5.1f}% "
                      f"{_ms(a['p50']):>8} {_ms(a['p99']):>8} {a['done']:>7} "

@@ -198,3 +198,19 @@ def test_status_table_shows_each_app():
     s.finish(jobs[1])
     table = render("npu", s.statistics(), s.finished_jobs())
     assert "pid 7" in table and "pid 8" in table and "75.0%" in table and "25.0%" in table
+    # Each row names the app's policy rule, weight and priority cap.
+    row = next(line for line in table.splitlines() if line.startswith("pid 7"))
+    assert row.split()[2:5] == ["[default]", "1", "HIGH"], row
+
+
+def test_status_rows_name_the_rule_weight_and_cap_the_policy_gave():
+    from nnrt.qos import ManualClock, Scheduler
+    policy = Policy.from_toml(EXAMPLE)
+    clock = ManualClock()
+    s = Scheduler(clock=clock, settings=policy.resolver())
+    me = ("pid", os.getpid())
+    s.finish(s.submit(me, Priority.LOW))
+    table = render("npu", s.statistics(), s.finished_jobs())
+    row = next(line for line in table.splitlines() if line.startswith(f"pid {os.getpid()}"))
+    assert row.split()[2:5] == ["camera", "3", "HIGH"], row
+    assert s.statistics().apps[0].rule == "camera"

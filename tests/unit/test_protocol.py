@@ -14,7 +14,7 @@ from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.drivers.service.protocol import codecs
-from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
+from nnrt.qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
 from nnrt.model.types import OperandLifeTime as L
@@ -230,7 +230,8 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
 
 def statistics_value():
     stats = SchedulerStatistics(2, 1, (ClassStatistics(
-        ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),))
+        ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),),
+        (AppStatistics(("pid", 42), "camera", 3.0, Priority.MEDIUM),))
     job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
                     ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
     return p.StatisticsValue(stats, (job,))
@@ -241,8 +242,10 @@ def test_the_statistics_records_wire_layout_is_pinned_to_the_protocol_version():
     field added, removed, retyped or moved changes the wire, so it must come
     with a new PROTOCOL_VERSION (and this list)."""
     layout = {cls.__name__: [(f.name, str(f.type)) for f in fields(cls)]
-              for cls in (ClassStatistics, JobRecord)}
-    assert (p.PROTOCOL_VERSION, layout) == (3, {
+              for cls in (ClassStatistics, JobRecord, AppStatistics)}
+    assert (p.PROTOCOL_VERSION, layout) == (4, {
+        "AppStatistics": [("app", "Hashable"), ("rule", "str"), ("weight", "float"),
+                          ("max_priority", "Priority")],
         "ClassStatistics": [("app", "Hashable"), ("priority", "Priority"), ("queued", "int"),
                             ("running", "int"), ("completed", "int"), ("preempted", "int"),
                             ("deadline_misses", "int"), ("cancelled", "int"),

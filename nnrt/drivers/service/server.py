@@ -562,7 +562,8 @@ class ServiceConnection:
             app = service.app_of(self.peer)
             if statistics is not None:
                 statistics = replace(statistics, classes=tuple(
-                    c for c in statistics.classes if c.app == app))
+                    c for c in statistics.classes if c.app == app), apps=tuple(
+                    a for a in statistics.apps if a.app == app))
             jobs = [j for j in jobs if j.app == app]
         return p.StatisticsValue(statistics, tuple(jobs))
 

@@ -21,7 +21,7 @@ from ....model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalMod
 from ....model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
                                   operand_type, operation_type)
 from ....model.types import OperandLifeTime, OperandType, OperationType
-from ....qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
+from ....qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
 from ....wirecodec import Reader, Writer
 from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_FRAME,
                        MAX_JOB_RECORDS, MAX_STRING, Allocate, Allocated, BurstEnded, Cancel,
@@ -815,6 +815,7 @@ class _RecordCodec:
 
 
 _CLASS = _RecordCodec(ClassStatistics)
+_APP = _RecordCodec(AppStatistics)
 _JOB = _RecordCodec(JobRecord, omit=("model",))   # the service's own key of a prepared model
 
 
@@ -827,6 +828,9 @@ def _put_statistics(w: _Writer, v: StatisticsValue) -> None:
         w.u32(len(st.classes))
         for c in st.classes:
             _CLASS.put(w, c)
+        w.u32(len(st.apps))
+        for a in st.apps:
+            _APP.put(w, a)
     jobs = v.jobs[-MAX_JOB_RECORDS:]
     w.u32(len(jobs))
     for j in jobs:
@@ -838,7 +842,8 @@ def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
     if r.flag("statistics flag"):
         slots, busy = r.u32("slots"), r.u32("busy slots")
         classes = tuple(_CLASS.get(r) for _ in range(r.count("class count", 30)))
-        st = SchedulerStatistics(slots, busy, classes)
+        apps = tuple(_APP.get(r) for _ in range(r.count("app count", 20)))
+        st = SchedulerStatistics(slots, busy, classes, apps)
     n = r.count("job count", 50)
     if n > MAX_JOB_RECORDS:
         raise ProtocolError(f"job count {n} exceeds {MAX_JOB_RECORDS}")

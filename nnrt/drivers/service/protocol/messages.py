@@ -16,11 +16,13 @@ from ....hal.cache import CacheReject
 from ....hal.types import BufferRole, Priority
 from ....model.graph import HalModel
 
+# 4: reusable executions (CREATE_EXECUTION, COMPUTE, RELEASE_EXECUTION), the
+# scheduler's own records in STATISTICS, with each app's rule, weight and cap.
 # 2: memory domains (ALLOCATE..RELEASE_BUFFER, token pools, the mirror fd
 # of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
 # PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
 # client and a service of different versions refuse each other at HELLO.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
