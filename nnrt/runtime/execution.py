@@ -27,13 +27,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import handoff
-from ..errors import STATUS_NONE as _NONE, NnrtError, bad_state, invalid
+from ..errors import STATUS_NONE as _NONE, bad_state, invalid
 from ..hal import UINT64_MAX, Execution as HalExecution, ExecutionResult
 from ..hal.types import check_deadline, check_loop_timeout
 from . import request
 from .memory_domain import DeviceMemory
 from .results import ExecutionTiming, Result
-from .step import DriverFailure, build_request, shaped
+from .step import DriverFailure, build_request, release_all, shaped
 
 
 class Execution:
@@ -76,7 +76,7 @@ class Execution:
         # collector may run with a service channel's send lock held, which a
         # release takes), as the compiled model does with its prepared models.
         self._held: list = []
-        self._finalizer = weakref.finalize(self, handoff.run_soon, _release_all, self._held)
+        self._finalizer = weakref.finalize(self, handoff.run_soon, release_all, self._held)
         self._finalizer.atexit = False
         self._bind()
 
@@ -111,8 +111,7 @@ class Execution:
 
     def _unbind(self) -> None:
         self._hal = self._in_burst = None
-        held, self._held[:] = list(self._held), []
-        _release_all(held)
+        release_all(self._held)
 
     @property
     def inputs(self) -> list:
@@ -312,14 +311,6 @@ class Execution:
                 state += ", one-shot"
         return (f"<nnrt.Execution {state}, computed {self._computed} time(s), of "
                 f"{self._compiled!r}>")
-
-
-def _release_all(held: list) -> None:
-    for execution in held:
-        try:
-            execution.release()
-        except NnrtError:   # its service is gone: nothing left to release
-            pass
 
 
 class _Recover(Exception):

@@ -34,7 +34,7 @@ from .memory_domain import DeviceMemory, MemoryDesc
 from .placement import Fallback, PlacedStep, Placement, groups
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
-from .step import DriverFailure, Step
+from .step import DriverFailure, Step, release_all
 from .execution import Execution
 from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
@@ -602,7 +602,7 @@ class CompiledModel:
         # so a collected model is released on a worker thread (close() below
         # releases at once). At exit the processes' ends release everything.
         self._prepared_models = [s.prepared for s in steps]
-        self._finalizer = weakref.finalize(self, handoff.run_soon, _release,
+        self._finalizer = weakref.finalize(self, handoff.run_soon, release_all,
                                            self._prepared_models)
         self._finalizer.atexit = False
         hal = model.hal_model
@@ -873,7 +873,7 @@ class CompiledModel:
             self._moving_back = False
             return
         if self._closed:
-            _release([s.prepared for s in steps])
+            release_all([s.prepared for s in steps])
             return
         self._left = None
         self._moving_back = False
@@ -910,7 +910,7 @@ class CompiledModel:
         except NnrtError:
             for step in steps:
                 self._prepared_models.remove(step.prepared)
-            _release([step.prepared for step in steps])
+            release_all([step.prepared for step in steps])
             raise
         placed = tuple(PlacedStep(device.name, tuple(indexes),
                                   tuple(ops[k].type.name for k in indexes), note)
@@ -925,7 +925,7 @@ class CompiledModel:
         for m in self._signature.drop_memories():
             m.close()
         if self._finalizer.detach() is not None:
-            _release(self._prepared_models)
+            release_all(self._prepared_models)
 
     async def __aenter__(self) -> "CompiledModel":
         return self
@@ -1166,15 +1166,6 @@ def _written(result: Result, outputs) -> Result:
             out.written(result.output_shapes[k])
             values[k] = out
     return Result(values, result.output_shapes, result.timing)
-
-
-def _release(prepared_models: list) -> None:
-    for prepared in prepared_models:
-        try:
-            prepared.release()
-        except NnrtError:  # the service is gone: nothing left to release
-            pass
-    prepared_models.clear()
 
 
 class Burst:

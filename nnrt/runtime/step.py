@@ -129,6 +129,17 @@ def shaped(value, shape: tuple[int, ...], operand: Operand):
 Execute = Callable[[Request], Awaitable[ExecutionResult]]
 
 
+def release_all(held: list) -> None:
+    """Release each of ``held`` (prepared models, executions) and empty it;
+    one whose service is gone has nothing left to release."""
+    for item in held:
+        try:
+            item.release()
+        except NnrtError:
+            pass
+    held.clear()
+
+
 class DriverFailure(Exception):
     """A step failed because of its driver; the execution may be retried on the CPU."""
 
