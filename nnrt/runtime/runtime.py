@@ -1206,6 +1206,12 @@ class Burst:
 
     async def __aenter__(self) -> "Burst":
         self._compiled._check_open()
+        # A checkpoint even when opening fails at once (a pinned model's
+        # service is down): an app retrying the open in a loop lets the
+        # runtime's look for the returned service run, and the model moves
+        # back (tests/integration/test_service_recovery.py).
+        await anyio.lowlevel.checkpoint()
+        self._compiled._watch_for_return()
         sessions = {}
         try:
             for step in self._compiled._steps:

@@ -96,3 +96,38 @@ async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(tmp_
             assert compiled.statistics().fallbacks == 0
     finally:
         stop(proc)
+
+
+async def test_a_pinned_burst_opened_again_in_a_loop_recovers_when_its_service_returns(
+        tmp_path, monkeypatch):
+    """An app that reopens its burst after each DEAD_OBJECT: every failed
+    open is a checkpoint (the runtime's look for the service runs between
+    them) and the model moves back, with no reconnect or compile of its own."""
+    path = tmp_path / "npu.sock"
+    monkeypatch.setenv("NNRT_DRIVERS", str(path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    proc = start_service(path, "sample-float-fast", "npu")
+    try:
+        async with nnrt.Runtime(litert=False) as rt:
+            compiled = await rt.compile(public_add_model(), devices=["npu"])
+            _kill(proc)
+            with pytest.raises(nnrt.NnrtError) as e:
+                await compiled.execute([X, X])
+            assert e.value.status == ErrorStatus.DEAD_OBJECT
+            proc = start_service(path, "sample-float-fast", "npu")
+            failed_opens = 0
+            with anyio.fail_after(GUARD):
+                while True:
+                    try:
+                        async with compiled.burst() as burst:
+                            result = await burst.execute([X, X])
+                            sessions = burst.statistics().sessions
+                        break
+                    except nnrt.NnrtError as e:
+                        assert e.status == ErrorStatus.DEAD_OBJECT
+                        failed_opens += 1
+            assert result.outputs[0].tolist() == SUM
+            assert sessions[0] is not None and sessions[0].executions == 1   # the service's ring
+            assert [d.name for d in compiled.devices] == ["npu"]
+    finally:
+        stop(proc)
