@@ -191,6 +191,12 @@ class OperationType(enum.IntEnum):
     HARD_SWISH = 99
     FILL = 100
     RANK = 101
+    # NNAPI feature level 6 (after HAL 1.3, from NeuralNetworks.h)
+    BATCH_MATMUL = 102
+    PACK = 103
+    # NNAPI feature level 7
+    MIRROR_PAD = 104
+    REVERSE = 105
     # NeuralNetworksOEM.h: passed to a driver that claims it, never run by the runtime.
     OEM_OPERATION = 10000
 
@@ -228,14 +234,18 @@ class PaddingScheme(enum.IntEnum):
 
 
 class HalVersion(enum.IntEnum):
-    """The HAL version an operation signature first appeared in."""
+    """The HAL version (or, after HAL 1.3, the NNAPI feature level) an
+    operation signature first appeared in."""
 
     V1_0 = 10
     V1_1 = 11
     V1_2 = 12
     V1_3 = 13
+    FL6 = 16     # NNAPI feature level 6 (ANEURALNETWORKS_FEATURE_LEVEL_6)
+    FL7 = 17     # NNAPI feature level 7
 
     @property
     def feature_level(self) -> int:
-        """NNAPI feature level (Android API level) of this HAL version."""
-        return {10: 27, 11: 28, 12: 29, 13: 30}[int(self)]
+        """The NNAPI feature level of this version as NeuralNetworks.h codes
+        it: the Android API level up to HAL 1.3, 1000000 + n from level 6."""
+        return {10: 27, 11: 28, 12: 29, 13: 30, 16: 1000006, 17: 1000007}[int(self)]

@@ -31,7 +31,7 @@ from nnrt.fence import SyncFence
 from nnrt.hal import (UINT64_MAX, Capabilities, Device, DeviceType, ExecutionPreference,
                       ExecutionResult, Priority, Request, RequestArgument)
 from nnrt.model.graph import DataLocation, HalModel, Operand, Operation
-from nnrt.model.types import OperandType as T, OperationType as Op
+from nnrt.model.types import HalVersion, OperandType as T, OperationType as Op
 from nnrt.testing.random_graph import execute_in_one_memory
 
 MISSED_DEADLINE = {ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT}
@@ -264,8 +264,10 @@ async def _queries(t: Target) -> None:
         raise VtsFailure(f"type {d.type!r} is not a DeviceType")
     if not isinstance(d.version_string, str) or not d.version_string:
         raise VtsFailure(f"version_string {d.version_string!r} is empty")
-    if not isinstance(d.feature_level, int) or not 27 <= d.feature_level <= 30:
-        raise VtsFailure(f"feature_level {d.feature_level!r} is not an NNAPI level 27..30")
+    levels = {v.feature_level for v in HalVersion}
+    if not isinstance(d.feature_level, int) or d.feature_level not in levels:
+        raise VtsFailure(f"feature_level {d.feature_level!r} is not an NNAPI feature level "
+                         f"({', '.join(map(str, sorted(levels)))})")
     caps = [d.capabilities(), d.capabilities()]
     if not isinstance(caps[0], Capabilities) or caps[0] != caps[1]:
         raise VtsFailure("capabilities() changes between calls or is not Capabilities")
