@@ -83,7 +83,8 @@ class Report:
 
 def default_cts_paths() -> list[str]:
     """The shared CTS folders that exist (``$NNRT_CTS_DIR``, else ``../shared/cts``
-    beside the checkout or the working directory) plus nnrt's own V1_3 vectors."""
+    beside the checkout or the working directory) plus nnrt's own vectors
+    (``V1_3``, and one folder per later feature level)."""
     roots = [os.environ.get("NNRT_CTS_DIR"),
              str(Path(__file__).resolve().parents[3] / "shared" / "cts"),
              str(Path.cwd().parent / "shared" / "cts"), str(Path.cwd() / "shared" / "cts")]
@@ -94,7 +95,7 @@ def default_cts_paths() -> list[str]:
                      if p.is_dir() and p.name.startswith("V1_")]
             if paths:
                 break
-    return paths + [str(OWN_VECTORS / "V1_3")]
+    return paths + [str(p) for p in sorted(OWN_VECTORS.iterdir()) if p.is_dir()]
 
 
 def _spawn_args(spawn) -> str:
