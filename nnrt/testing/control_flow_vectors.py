@@ -21,7 +21,8 @@ import numpy as np
 
 _DTYPE = {"TENSOR_FLOAT32": "float32", "FLOAT32": "float32", "TENSOR_INT32": "int32",
           "INT32": "int32", "TENSOR_BOOL8": "bool8", "BOOL": "bool8", "SUBGRAPH": "uint32",
-          "TENSOR_QUANT8_ASYMM": "uint8"}
+          "TENSOR_QUANT8_ASYMM": "uint8", "TENSOR_FLOAT16": "float16", "FLOAT16": "float16",
+          "TENSOR_QUANT8_ASYMM_SIGNED": "int8"}
 
 
 class _Graph:
@@ -43,18 +44,18 @@ class _Graph:
             "data": _flat(type, data)})
         return len(self.operands) - 1
 
-    def input(self, name, type, dims, data=()) -> int:
-        k = self.operand(name, type, dims, "SUBGRAPH_INPUT", data)
+    def input(self, name, type, dims, data=(), scale=0.0, zero_point=0) -> int:
+        k = self.operand(name, type, dims, "SUBGRAPH_INPUT", data, scale, zero_point)
         self.inputs.append(k)
         return k
 
-    def output(self, name, type, dims, data=()) -> int:
-        k = self.operand(name, type, dims, "SUBGRAPH_OUTPUT", data)
+    def output(self, name, type, dims, data=(), scale=0.0, zero_point=0) -> int:
+        k = self.operand(name, type, dims, "SUBGRAPH_OUTPUT", data, scale, zero_point)
         self.outputs.append(k)
         return k
 
-    def const(self, name, type, dims, data) -> int:
-        return self.operand(name, type, dims, "CONSTANT_COPY", data)
+    def const(self, name, type, dims, data, scale=0.0, zero_point=0) -> int:
+        return self.operand(name, type, dims, "CONSTANT_COPY", data, scale, zero_point)
 
     def subgraph(self, name, k: int) -> int:
         return self.operand(name, "SUBGRAPH", [], "SUBGRAPH", [k])
@@ -75,6 +76,8 @@ def _flat(type: str, data) -> list:
         return [bool(v) for v in arr]
     if _DTYPE[type] == "float32":
         return [float(np.float32(v)) for v in arr]
+    if _DTYPE[type] == "float16":
+        return [float(np.float16(v)) for v in arr]
     return [int(v) for v in arr]
 
 
