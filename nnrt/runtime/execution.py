@@ -240,8 +240,10 @@ class Execution:
                 s.dimensions != t for s, t in zip(reported, self._shapes)):
             self._shapes = [tuple(s.dimensions) for s in reported]
         shapes = self._shapes
-        values = [out if out.shape == shape else shaped(out, shape, o)
-                  for out, shape, o in zip(outputs, shapes, step.outputs)]
+        # Outputs may be memory regions (no .shape): ``shaped`` views them.
+        values = [out if out.__class__ is np.ndarray and out.shape == shape
+                  else shaped(out, shape, o) for out, shape, o in zip(outputs, shapes,
+                                                                      step.outputs)]
         timing = None
         if self._measure:
             t = outcome.timing

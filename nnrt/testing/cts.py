@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import fnmatch
 import gzip
 import json
@@ -249,8 +250,9 @@ def check_multinomial(case: dict, outputs: list[np.ndarray]) -> str | None:
 # Harness modes, as AOSP's TestGenerated variants: how a run computes.
 #   execute  CompiledModel.execute (the suites of SCHEMA §5.4; DeviceMemoryTest
 #            and FencedComputeTest runs use the memory and fenced paths)
-#   sync     the HAL directly: Device.prepare_model + execute_synchronously on a
-#            worker thread, every operand in one shared-memory pool
+#   sync     a reusable execution computed synchronously on a worker thread
+#            (the driver's execute_synchronously when one device runs the whole
+#            model), every input and output in one shared-memory pool
 #   burst    a burst session, two executions of the case in a row
 #   fenced   a chain of fenced executions: the second waits for the first's fence
 #   memory   inputs and outputs are regions of nnrt.Memory (shared memory)
@@ -291,15 +293,11 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
     if suite == "GeneratedValidationTests":
         try:
             model = build_model(case)
-            compiled = None
-            if path == "sync":
-                await _compute_sync(rt, model, case, device)
-            else:
-                compiled = await rt.compile(model, devices=candidates)
-                try:
-                    await _COMPUTE[path](compiled, case)
-                finally:
-                    compiled.close()
+            compiled = await rt.compile(model, devices=candidates)
+            try:
+                await _COMPUTE[path](compiled, case)
+            finally:
+                compiled.close()
         except NnrtError:
             return Outcome(name, suite, "passed", mode=mode)
         except NotImplementedError as e:
@@ -323,17 +321,17 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
         return Outcome(name, suite, "skipped", unsupported, mode)
     ran_on = device or ""
     try:
-        if path == "sync":
-            outputs, shapes = await _compute_sync(rt, model, case, device)
-        else:
-            # Released here, not by the garbage collector at some later call:
-            # a finalizer firing inside a service client's send deadlocked it.
-            compiled = await rt.compile(model, devices=candidates)
-            ran_on = _ran_on(compiled)
-            try:
-                outputs, shapes = await _COMPUTE[path](compiled, case)
-            finally:
-                compiled.close()
+        # Every mode compiles here, for the same candidate devices: a mode
+        # that prepared on ``device`` itself (sync once did) would ignore
+        # ``fallback``. Released here, not by the garbage collector at some
+        # later call: a finalizer firing inside a service client's send
+        # deadlocked it.
+        compiled = await rt.compile(model, devices=candidates)
+        ran_on = _ran_on(compiled)
+        try:
+            outputs, shapes = await _COMPUTE[path](compiled, case)
+        finally:
+            compiled.close()
     except NnrtError as e:
         return Outcome(name, suite, "failed", str(e), mode, devices=ran_on)
     except _HarnessFailure as e:
@@ -392,33 +390,61 @@ def _nbytes(operand: dict) -> int:
     return len(operand["data"]) * OperandType[operand["type"]].dtype.itemsize
 
 
-async def _compute_memory(compiled, case):
-    """Inputs and outputs in one shared Memory, 4-byte-aligned regions
-    (zero copy: the results are read back from the memory)."""
+@contextlib.contextmanager
+def _in_one_memory(case: dict, align: int):
+    """One shared Memory holding the case's input values, with a region for
+    each input (None for an omitted one) and for each output, each aligned
+    to ``align`` bytes: yields (input regions, output regions)."""
     main = case["main"]
     inputs = _inputs(case)
-    layout, offset = [], 0
     sizes = [0 if v is None else v.nbytes for v in inputs] + \
         [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
+    offsets, offset = [], 0
     for size in sizes:
-        layout.append(offset)
-        offset += (size + 3) // 4 * 4
-    with nnrt.Memory.create(max(offset, 4)) as memory:
+        offsets.append(offset)
+        offset += (size + align - 1) // align * align
+    with nnrt.Memory.create(max(offset, align)) as memory:
         in_regions = []
         for k, v in enumerate(inputs):
             if v is None:
                 in_regions.append(None)
                 continue
-            memory.view()[layout[k]:layout[k] + v.nbytes] = np.ascontiguousarray(v).reshape(-1) \
-                .view(np.uint8)
-            in_regions.append(memory.region(layout[k], v.nbytes))
-        out_regions = [memory.region(layout[len(inputs) + k], sizes[len(inputs) + k])
-                       for k in range(len(main["outputIndexes"]))]
-        r = await compiled.execute(in_regions, outputs=out_regions)
+            memory.view()[offsets[k]:offsets[k] + v.nbytes] = \
+                np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+            in_regions.append(memory.region(offsets[k], v.nbytes))
+        out_regions = [memory.region(offsets[k], sizes[k])
+                       for k in range(len(inputs), len(sizes))]
+        yield in_regions, out_regions
+
+
+async def _compute_memory(compiled, case):
+    """Inputs and outputs in one shared Memory, 4-byte-aligned regions
+    (zero copy: the results are read back from the memory)."""
+    with _in_one_memory(case, 4) as (inputs, outputs):
+        r = await compiled.execute(inputs, outputs=outputs)
         outputs = [np.array(o, copy=True) for o in r.outputs]  # before the memory closes
         shapes = list(r.output_shapes)
         del r
         return outputs, shapes
+
+
+async def _compute_sync(compiled, case):
+    """A reusable execution over one shared Memory (64-byte-aligned
+    regions) computed by ``compute_synchronously`` on a worker thread, as a
+    SyncRuntime's execution computes: a compiled model that is one step on
+    one device runs that driver's own ``execute_synchronously``; one split
+    across devices (``fallback``) has no single synchronous HAL call and
+    computes through the runtime's general path (``recover``)."""
+    with _in_one_memory(case, 64) as (inputs, outputs):
+        execution = compiled.create_execution(inputs, outputs=outputs)
+        try:
+            r = await anyio.to_thread.run_sync(execution.compute_synchronously)
+            if r is None:
+                r = await execution.recover()
+            outputs = [np.array(o, copy=True) for o in r.outputs]  # before the memory closes
+            return outputs, list(r.output_shapes)
+        finally:
+            execution.close()
 
 
 async def _compute_dynamic(compiled, case):
@@ -497,52 +523,7 @@ async def _compute_domain(compiled, case):
 
 _COMPUTE = {"execute": _compute_execute, "domain": _compute_domain, "burst": _compute_burst, "fenced": _compute_fenced,
             "memory": _compute_memory, "dynamic": _compute_dynamic,
-            "relaxed": _compute_execute}
-
-
-async def _compute_sync(rt: nnrt.Runtime, model: nnrt.Model, case: dict, device: str | None):
-    """The HAL path: the device prepares the model itself (it must validate
-    it) and runs ``execute_synchronously`` on a worker thread."""
-    from nnrt.hal import ExecutionPreference, Priority, RequestArgument, Request
-    from nnrt.model.graph import DataLocation
-
-    dev = rt.device(device) if device is not None else rt.cpu
-    hal = model.hal_model
-    prepared = await dev.prepare_model(hal, ExecutionPreference.FAST_SINGLE_ANSWER,
-                                       Priority.MEDIUM)
-    try:
-        main = case["main"]
-        inputs = _inputs(case)
-        out_sizes = [max(1, _nbytes(main["operands"][i])) for i in main["outputIndexes"]]
-        offsets, offset = [], 0
-        for size in [0 if v is None else v.nbytes for v in inputs] + out_sizes:
-            offsets.append(offset)
-            offset += (size + 63) // 64 * 64
-        with nnrt.Memory.create(max(offset, 64)) as memory:
-            in_args = []
-            for k, v in enumerate(inputs):
-                if v is None:
-                    in_args.append(RequestArgument(has_no_value=True))
-                    continue
-                memory.view()[offsets[k]:offsets[k] + v.nbytes] = \
-                    np.ascontiguousarray(v).reshape(-1).view(np.uint8)
-                in_args.append(RequestArgument(False, DataLocation(0, offsets[k], v.nbytes),
-                                               tuple(np.shape(v))))
-            out_args = [RequestArgument(False, DataLocation(0, offsets[len(inputs) + k], n))
-                        for k, n in enumerate(out_sizes)]
-            request = Request(tuple(in_args), tuple(out_args), (memory,))
-            result = await anyio.to_thread.run_sync(prepared.execute_synchronously, request)
-            if result.status != nnrt.ErrorStatus.NONE:
-                raise NnrtError(result.status, result.message or "execute_synchronously failed")
-            outputs, shapes = [], []
-            for k, (index, s) in enumerate(zip(main["outputIndexes"], result.output_shapes)):
-                dtype = OperandType[main["operands"][index]["type"]].dtype
-                outputs.append(np.array(memory.array(dtype, s.dimensions,
-                                                     offsets[len(inputs) + k]), copy=True))
-                shapes.append(tuple(s.dimensions))
-            return outputs, shapes
-    finally:
-        prepared.release()
+            "relaxed": _compute_execute, "sync": _compute_sync}
 
 
 async def run_signed_identity(rt: nnrt.Runtime, case: dict,

@@ -140,6 +140,27 @@ def test_a_harness_mode_catches_what_it_is_for(monkeypatch):
                             for o in outcomes), [o.detail for o in outcomes]
 
 
+@pytest.mark.parametrize("mode", cts.MODES)
+def test_fallback_runs_what_the_device_does_not_support_in_every_mode(mode):
+    """Issue 41: with fallback, a case whose operation litert does not run
+    (AXIS_ALIGNED_BBOX_TRANSFORM) passes on the reference driver in every
+    harness mode (sync mode once sent it to litert alone); without, every run
+    is skipped naming the operation."""
+    pytest.importorskip("ai_edge_litert")
+    path = CTS / "V1_2" / "axis_aligned_bbox_transform.json"
+    if not path.exists():
+        pytest.skip(f"{path} is not beside the checkout")
+    outcomes = cts.run([str(path)], device="litert", modes=[mode], fallback=True, jobs=1)
+    assert outcomes and all(o.status == "passed" for o in outcomes), \
+        [f"{o.name} [{o.suite}]: {o.detail}" for o in outcomes if o.status != "passed"]
+    generated = [o for o in outcomes if o.suite != "GeneratedValidationTests"]
+    assert generated and all("nnrt-reference" in o.devices.split("+") for o in generated)
+    outcomes = cts.run([str(path)], device="litert", modes=[mode], fallback=False, jobs=1)
+    assert outcomes and all(o.status == "skipped" and o.detail == "device reports "
+                            "unsupported: AXIS_ALIGNED_BBOX_TRANSFORM" for o in outcomes), \
+        {(o.status, o.detail) for o in outcomes}
+
+
 @pytest.mark.slow
 @VERSION_SHARDS
 def test_the_memory_domain_mode_passes_on_the_reference_driver(version, shard):

@@ -126,6 +126,22 @@ async def test_inputs_none_binds_zeroed_inputs_and_given_outputs_are_written():
         assert out.tolist() == [[2, 2, 2, 2]] and result.outputs[0] is out
 
 
+async def test_bound_inputs_and_outputs_may_be_regions_of_one_memory():
+    # Issue 41: a region output (no .shape) crashed the bound result with AttributeError.
+    async with nnrt.Runtime(devices=[ReferenceDevice()]) as rt:
+        compiled = await rt.compile(add_model())
+        with nnrt.Memory.create(64) as memory:
+            memory.view()[:16] = X.reshape(-1).view(np.uint8)
+            memory.view()[16:32] = np.ones(4, np.float32).view(np.uint8)
+            execution = compiled.create_execution(
+                [memory.region(0, 16), memory.region(16, 16)], outputs=[memory.region(32, 16)])
+            assert execution.bound
+            result = execution.compute_synchronously()
+            assert result.outputs[0].tolist() == [[1, 2, 3, 4]]
+            assert memory.array(np.float32, (4,), 32).tolist() == [1, 2, 3, 4]
+            execution.close()
+
+
 async def test_a_converted_input_is_the_executions_own_array():
     async with nnrt.Runtime(devices=[ReferenceDevice()]) as rt:
         compiled = await rt.compile(add_model())
