@@ -1,6 +1,6 @@
 """Tensor shape manipulation: CONCATENATION, RESHAPE (HAL 1.0); SQUEEZE,
 TRANSPOSE, STRIDED_SLICE, PAD, MEAN (HAL 1.1); EXPAND_DIMS, SLICE, SPLIT,
-TILE, PAD_V2 (HAL 1.2).
+TILE, PAD_V2 (HAL 1.2); MIRROR_PAD, REVERSE (NNAPI feature level 7).
 
 Data-movement kernels copy the stored values; a quantized output whose scale
 or zero point differs from the input's gets the values requantized (NNAPI
@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.types import HalVersion as V, OperandType as T, OperationType
-from .common import (check_quant_params, dequantize, multiply_by_quantized_multiplier, qrange,
-                     quantize, quantize_multiplier)
+from .common import (check_quant_params, dequantize, expect_same_quant,
+                     multiply_by_quantized_multiplier, qrange, quantize, quantize_multiplier,
+                     same_as_input)
 from .registry import Arg, Call, OpView, register
 
 # Operand types accepted for the data tensor, with the HAL version that added them.
@@ -371,9 +372,9 @@ def _check_paddings(pads: np.ndarray, rank: int, fail) -> np.ndarray:
     return pads
 
 
-def _pad_validate_common(op: OpView, versions: dict) -> V:
-    t, version = _data_type(op, versions)
-    op.expect_rank(0, at_most=4)
+def _paddings_input(op: OpView) -> np.ndarray | None:
+    """Input 1 is a [rank, 2] TENSOR_INT32 of non-negative paddings; its
+    value as a [rank, 2] array when constant and the rank is known."""
     op.expect_type_in(1, (T.TENSOR_INT32,))
     op.expect_rank(1, 2)
     rank = op.rank(0)
@@ -382,8 +383,15 @@ def _pad_validate_common(op: OpView, versions: dict) -> V:
         if pdims[1] not in (0, 2) or (rank is not None and pdims[0] not in (0, rank)):
             raise op.fail(f"paddings must have shape [{rank}, 2], got {list(pdims)}")
     pads = op.value(1)
-    if pads is not None and rank is not None:
-        _check_paddings(pads, rank, op.fail)
+    if pads is None or rank is None:
+        return None
+    return _check_paddings(pads, rank, op.fail)
+
+
+def _pad_validate_common(op: OpView, versions: dict) -> V:
+    t, version = _data_type(op, versions)
+    op.expect_rank(0, at_most=4)
+    _paddings_input(op)
     return version
 
 
@@ -438,6 +446,67 @@ def _pad_kernel(call: Call) -> list[np.ndarray]:
 
 register(OperationType.PAD, validate=_pad_validate, shape=_pad_shape, kernel=_pad_kernel)
 register(OperationType.PAD_V2, validate=_pad_v2_validate, shape=_pad_shape, kernel=_pad_kernel)
+
+
+# --- MIRROR_PAD ------------------------------------------------------------------
+
+_FL7_TYPES = dict.fromkeys((T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_QUANT8_ASYMM,
+                            T.TENSOR_QUANT8_ASYMM_SIGNED, T.TENSOR_INT32), V.FL7)
+_MIRROR_MODES = {0: "REFLECT", 1: "SYMMETRIC"}   # NeuralNetworks.h's mode codes
+
+
+def _check_mirror_paddings(pads: np.ndarray, dims, mode: int, fail) -> None:
+    """REFLECT leaves the border out of the mirror, so it can pad at most
+    dim - 1 elements on a side; SYMMETRIC repeats the border: at most dim."""
+    if mode not in _MIRROR_MODES:
+        raise fail(f"input 2: mode {mode} is neither 0 (REFLECT) nor 1 (SYMMETRIC)")
+    for axis, (d, (before, after)) in enumerate(zip(dims, pads)):
+        limit = d - 1 if mode == 0 else d
+        if d and max(before, after) > limit:
+            raise fail(f"input 1: paddings {[int(before), int(after)]} of dimension {axis} "
+                       f"(size {d}) exceed {limit}, the most {_MIRROR_MODES[mode]} mode can pad")
+
+
+def _mirror_pad_validate(op: OpView) -> V:
+    op.expect_counts(3, 1)
+    _, version = _data_type(op, _FL7_TYPES)
+    expect_same_quant(op)
+    op.expect_types([None, None, T.INT32], [])
+    pads = _paddings_input(op)
+    out_rank = len(op.outputs[0].dimensions)
+    if op.rank(0) is not None and out_rank and out_rank != op.rank(0):
+        raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) has rank {out_rank}; "
+                      f"the input has rank {op.rank(0)}")
+    mode = op.value(2)
+    if mode is not None and int(mode) not in _MIRROR_MODES:
+        raise op.fail(f"input 2 (operand {op.operation.inputs[2]}) mode {int(mode)} is "
+                      f"neither 0 (REFLECT) nor 1 (SYMMETRIC)")
+    if mode is not None and pads is not None:
+        _check_mirror_paddings(pads, op.dims(0), int(mode), op.fail)
+    return version
+
+
+def _mirror_indices(size: int, before: int, after: int, mode: int) -> np.ndarray:
+    """For each output position along one axis, the input position it copies."""
+    i = np.arange(-before, size + after)
+    edge = 0 if mode == 0 else 1   # SYMMETRIC mirrors about the border element's outer edge
+    i = np.where(i < 0, -i - edge, i)
+    return np.where(i >= size, 2 * size - 2 + edge - i, i)
+
+
+def _mirror_pad_kernel(call: Call) -> list[np.ndarray]:
+    x, pads, mode = call.ins
+    pads = _check_paddings(pads.value, x.value.ndim, call.fail)
+    _check_mirror_paddings(pads, x.value.shape, int(mode.value), call.fail)
+    y = x.value
+    for axis, (before, after) in enumerate(pads):
+        y = np.take(y, _mirror_indices(y.shape[axis], int(before), int(after), int(mode.value)),
+                    axis=axis)
+    return [_emit(y, x, call.outs[0])]
+
+
+register(OperationType.MIRROR_PAD, validate=_mirror_pad_validate, shape=_pad_shape,
+         kernel=_mirror_pad_kernel)
 
 
 # --- EXPAND_DIMS -----------------------------------------------------------------
@@ -606,6 +675,46 @@ def _tile_kernel(call: Call) -> list[np.ndarray]:
 
 
 register(OperationType.TILE, validate=_tile_validate, shape=_tile_shape, kernel=_tile_kernel)
+
+
+# --- REVERSE ---------------------------------------------------------------------
+
+def _reverse_validate(op: OpView) -> V:
+    op.expect_counts(2, 1)
+    _, version = _data_type(op, _FL7_TYPES)
+    expect_same_quant(op)
+    op.expect_rank(0, at_most=8)
+    _vector_input(op, 1)
+    if op.dims(1) and op.dims(1)[0] not in (0, 1):
+        raise op.fail(f"input 1 (operand {op.operation.inputs[1]}) must hold exactly one axis, "
+                      f"got shape {list(op.dims(1))}")
+    rank = op.rank(0)
+    out_rank = len(op.outputs[0].dimensions)
+    if rank is not None and out_rank and out_rank != rank:
+        raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) has rank {out_rank}; "
+                      f"the input has rank {rank}")
+    axis = _int_list(op.value(1))
+    if axis is not None and rank is not None:
+        _reverse_axis(axis, rank, op.fail)
+    return version
+
+
+def _reverse_axis(axis: list[int], rank: int, fail) -> int:
+    # NNAPI takes no negative axis here (unlike most axis operands): [0, rank).
+    if len(axis) != 1 or not 0 <= axis[0] < rank:
+        raise fail(f"input 1: axis {axis} must be one dimension in [0, {rank})")
+    return axis[0]
+
+
+def _reverse_kernel(call: Call) -> list[np.ndarray]:
+    x, axis = call.ins
+    k = _reverse_axis(_int_list(axis.value), x.value.ndim, call.fail)
+    backwards = tuple(slice(None, None, -1) if d == k else slice(None) for d in range(x.value.ndim))
+    return [_emit(x.value[backwards], x, call.outs[0])]
+
+
+register(OperationType.REVERSE, validate=_reverse_validate, shape=same_as_input(0),
+         kernel=_reverse_kernel)
 
 
 # --- MEAN ----------------------------------------------------------------------

@@ -20,6 +20,10 @@ operation(s) that compute the same thing:
   same per-channel requantization;
 * STRIDED_SLICE gets ``end = begin + 1`` on shrink axes (TFLite ignores
   ``end`` there, NNAPI does not);
+* MIRROR_PAD maps to NNAPI's MIRROR_PAD (mode REFLECT=0 / SYMMETRIC=1 in both);
+  REVERSE_V2 becomes one NNAPI REVERSE per axis, each axis made non-negative
+  (NNAPI's REVERSE takes exactly one axis in [0, rank)); its axes must be
+  constant, distinct and at least one;
 * WHILE and IF become NNAPI control flow whose condition, body and branches
   are referenced models (``set_operand_value_from_model``);
 * UNIDIRECTIONAL_SEQUENCE_LSTM reads its state from TFLite *variable*
@@ -670,6 +674,45 @@ def _pad(c: Lowering, op: Operator) -> None:
     c.emit(kind, ins, [c.output(op.outputs[0], op)])
 
 
+def _mirror_pad(c: Lowering, op: Operator) -> None:
+    mode = int(op.options.get("Mode", 0))
+    if mode not in (0, 1):
+        raise c.fail(op, f"mirror pad mode {mode} is neither REFLECT (0) nor SYMMETRIC (1)")
+    pads = c.value(op.inputs[1])
+    x_t = c.tensor(op.inputs[0])
+    if pads is not None:
+        pads = np.asarray(pads, np.int64).reshape(-1, 2)
+        for axis, (d, (before, after)) in enumerate(zip(c.dims(x_t), pads)):
+            limit = d - 1 if mode == 0 else d
+            if d and max(before, after) > limit:
+                raise c.fail(op, f"paddings {[int(before), int(after)]} of dimension {axis} "
+                                 f"(size {d}) exceed {limit}, the most "
+                                 f"{'REFLECT' if mode == 0 else 'SYMMETRIC'} mode can pad")
+    pad_operand = c.const(pads.astype(np.int32), T.TENSOR_INT32) if pads is not None \
+        else _input(c, op, op.inputs[1])
+    c.emit(Op.MIRROR_PAD, [_input(c, op, op.inputs[0]), pad_operand, c.i32(mode)],
+           [c.output(op.outputs[0], op)])
+
+
+def _reverse_v2(c: Lowering, op: Operator) -> None:
+    axes = _constant_input(c, op, 1, "axis").reshape(-1)
+    rank = len(c.tensor(op.inputs[0]).shape)
+    if not axes.size:
+        raise c.fail(op, "REVERSE_V2 with no axis: NNAPI's REVERSE reverses exactly one")
+    if any(not -rank <= int(a) < rank for a in axes):
+        raise c.fail(op, f"axis {axes.tolist()} out of range for rank {rank}")
+    norm = [int(a) % rank for a in axes]
+    if len(set(norm)) != len(norm):
+        raise c.fail(op, f"axis {axes.tolist()} names a dimension twice")
+    # Reversing one axis after another is exact: each REVERSE only moves values.
+    src = _input(c, op, op.inputs[0])
+    for k, axis in enumerate(norm):
+        last = k == len(norm) - 1
+        dst = c.output(op.outputs[0], op) if last else c.temp_like(op.outputs[0])
+        c.emit(Op.REVERSE, [src, c.i32_tensor([axis])], [dst])
+        src = dst
+
+
 def _resize(kind: Op):
     def handler(c: Lowering, op: Operator) -> None:
         out_t = c.tensor(op.outputs[0])
@@ -1050,6 +1093,8 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "EMBEDDING_LOOKUP": _plain(Op.EMBEDDING_LOOKUP, 2),
     "PAD": _pad,
     "PADV2": _pad,
+    "MIRROR_PAD": _mirror_pad,
+    "REVERSE_V2": _reverse_v2,
     "RESIZE_BILINEAR": _resize(Op.RESIZE_BILINEAR),
     "RESIZE_NEAREST_NEIGHBOR": _resize(Op.RESIZE_NEAREST_NEIGHBOR),
     "DEPTH_TO_SPACE": _block(Op.DEPTH_TO_SPACE),

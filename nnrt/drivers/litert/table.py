@@ -639,6 +639,22 @@ def _pad_v2(info: OpInfo) -> Lowered:
     return Lowered((info.op.inputs[0], Const(paddings), value), info.op.outputs)
 
 
+def _mirror_pad(info: OpInfo) -> Lowered:
+    # NNAPI's mode codes are tflite.MirrorPadMode's (REFLECT 0, SYMMETRIC 1),
+    # and both check the paddings against the same per-mode limits.
+    mode = int(info.const(2))
+    if mode not in (0, 1):
+        raise Unsupported(f"mirror pad mode {mode}")
+    paddings = np.asarray(info.const(1), np.int32)
+    return Lowered((info.op.inputs[0], Const(paddings)), info.op.outputs, "MirrorPadOptions",
+                   {"Mode": mode})
+
+
+def _reverse(info: OpInfo) -> Lowered:
+    axis = np.asarray(info.const(1), np.int32).reshape(-1)
+    return Lowered((info.op.inputs[0], Const(axis)), info.op.outputs)
+
+
 def _reduce(info: OpInfo) -> Lowered:
     axes = np.asarray(info.const(1), np.int32).reshape(-1)
     return Lowered((info.op.inputs[0], Const(axes)), info.op.outputs, "ReducerOptions",
@@ -763,6 +779,8 @@ RULES: dict[Op, Rule] = {
     Op.LOG_SOFTMAX: Rule("LOG_SOFTMAX", frozenset({F32}), _log_softmax),
     Op.PAD: Rule("PAD", FLOATQ, _requantizing(_pad)),
     Op.PAD_V2: Rule("PADV2", FLOATQ, _requantizing(_pad_v2)),
+    Op.MIRROR_PAD: Rule("MIRROR_PAD", frozenset({F32, I32, U8, S8}), _requantizing(_mirror_pad)),
+    Op.REVERSE: Rule("REVERSE_V2", frozenset({F32, I32, U8, S8}), _requantizing(_reverse)),
     Op.MEAN: Rule("MEAN", FLOATQ, _reduce),
     Op.REDUCE_SUM: Rule("SUM", frozenset({F32}), _reduce),
     Op.REDUCE_PROD: Rule("REDUCE_PROD", frozenset({F32}), _reduce),
