@@ -89,8 +89,52 @@ def test_own_control_flow_vectors_pass_in_every_harness_mode():
     assert not failed, "\n".join(failed)
     validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
     assert {"if_condition_unknown_size", "while_body_carried_shape_mismatch",
-            "if_condition_float32", "while_body_too_many_outputs"} <= validation
+            "if_condition_float32", "while_body_too_many_outputs", "if_condition_no_value",
+            "if_condition_no_value_in_branch"} <= validation
     assert {o.mode for o in outcomes} == set(cts.MODES) - {"dynamic"}
+
+
+def test_own_fl7_vectors_pass_in_every_harness_mode_and_on_litert():
+    """nnrt's MIRROR_PAD and REVERSE vectors (feature level 7): the committed
+    file is what the generator makes; every run passes in every mode on the
+    runtime's choice of devices and on the reference device alone; on litert
+    every run it claims passes, and it claims the float32 and quant8 cases of
+    both operations (a lowering that claims nothing would skip them all)."""
+    import json
+
+    from nnrt.testing import fl7_vectors
+    from nnrt.testing.conformance import OWN_VECTORS
+
+    path = OWN_VECTORS / "FL7" / "nnrt_fl7.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(fl7_vectors.document()))
+    for device in (None, "nnrt-reference"):
+        outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1, device=device)
+        failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
+                  if o.status != "passed"]
+        assert not failed, "\n".join(failed)
+        assert {o.mode for o in outcomes} == set(cts.MODES)
+    validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
+    assert {"mirror_pad_reflect_paddings_too_large", "mirror_pad_symmetric_paddings_too_large",
+            "mirror_pad_mode_2", "mirror_pad_quant8_output_scale_mismatch",
+            "reverse_negative_axis", "reverse_axis_out_of_range"} <= validation
+    assert {"QuantizationCouplingTest", "SignedIdentity"} <= {o.suite for o in outcomes}
+
+    pytest.importorskip("ai_edge_litert")
+    outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1, device="litert")
+    failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
+              if o.status == "failed"]
+    assert not failed, "\n".join(failed)
+    claimed = {o.name for o in outcomes if o.status == "passed"
+               and o.suite == "GeneratedTests" and o.devices == "litert"}
+    for name in ("mirror_pad_reflect_float32_dim4", "mirror_pad_symmetric_quant8_asymm_dim2",
+                 "mirror_pad_reflect_maximal_paddings_quant8_asymm",
+                 "mirror_pad_symmetric_maximal_paddings_float32",
+                 "reverse_float32_dim3_axis1", "reverse_quant8_asymm_dim2_axis0",
+                 "reverse_quant8_asymm_signed_dim2_axis1"):
+        assert name in claimed, name
+    skipped = {o.name for o in outcomes if o.status == "skipped"}
+    # Paddings and axis given at execution: the TFLite model is built with constants.
+    assert skipped == {"mirror_pad_symmetric_paddings_as_input", "reverse_axis_as_input"}
 
 
 def test_a_harness_mode_catches_what_it_is_for(monkeypatch):

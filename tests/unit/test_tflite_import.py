@@ -155,3 +155,89 @@ def test_operators_without_a_one_to_one_nnapi_operation_are_lowered():
     assert counts[OperationType.PRELU] == 1            # LEAKY_RELU
     assert counts[OperationType.SUB] == 1 and counts[OperationType.MUL] == 1  # SQUARED_DIFFERENCE
     assert counts[OperationType.TRANSPOSE_CONV_2D] == 1
+
+
+# --- MIRROR_PAD and REVERSE_V2 (NNAPI feature level 7) ----------------------------
+# Tiny models written with scripts/make_test_models.py's builder, compared with
+# LiteRT run on the same bytes: exact, as both only move values.
+
+def _one_op_model(code: str, x_shape, dtype: str, quant, param, out_shape,
+                  options: str | None = None, fields: dict | None = None) -> bytes:
+    from scripts.make_test_models import Graph, Op, T
+    from scripts.make_test_models import build as build_tflite
+    tensors = [T("x", tuple(x_shape), dtype, quant=quant),
+               T("param", np.asarray(param).shape, str(np.asarray(param).dtype), param),
+               T("y", tuple(out_shape), dtype, quant=quant)]
+    return build_tflite([Graph(tensors, [Op(code, [0, 1], [2], options, fields or {})],
+                               [0], [2])])
+
+
+def _litert(data: bytes, x: np.ndarray) -> np.ndarray:
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    interp = litert.Interpreter(model_content=data, num_threads=1)
+    interp.allocate_tensors()
+    interp.set_tensor(interp.get_input_details()[0]["index"], x)
+    interp.invoke()
+    return interp.get_tensor(interp.get_output_details()[0]["index"])
+
+
+_MIRROR_PAD_MODELS = [  # (dtype, quantization, paddings, TFLite MirrorPadMode)
+    ("float32", None, np.array([[1, 0], [2, 2], [0, 1]], np.int32), 0),        # REFLECT
+    ("float32", None, np.array([[2, 1], [3, 0], [1, 1]], np.int64), 1),        # SYMMETRIC
+    ("uint8", (0.5, 3), np.array([[0, 1], [0, 2], [1, 0]], np.int32), 1),
+    ("int8", (0.25, -2), np.array([[1, 1], [2, 0], [0, 0]], np.int32), 0),
+]
+
+
+@pytest.mark.parametrize("dtype,quant,pads,mode", _MIRROR_PAD_MODELS)
+def test_mirror_pad_is_nnapi_mirror_pad_and_matches_litert(dtype, quant, pads, mode):
+    shape = (2, 3, 2)
+    x = (np.arange(12).reshape(shape) * 3 + 1).astype(dtype)
+    out_shape = tuple(d + int(p.sum()) for d, p in zip(shape, pads))
+    data = _one_op_model("MIRROR_PAD", shape, dtype, quant, pads, out_shape,
+                         "MirrorPadOptions", {"Mode": mode})
+    model = nnrt.tflite.load(data)
+    assert _op_counts(model) == Counter({OperationType.MIRROR_PAD: 1})
+    (got,) = _run_on_reference(model, [x])
+    np.testing.assert_array_equal(got, _litert(data, x))
+
+
+@pytest.mark.parametrize("dtype,quant,axes", [
+    ("float32", None, [1]), ("float32", None, [-1]), ("int32", None, [0]),
+    ("uint8", (0.5, 3), [-1, -2]), ("int8", (0.25, -2), [0, 1])])
+def test_reverse_v2_is_one_nnapi_reverse_per_axis_and_matches_litert(dtype, quant, axes):
+    shape = (2, 3, 4)
+    x = (np.arange(24).reshape(shape) * 5 % 101).astype(dtype)
+    data = _one_op_model("REVERSE_V2", shape, dtype, quant, np.array(axes, np.int32), shape)
+    model = nnrt.tflite.load(data)
+    assert _op_counts(model) == Counter({OperationType.REVERSE: len(axes)})
+    (got,) = _run_on_reference(model, [x])
+    np.testing.assert_array_equal(got, _litert(data, x))
+
+
+def test_reverse_v2_on_axes_apart_is_exact_where_litert_refuses():
+    """TFLite's REVERSE_V2 kernel takes only adjacent axes; the NNAPI lowering
+    (one REVERSE per axis) gives TensorFlow's reverse for any distinct axes."""
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    model = nnrt.tflite.load(_one_op_model("REVERSE_V2", x.shape, "float32", None,
+                                           np.array([2, 0], np.int32), x.shape))
+    (got,) = _run_on_reference(model, [x])
+    np.testing.assert_array_equal(got, x[::-1, :, ::-1])
+
+
+@pytest.mark.parametrize("code,param,options,fields,reason", [
+    ("REVERSE_V2", np.array([1, -2], np.int32), None, None, "names a dimension twice"),
+    ("REVERSE_V2", np.array([3], np.int32), None, None, "out of range for rank 3"),
+    ("MIRROR_PAD", np.array([[0, 0], [3, 0], [0, 0]], np.int32), "MirrorPadOptions",
+     {"Mode": 0}, "exceed 2, the most REFLECT mode can pad"),
+    ("MIRROR_PAD", np.array([[0, 0], [0, 4], [0, 0]], np.int32), "MirrorPadOptions",
+     {"Mode": 1}, "exceed 3, the most SYMMETRIC mode can pad")])
+def test_what_nnapi_cannot_reverse_or_mirror_is_refused_naming_why(code, param, options,
+                                                                     fields, reason):
+    out = (2, 3, 4) if code == "REVERSE_V2" else \
+        tuple(d + int(p.sum()) for d, p in zip((2, 3, 4), param))
+    data = _one_op_model(code, (2, 3, 4), "float32", None, param, out, options, fields)
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(data)
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert f"({code})" in info.value.message and reason in info.value.message
