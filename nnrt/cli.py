@@ -497,8 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--segment-ms", type=float, default=None,
                        help="litert: bound on a segment's estimated run time, the longest a "
                             "HIGH execution waits behind a running one (default: 2)")
-    serve.add_argument("--app-key", choices=["uid", "pid"], default="uid",
-                       help="which peer credential keys an app's queue (default: uid)")
+    serve.add_argument("--app-key", choices=["uid", "pid"], default="pid",
+                       help="what an app is: each process (pid, the default) or every "
+                            "process of a user together (uid)")
     serve.add_argument("--slots", type=int, default=1,
                        help="executions the device runs at once (default: 1)")
     serve.add_argument("--queue-limit", type=int, default=32,

@@ -33,7 +33,7 @@ from ..handoff import Waiter, run_soon
 from ..model.extensions import Extension
 from .cache import CacheFiles, CacheReject, CacheRejected
 from ..model.graph import HalModel
-from .types import (BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
+from .types import (AppDeclaration, BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionPreference,
                     ExecutionResult, Priority, Request, Timing)
 
 
@@ -457,6 +457,11 @@ class Device(abc.ABC):
     async def finished_jobs(self) -> tuple:
         """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
         return ()
+
+    def introduce_app(self, app: AppKey, declaration: AppDeclaration) -> None:
+        """``app`` (a driver service's new peer) declares a name and a script
+        (:class:`AppDeclaration`): a scheduler's policy may match them, and
+        its status shows them. This default keeps nothing."""
 
     def forget_app(self, app: AppKey) -> None:
         """``app`` has gone (a driver service's last connection of it

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ErrorStatus, invalid
+from ..errors import ErrorStatus, NnrtError, invalid
 from ..model.graph import DataLocation
 from ..model.types import OperandType
 
@@ -177,3 +180,47 @@ class BufferDesc:
     its dimensions, 0 for an unknown extent, () for all unknown."""
 
     dimensions: tuple[int, ...] = ()
+
+
+# An app's declared name: letters, digits and ``._-`` (it shows in ``nnrt
+# driver status`` and is matched by policy rules); a script is a path.
+MAX_APP_NAME = 64
+MAX_SCRIPT = 4096
+_APP_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class AppDeclaration:
+    """What an app says about itself when it connects to a driver: the name
+    it chose (``Runtime(app=...)``, ``NNRT_APP_NAME``) and the script it
+    runs. Declared, so trusted only within the app's own uid: a policy rule
+    that matches them also names the uid or user (``nnrt/qos/policy.py``)."""
+
+    name: str = ""
+    script: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or (self.name and (
+                len(self.name) > MAX_APP_NAME or not _APP_NAME.fullmatch(self.name))):
+            raise invalid(f"an app name is up to {MAX_APP_NAME} letters, digits, '.', '_' "
+                          f"or '-', got {self.name!r}")
+        if not isinstance(self.script, str) or len(self.script) > MAX_SCRIPT \
+                or not self.script.isprintable():
+            raise invalid(f"an app's script is a printable path of up to {MAX_SCRIPT} "
+                          f"characters, got {self.script[:80]!r}")
+
+    @classmethod
+    def for_process(cls, name: str | None = None, environ=os.environ) -> "AppDeclaration":
+        """What this process tells the services it connects to: ``name``,
+        else ``NNRT_APP_NAME``, else none; and the script Python runs (the
+        file of ``sys.argv[0]``; none for ``python -c`` or a session)."""
+        from_env = name is None
+        if from_env:
+            name = environ.get("NNRT_APP_NAME", "")
+        argv0 = sys.argv[0] if sys.argv else ""
+        script = os.path.realpath(argv0) if argv0 not in ("", "-c", "-") \
+            and os.path.isfile(argv0) else ""
+        try:
+            return cls(name, script)
+        except NnrtError as e:
+            raise invalid(f"{'NNRT_APP_NAME' if from_env else 'app='}: {e.message}") from None

@@ -36,9 +36,9 @@ from typing import Callable
 import anyio
 import anyio.lowlevel
 
-from ..errors import ErrorStatus, NnrtError
+from ..errors import ErrorStatus, NnrtError, invalid
 from ..handoff import Waiter, run_soon
-from ..hal import (AppKey, Boundaries, Capabilities, Checkpoint, Device, Execution,
+from ..hal import (AppDeclaration, AppKey, Boundaries, Capabilities, Checkpoint, Device, Execution,
                    ExecutionPreference, ExecutionResult, PreparedModel, Priority, Request,
                    Scheduling, Timing, check_deadline, check_priority)
 from ..hal.cache import CacheFiles
@@ -105,10 +105,13 @@ class ScheduledDevice(Device):
         self.app = os.getpid() if app is None else check_key(app, "app key")
         self._boundaries = declared.boundaries
         self.policy = Policy() if policy is None else policy
+        # What each app declared when it connected (introduce_app): the
+        # policy's script and app rules match it.
+        self._declarations: dict[AppKey, AppDeclaration] = {}
         self.scheduler = Scheduler(slots=declared.slots if slots is None else slots,
                                    queue_limit=queue_limit, memory_limit=memory_limit,
                                    clock=clock, name=device.name,
-                                   settings=self.policy.resolver())
+                                   settings=self.policy.resolver(self._declarations.get))
         self.gate = ExecutionGate(self.scheduler, spawn=run_soon)
         if isinstance(inline_bound, bool) or not isinstance(inline_bound, (int, float)) \
                 or not inline_bound >= 0:
@@ -161,7 +164,7 @@ class ScheduledDevice(Device):
         """Apply a new policy (a service's SIGHUP) to known and future apps;
         work in flight and the apps' attained service are kept."""
         self.policy = policy
-        self.gate.set_settings(policy.resolver())
+        self.gate.set_settings(policy.resolver(self._declarations.get))
 
     def settings_of(self, app: AppKey = None) -> AppSettings:
         """The settings the policy gives ``app`` (default: the front's app)."""
@@ -174,9 +177,19 @@ class ScheduledDevice(Device):
     async def finished_jobs(self) -> tuple[JobRecord, ...]:
         return self.gate.finished_jobs()
 
+    def introduce_app(self, app: AppKey, declaration: AppDeclaration) -> None:
+        """What ``app`` declared, for the policy to match when the scheduler
+        first sees it. The first declaration of an app holds: the settings an
+        app got do not change under it."""
+        if not isinstance(declaration, AppDeclaration):
+            raise invalid(f"introduce_app takes an AppDeclaration, got {declaration!r}")
+        self._declarations.setdefault(check_key(app, "app key"), declaration)
+
     def forget_app(self, app: AppKey) -> None:
         """The app's counters leave the statistics (once its last job ends)."""
-        self.gate.forget_app(check_key(app, "app key"))
+        app = check_key(app, "app key")
+        self._declarations.pop(app, None)
+        self.gate.forget_app(app)
 
     # -- preparation ---------------------------------------------------------------
 

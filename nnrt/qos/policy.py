@@ -2,12 +2,22 @@
 deadline kinds, read from TOML.
 
 A policy is a list of rules tried in order and a default. A rule matches an
-app by any of ``uid``, ``user`` (name) and ``exe`` (the executable the
-kernel reports for the peer pid, ``/proc/PID/exe``); every key a rule gives
-must match. The first matching rule gives the app's
+app by any of ``uid``, ``user`` (name), ``exe`` (the executable the kernel
+reports for the peer pid, ``/proc/PID/exe``), ``cgroup`` (its control group,
+``/proc/PID/cgroup``: a systemd unit, a container; a rule's cgroup matches
+that group and every group below it), and what the app declares when it
+connects (:class:`~nnrt.hal.AppDeclaration`): ``script`` (the file its
+Python runs) and ``app`` (the name it gives, ``Runtime(app=...)`` or
+``NNRT_APP_NAME``). Every key a rule gives must match; ``name`` is the
+rule's own name (status shows it). The first matching rule gives the app's
 :class:`~nnrt.qos.scheduler.AppSettings`; keys it leaves out come from
 ``[default]``, and what that leaves out from the device (its queue and
 memory limits).
+
+The kernel reports uid, exe and cgroup; an app can declare any script or
+name, so a rule that matches ``script`` or ``app`` must also give ``uid``
+or ``user``: another user's process cannot claim it (the uid stays the
+security boundary; within it, apps are told apart as they declare).
 
 Example (``docs/operators/policy.md``)::
 
@@ -31,11 +41,12 @@ Example (``docs/operators/policy.md``)::
     memory_limit = "256MiB"
     when_full = "fail"
 
-Identity. A driver service keys an app by peer uid or pid (``--app-key``);
-for a pid key the scheduler looks up that process's uid, user name and
-executable when it first sees the app; for a uid key only the uid and user
-name are known (several processes share the queue), so ``exe`` rules never
-match them. Reading another user's ``/proc/PID/exe`` needs the right to
+Identity. A driver service keys an app by peer pid (the default: each
+process its own share) or uid (``--app-key``); for a pid key the scheduler
+looks up that process's uid, user name, executable and cgroup, and takes
+its declaration, when it first sees the app; for a uid key only the uid and
+user name are known (several processes share the queue), so ``exe``,
+``cgroup``, ``script`` and ``app`` rules never match them. Reading another user's ``/proc/PID/exe`` needs the right to
 trace it; when that fails the exe is unknown and ``exe`` rules do not match.
 In process (``Runtime(policy=...)``) the app is this process.
 """
@@ -47,10 +58,10 @@ import re
 import stat
 import tomllib
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 from ..errors import NnrtError, invalid
-from ..hal.types import Priority
+from ..hal.types import AppDeclaration, Priority
 from .scheduler import AppSettings
 
 # A policy is a few rules: a file larger than this is a mistake or an
@@ -62,22 +73,39 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
 _SETTING_KEYS = {"weight", "max_priority", "queue_limit", "memory_limit", "deadlines",
                  "when_full"}
-_MATCH_KEYS = {"uid", "user", "exe"}
+_KERNEL_KEYS = ("uid", "user", "exe", "cgroup")
+_DECLARED_KEYS = ("script", "app")
+_MATCH_KEYS = {*_KERNEL_KEYS, *_DECLARED_KEYS}
 
 
 @dataclass(frozen=True)
 class AppIdentity:
-    """What is known about the process(es) behind an app key."""
+    """What is known about the process(es) behind an app key: what the
+    kernel reports (uid, user, exe, cgroup, pid) and what a process app
+    declared (script, name)."""
 
     uid: int | None = None
     user: str | None = None
     exe: str | None = None
     pid: int | None = None
+    cgroup: str | None = None
+    script: str | None = None
+    name: str | None = None
+
+    def describe(self) -> str:
+        """How ``nnrt driver status`` names the app: its declared name, the
+        script or executable, the pid (or uid)."""
+        what = self.script or self.exe
+        parts = [p for p in (self.name, what and os.path.basename(what),
+                             f"pid {self.pid}" if self.pid is not None
+                             else f"uid {self.uid}" if self.uid is not None else None) if p]
+        return " ".join(parts) or "unknown"
 
 
-def identify_pid(pid: int) -> AppIdentity:
-    """The uid, user name and executable of process ``pid`` (None where the
-    kernel will not tell: the process is gone, or belongs to another user)."""
+def identify_pid(pid: int, declaration: AppDeclaration | None = None) -> AppIdentity:
+    """The uid, user name, executable and cgroup of process ``pid`` (None
+    where the kernel will not tell: the process is gone, or belongs to
+    another user), with what it declared."""
     uid = exe = None
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
@@ -87,24 +115,45 @@ def identify_pid(pid: int) -> AppIdentity:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         pass
-    return AppIdentity(uid, _user(uid), exe, pid)
+    d = declaration or AppDeclaration()
+    return AppIdentity(uid, _user(uid), exe, pid, _cgroup(pid), d.script or None, d.name or None)
 
 
 def identify_uid(uid: int) -> AppIdentity:
     return AppIdentity(uid, _user(uid), None, None)
 
 
-def identify(key: Hashable) -> AppIdentity:
+def identify(key: Hashable, declaration: AppDeclaration | None = None) -> AppIdentity:
     """The identity behind an app key: a service's ``("pid", n)`` or
-    ``("uid", n)``, or an int pid (the in-process default key)."""
+    ``("uid", n)``, or an int pid (the in-process default key); a
+    declaration counts for a process key only (a uid key's processes could
+    each declare another)."""
     if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int):
         if key[0] == "pid":
-            return identify_pid(key[1])
+            return identify_pid(key[1], declaration)
         if key[0] == "uid":
             return identify_uid(key[1])
     if isinstance(key, int) and not isinstance(key, bool):
-        return identify_pid(key)
+        return identify_pid(key, declaration)
     return AppIdentity()
+
+
+def _cgroup(pid: int) -> str | None:
+    """The cgroup v2 path of ``pid`` (the ``0::`` line of /proc/PID/cgroup),
+    or on a v1-only system the systemd hierarchy's; None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 16).splitlines()
+    except OSError:
+        return None
+    paths = dict(line.split(":", 2)[1:] for line in lines if line.count(":") >= 2)
+    return paths.get("") or paths.get("name=systemd")
+
+
+def _under(group: str, rule: str) -> bool:
+    """Whether cgroup ``group`` is ``rule`` or below it."""
+    rule = rule.rstrip("/") or "/"
+    return group == rule or group.startswith(rule if rule == "/" else rule + "/")
 
 
 def _user(uid: int | None) -> str | None:
@@ -122,15 +171,21 @@ class Rule:
     uid: int | None = None
     user: str | None = None
     exe: str | None = None
+    cgroup: str | None = None
+    script: str | None = None
+    app: str | None = None        # the name the app declared
     settings: dict = field(default_factory=dict)   # the keys this rule sets
 
     def matches(self, who: AppIdentity) -> bool:
-        if self.uid is None and self.user is None and self.exe is None:
-            return True
         return ((self.uid is None or self.uid == who.uid)
                 and (self.user is None or self.user == who.user)
                 and (self.exe is None or (who.exe is not None
-                                          and os.path.realpath(self.exe) == who.exe)))
+                                          and os.path.realpath(self.exe) == who.exe))
+                and (self.cgroup is None or (who.cgroup is not None
+                                             and _under(who.cgroup, self.cgroup)))
+                and (self.script is None or (who.script is not None
+                                             and os.path.realpath(self.script) == who.script))
+                and (self.app is None or self.app == who.name))
 
 
 @dataclass(frozen=True)
@@ -168,13 +223,19 @@ class Policy:
                 raise invalid(f"{what}: unknown key(s) {sorted(unknown)}")
             match = {k: entry[k] for k in _MATCH_KEYS if k in entry}
             if not match:
-                raise invalid(f"{what} matches nothing: give uid, user or exe")
+                raise invalid(f"{what} matches nothing: give uid, user, exe, cgroup, script "
+                              f"or app")
             if "uid" in match and (isinstance(match["uid"], bool)
                                    or not isinstance(match["uid"], int)):
                 raise invalid(f"{what}: uid must be an integer")
-            for k in ("user", "exe"):
+            for k in ("user", "exe", "cgroup", "script", "app"):
                 if k in match and not isinstance(match[k], str):
                     raise invalid(f"{what}: {k} must be a string")
+            declared = [k for k in _DECLARED_KEYS if k in match]
+            if declared and "uid" not in match and "user" not in match:
+                raise invalid(f"{what} matches {' and '.join(declared)}, which an app declares "
+                              f"itself: give uid or user too, so another user's app cannot "
+                              f"claim the rule")
             name = entry.get("name", f"app#{i + 1}")
             if not isinstance(name, str):
                 raise invalid(f"{what}: name must be a string")
@@ -225,11 +286,13 @@ class Policy:
         merged = dict(self.default)
         if rule is not None:
             merged.update(rule.settings)
-        return AppSettings(name=None if rule is None else rule.name, **merged)
+        return AppSettings(name=None if rule is None else rule.name, who=who.describe(),
+                           **merged)
 
-    def resolver(self):
-        """A ``Scheduler(settings=...)`` callable: app key -> AppSettings."""
-        return lambda key: self.settings_for(identify(key))
+    def resolver(self, declarations: Callable[[Hashable], AppDeclaration | None] = lambda k: None):
+        """A ``Scheduler(settings=...)`` callable: app key -> AppSettings;
+        ``declarations`` gives what an app key's process declared."""
+        return lambda key: self.settings_for(identify(key, declarations(key)))
 
 
 def _settings(table: dict, what: str) -> dict:

@@ -197,6 +197,8 @@ class AppSettings:
     soft_deadlines: bool = False              # run late and report the miss, never refuse
     fail_when_full: bool = False              # RESOURCE_EXHAUSTED at the queue limit, not wait
     name: str | None = None                   # the policy rule that matched (for status)
+    # The app as the policy saw it, for status: a label, not a setting.
+    who: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
@@ -363,6 +365,7 @@ class AppStatistics:
     rule: str                  # the policy rule that matched, "[default]" for none
     weight: float              # its share of the device, relative to other apps
     max_priority: Priority     # requested priorities above it are lowered to it
+    who: str = ""              # its declared name, script or executable, pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -766,7 +769,8 @@ class Scheduler:
                                            c.failed, _percentile(waits, 0.50),
                                            _percentile(waits, 0.99), c.run_time))
         apps = tuple(AppStatistics(key, state.settings.name or "[default]",
-                                   state.settings.weight, state.settings.max_priority)
+                                   state.settings.weight, state.settings.max_priority,
+                                   state.settings.who or "")
                      for key, state in self._apps.items())
         return SchedulerStatistics(self.slots, self._busy, tuple(classes), apps)
 

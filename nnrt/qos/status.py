@@ -53,12 +53,13 @@ def render(device: str, stats: SchedulerStatistics | None,
     recent_total = sum(recent.values()) or 1.0
     policy = {a.app: a for a in stats.apps}
     lines = [f"{device}: {stats.busy}/{stats.slots} slot(s) busy, {len(apps)} app(s)",
-             f"{'app':<16} {'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
+             f"{'app':<28} {'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
              f"{'share':>6} {'recent':>6} {'wait p50':>8} {'wait p99':>8} {'done':>7} "
              f"{'preempt':>7} {'misses':>6}"]
     for app, a in sorted(apps.items(), key=lambda kv: -kv[1]["run"]):
         rule = policy.get(app)
-        lines.append(f"{_app_name(app):<16.16} {rule.rule if rule else '-':<12.12} "
+        who = rule.who if rule and rule.who else _app_name(app)
+        lines.append(f"{who:<28.28} {rule.rule if rule else '-':<12.12} "
                      f"{f'{rule.weight:g}' if rule else '-':>6} "
                      f"{rule.max_priority.name if rule else '-':<6} "
                      f"{a['queued']:>6} {a['running']:>3} "

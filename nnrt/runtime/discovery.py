@@ -46,6 +46,7 @@ import anyio
 
 from ..drivers.service.client import CONNECT_TIMEOUT, ServiceDevice
 from ..errors import ErrorStatus, NnrtError
+from ..hal import AppDeclaration
 from ..vlog import vlog
 
 _log = logging.getLogger("nnrt.manager")
@@ -148,15 +149,17 @@ def connect_timeout(environ=os.environ) -> float:
     return CONNECT_TIMEOUT
 
 
-async def connect(path: str, environ=os.environ,
-                  timeout: float | None = None) -> ServiceDevice:
-    """A proxy of the service at ``path``, after :func:`check_socket`;
+async def connect(path: str, environ=os.environ, timeout: float | None = None,
+                  app: AppDeclaration | None = None) -> ServiceDevice:
+    """A proxy of the service at ``path``, after :func:`check_socket`,
+    connected as ``app`` (default: ``AppDeclaration.for_process``);
     DEVICE_UNAVAILABLE when it does not answer HELLO and the device queries
     within ``timeout`` seconds (default ``NNRT_CONNECT_TIMEOUT`` or
     ``CONNECT_TIMEOUT``)."""
     check_socket(path, environ)
     return await ServiceDevice.connect(
-        path, timeout=connect_timeout(environ) if timeout is None else timeout)
+        path, timeout=connect_timeout(environ) if timeout is None else timeout,
+        app=AppDeclaration.for_process(None, environ) if app is None else app)
 
 
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:
@@ -205,8 +208,9 @@ class Reconnector:
     made us wait for the connect timeout only when its file changes, so a
     silent socket never stalls compilations twice."""
 
-    def __init__(self, environ=os.environ):
+    def __init__(self, environ=os.environ, app: AppDeclaration | None = None):
         self._environ = environ
+        self._app = app
         self._paths = configured_sockets(environ)
         self._states: dict[str, ServiceState] = {}
         self._devices: dict[str, ServiceDevice] = {}
@@ -229,7 +233,7 @@ class Reconnector:
         self._seen[path] = _identity(path)
         start = time.monotonic()
         try:
-            device = await connect(path, self._environ)
+            device = await connect(path, self._environ, app=self._app)
         except NnrtError as e:
             kind = "refused" if isinstance(e, Refused) else "unreachable"
             self._states[path] = ServiceState(path, kind, e.message)
@@ -288,7 +292,8 @@ class SpawnedService:
                 self.process.wait()
 
 
-async def spawn(specs, folder: str) -> tuple[list[SpawnedService], list[ServiceDevice]]:
+async def spawn(specs, folder: str, app: AppDeclaration | None = None
+                ) -> tuple[list[SpawnedService], list[ServiceDevice]]:
     """Start one service per spec (a driver kind, or a ``(name, driver kind,
     *extra serve arguments)`` tuple such as ``("npu", "reference", "--app-key",
     "pid")``) and connect to each. On any failure, stop what was started."""
@@ -304,7 +309,7 @@ async def spawn(specs, folder: str) -> tuple[list[SpawnedService], list[ServiceD
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             services.append(SpawnedService(name, driver, path, process))
         for service in services:
-            devices.append(await _connect_when_up(service))
+            devices.append(await _connect_when_up(service, app))
     except BaseException:
         for d in devices:
             d.close()
@@ -314,7 +319,8 @@ async def spawn(specs, folder: str) -> tuple[list[SpawnedService], list[ServiceD
     return services, devices
 
 
-async def _connect_when_up(service: SpawnedService) -> ServiceDevice:
+async def _connect_when_up(service: SpawnedService,
+                           app: AppDeclaration | None) -> ServiceDevice:
     # Polling the socket path while the child starts is bounded and happens
     # once per service, at Runtime start; the alternative (a readiness pipe)
     # would need the service to know it was spawned.
@@ -326,7 +332,7 @@ async def _connect_when_up(service: SpawnedService) -> ServiceDevice:
                             f"status {service.process.returncode} while starting")
         if os.path.exists(service.socket_path):
             try:
-                return await connect(service.socket_path)
+                return await connect(service.socket_path, app=app)
             except NnrtError:
                 pass
         if time.monotonic() > deadline:

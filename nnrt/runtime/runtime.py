@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import sniffio
 
-from ..hal import UINT64_MAX, Device, DeviceType, ExecutionPreference, PreparedModel
+from ..hal import UINT64_MAX, AppDeclaration, Device, DeviceType, ExecutionPreference, PreparedModel
 from ..drivers.reference import ReferenceDevice
 from ..qos import ScheduledDevice
 from ..errors import STATUS_NONE as _NONE, ErrorStatus, NnrtError, bad_state, invalid
@@ -50,7 +50,7 @@ class Runtime:
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
                  discover: bool = True, litert: bool = True, strict: bool = False,
-                 policy=None):
+                 policy=None, app: str | None = None):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
@@ -64,7 +64,12 @@ class Runtime:
         of ``compile(..., fallback=)``): an operation no other device
         supports, a driver that refuses to prepare its part, a driver that
         fails an execution. ``policy`` (``nnrt.qos.Policy``) applies to the
-        in-process devices."""
+        in-process devices.
+
+        ``app`` names this app to the schedulers (default ``NNRT_APP_NAME``):
+        a service's policy can give it its own rule (``app = "camera"``),
+        and ``nnrt driver status`` shows the name. Letters, digits, ``._-``."""
+        self.app = AppDeclaration.for_process(app)
         self._litert = litert
         self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
@@ -133,8 +138,7 @@ class Runtime:
         if self._given_devices is not None:
             # QoS in front of every driver: a device without a scheduler of
             # its own gets one (a service's proxy has one in the service).
-            self._devices = [d if d.scheduling().fronted
-                             else ScheduledDevice(d, policy=self._policy)
+            self._devices = [d if d.scheduling().fronted else self._front(d)
                              for d in self._given_devices]
             # The fallback is a CPU device of this process when one was
             # given (one the runtime had to front itself): a service's
@@ -149,7 +153,7 @@ class Runtime:
             if self._discover or self._spawn:
                 from . import discovery  # the service client needs only be loaded when used
                 if self._discover:
-                    self._reconnector = discovery.Reconnector()
+                    self._reconnector = discovery.Reconnector(app=self.app)
                     found += await self._reconnector.connect_all()
                     if self._reconnector.configured:
                         self._task_group.start_soon(self._watch_services, discovery.RETRY_INTERVAL)
@@ -161,12 +165,20 @@ class Runtime:
                     specs = [(f"{spec}-service", spec) if isinstance(spec, str) and spec in taken
                              else spec for spec in self._spawn]
                     self._folder = discovery.private_folder()
-                    self._services, spawned = await discovery.spawn(specs, self._folder.name)
+                    self._services, spawned = await discovery.spawn(specs, self._folder.name,
+                                                                    self.app)
                     found += spawned
-            local = [ScheduledDevice(d, policy=self._policy) for d in in_process]
+            local = [self._front(d) for d in in_process]
             self._cpu = local[-1]    # the reference device: the fallback
             self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
+
+    def _front(self, device: Device) -> ScheduledDevice:
+        """The scheduler in front of an in-process device, which knows this
+        process as the app ``self.app`` declares."""
+        front = ScheduledDevice(device, policy=self._policy)
+        front.introduce_app(front.app, self.app)
+        return front
 
     def close(self) -> None:
         if self._task_group is not None:

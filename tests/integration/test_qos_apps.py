@@ -39,10 +39,13 @@ def _report(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
-async def _collect(rt, name, procs, seen):
-    """The service keeps its latest 256 records: read them as they come."""
+async def _collect(rt, name, procs, seen, apps=None):
+    """The service keeps its latest 256 records: read them as they come (and
+    into ``apps`` what the policy gave each app, while it is there)."""
     while any(p.poll() is None for p in procs):
         seen.update((r.seq, r) for r in await rt.finished_jobs(name))
+        if apps is not None:
+            apps.update((a.app, a) for a in (await rt.statistics(name)).apps)
         await anyio.sleep(0.1)
     seen.update((r.seq, r) for r in await rt.finished_jobs(name))
 
@@ -157,23 +160,33 @@ def _python_copy(tmp_path) -> tuple[str, dict]:
     return path, {"PYTHONPATH": os.pathsep.join([ROOT, sysconfig.get_paths()["purelib"]])}
 
 
-@pytest.mark.parametrize("weights,expected", [((1, 1), (0.45, 0.55)), ((3, 1), (0.70, 0.80))])
-async def test_two_apps_flooding_share_by_their_weights(monkeypatch, tmp_path, weights,
-                                                        expected):
+@pytest.mark.parametrize("told_apart,weights,expected", [
+    ("exe", (1, 1), (0.45, 0.55)), ("app", (3, 1), (0.70, 0.80))])
+async def test_two_apps_flooding_share_by_their_weights(monkeypatch, tmp_path, told_apart,
+                                                        weights, expected):
+    """Two processes of one user, told apart by the executable the kernel
+    reports, or by the app name one declares (NNRT_APP_NAME, in a rule that
+    also names the uid), share the device by their rules' weights (the
+    service's default gives each process its own share)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("NNRT_DRIVERS", raising=False)
-    heavy, extra_env = _python_copy(tmp_path)
     policy = tmp_path / "policy.toml"
-    policy.write_text(f'[[app]]\nname = "heavy"\nexe = "{heavy}"\nweight = {weights[0]}\n\n'
+    if told_apart == "exe":
+        heavy, extra_env = _python_copy(tmp_path)
+        match = f'exe = "{heavy}"'
+    else:
+        heavy, extra_env = sys.executable, {"NNRT_APP_NAME": "heavy"}
+        match = f'uid = {os.getuid()}\napp = "heavy"'
+    policy.write_text(f'[[app]]\nname = "heavy"\n{match}\nweight = {weights[0]}\n\n'
                       f'[default]\nweight = {weights[1]}\n')
-    async with nnrt.Runtime(spawn=[("npu", "reference", "--app-key", "pid",
-                                    "--statistics", "all", "--policy", str(policy))]) as rt:
+    async with nnrt.Runtime(spawn=[("npu", "reference", "--statistics", "all",
+                                    "--policy", str(policy))]) as rt:
         env = _env(rt.device("npu").socket_path, tmp_path)
         # The heavy-weight app keeps fewer executions in flight than the other.
         procs = [_flooder(dict(env, **extra_env), 3.0, 2, python=heavy),
                  _flooder(env, 3.0, 3)]
-        seen = {}
-        await _collect(rt, "npu", procs, seen)
+        seen, seen_apps = {}, {}
+        await _collect(rt, "npu", procs, seen, seen_apps)
         reports = [_report(p) for p in procs]
     # Device time as the scheduler's records show it, over the time both
     # apps had work in it (per job, not per sampling interval: an app
@@ -183,6 +196,11 @@ async def test_two_apps_flooding_share_by_their_weights(monkeypatch, tmp_path, w
     assert min(times) > 0.2, (times, reports)
     share = times[0] / sum(times)
     assert expected[0] <= share <= expected[1], (share, times, reports)
+    if told_apart == "app":
+        rules = {a.app: (a.rule, a.who) for a in seen_apps.values()}
+        assert rules[apps[0]] == ("heavy", f"heavy python{sys.version_info[0]}."
+                                  f"{sys.version_info[1]} pid {apps[0][1]}"), rules
+        assert rules[apps[1]][0] == "[default]"
 
 
 async def test_a_hundred_concurrent_executions_of_one_app_complete_on_a_service(

@@ -12,6 +12,7 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus, NnrtError, Priority
 from nnrt.drivers.reference import ReferenceDevice
+from nnrt.hal import AppDeclaration
 from nnrt.qos import AppIdentity, AppSettings, Policy, ScheduledDevice, identify
 from nnrt.qos.policy import MAX_POLICY_BYTES
 from nnrt.qos.status import reload_policy, render
@@ -211,6 +212,71 @@ def test_status_rows_name_the_rule_weight_and_cap_the_policy_gave():
     me = ("pid", os.getpid())
     s.finish(s.submit(me, Priority.LOW))
     table = render("npu", s.statistics(), s.finished_jobs())
-    row = next(line for line in table.splitlines() if line.startswith(f"pid {os.getpid()}"))
-    assert row.split()[2:5] == ["camera", "3", "HIGH"], row
+    exe = os.path.basename(os.path.realpath(sys.executable))
+    row = next(line for line in table.splitlines() if line.startswith(f"{exe} pid "))
+    assert row.split()[:6] == [exe, "pid", str(os.getpid()), "camera", "3", "HIGH"], row
     assert s.statistics().apps[0].rule == "camera"
+
+
+def test_a_declared_name_and_script_name_the_app_in_status():
+    from nnrt.qos import ManualClock, Scheduler
+    me = ("pid", os.getpid())
+    declared = {me: AppDeclaration("camera", "/srv/apps/cam.py")}
+    s = Scheduler(clock=ManualClock(), settings=Policy().resolver(declared.get))
+    s.finish(s.submit(me, Priority.LOW))
+    assert s.statistics().apps[0].who == f"camera cam.py pid {os.getpid()}"
+    assert render("npu", s.statistics()).splitlines()[2].startswith(
+        f"camera cam.py pid {os.getpid()}")
+
+
+MINE = f"""
+[[app]]
+name = "camera"
+uid = {os.getuid()}
+app = "camera"
+weight = 3
+
+[[app]]
+name = "trainer"
+user = "{ME}"
+script = "/srv/apps/train.py"
+weight = 0.5
+
+[[app]]
+name = "unit"
+cgroup = "/system.slice/camera.service"
+max_priority = "low"
+"""
+
+
+def test_rules_match_the_cgroup_and_what_a_process_of_the_users_uid_declares():
+    policy = Policy.from_toml(MINE)
+    mine = dict(uid=os.getuid(), user=ME, pid=7)
+    assert policy.rule_for(AppIdentity(**mine, name="camera")).name == "camera"
+    assert policy.rule_for(AppIdentity(**mine, script="/srv/apps/train.py")).name == "trainer"
+    assert policy.rule_for(AppIdentity(**mine, name="other")) is None
+    # What another user's process declares does not claim this user's rules.
+    other = dict(uid=os.getuid() + 1, user="someone-else", pid=8)
+    assert policy.rule_for(AppIdentity(**other, name="camera")) is None
+    assert policy.rule_for(AppIdentity(**other, script="/srv/apps/train.py")) is None
+    # A cgroup rule matches the group and every group below it, not a sibling
+    # whose name merely starts the same.
+    unit = "/system.slice/camera.service"
+    assert policy.rule_for(AppIdentity(**other, cgroup=unit)).name == "unit"
+    assert policy.rule_for(AppIdentity(**other, cgroup=unit + "/worker")).name == "unit"
+    assert policy.rule_for(AppIdentity(**other, cgroup=unit + "2")) is None
+    assert policy.rule_for(AppIdentity(**other, cgroup=None)) is None
+
+
+@pytest.mark.parametrize("key", ["app = \"camera\"", "script = \"/srv/cam.py\""])
+def test_a_rule_on_what_an_app_declares_must_name_its_user(key):
+    with pytest.raises(NnrtError) as e:
+        Policy.from_toml(f"[[app]]\n{key}\nweight = 3\n")
+    assert "give uid or user too" in e.value.message
+
+
+def test_a_service_key_of_a_whole_uid_takes_no_declaration():
+    who = identify(("uid", os.getuid()), AppDeclaration("camera"))
+    assert who.name is None and who.uid == os.getuid()
+    who = identify(("pid", os.getpid()), AppDeclaration("camera"))
+    assert who.name == "camera" and who.cgroup is not None

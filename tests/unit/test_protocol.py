@@ -10,7 +10,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
-from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from nnrt.hal import (AppDeclaration, BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
 from nnrt.drivers.service import protocol as p
 from nnrt.drivers.service.protocol import codecs
@@ -78,6 +78,7 @@ def sample_messages():
         p.Reply(9, p.Method.RELEASE_MODEL),
         p.Reply(10, p.Method.CANCEL),
         p.Reply(0, p.Method.ERROR, ErrorStatus.INVALID_ARGUMENT, "did not decode"),
+        p.Hello(11, app=AppDeclaration("camera", "/srv/apps/cam.py")),
     ]
 
 
@@ -231,7 +232,7 @@ def test_counts_are_bounded_by_the_smallest_element_not_a_guess():
 def statistics_value():
     stats = SchedulerStatistics(2, 1, (ClassStatistics(
         ("pid", 42), Priority.HIGH, 1, 1, 5, 2, 1, 0, 0, 0.001, None, 0.25),),
-        (AppStatistics(("pid", 42), "camera", 3.0, Priority.MEDIUM),))
+        (AppStatistics(("pid", 42), "camera", 3.0, Priority.MEDIUM, "camera cam.py pid 42"),))
     job = JobRecord(("uid", 7), Priority.LOW, None, 3, 1.0, None, 2.0, 0.5, 1, 0.1,
                     ErrorStatus.MISSED_DEADLINE_TRANSIENT, "late")
     return p.StatisticsValue(stats, (job,))
@@ -243,9 +244,9 @@ def test_the_statistics_records_wire_layout_is_pinned_to_the_protocol_version():
     with a new PROTOCOL_VERSION (and this list)."""
     layout = {cls.__name__: [(f.name, str(f.type)) for f in fields(cls)]
               for cls in (ClassStatistics, JobRecord, AppStatistics)}
-    assert (p.PROTOCOL_VERSION, layout) == (4, {
+    assert (p.PROTOCOL_VERSION, layout) == (5, {
         "AppStatistics": [("app", "Hashable"), ("rule", "str"), ("weight", "float"),
-                          ("max_priority", "Priority")],
+                          ("max_priority", "Priority"), ("who", "str")],
         "ClassStatistics": [("app", "Hashable"), ("priority", "Priority"), ("queued", "int"),
                             ("running", "int"), ("completed", "int"), ("preempted", "int"),
                             ("deadline_misses", "int"), ("cancelled", "int"),
@@ -606,3 +607,20 @@ def test_the_client_keeps_the_services_last_word_as_the_reason():
                                          "too many connections"))[0])
     assert client.next_event().token is None
     assert client.farewell == "too many connections"
+
+
+def test_a_hello_of_another_version_decodes_to_its_version_and_a_bad_name_is_malformed():
+    """The service can say which versions met, whatever the other version's
+    HELLO carries; a declared name outside its alphabet never reaches it."""
+    w = codecs._Writer(codecs._BODY.pack(p.Kind.CALL, p.Method.HELLO, 9))
+    w.u32(p.PROTOCOL_VERSION - 1)
+    w.u64(12345)                    # whatever the other version sends after it
+    body = bytes(w.out)
+    assert p.decode_body(body) == p.Hello(9, p.PROTOCOL_VERSION - 1)
+    w = codecs._Writer(codecs._BODY.pack(p.Kind.CALL, p.Method.HELLO, 9))
+    w.u32(p.PROTOCOL_VERSION)
+    w.str_("cam\x1b[2J")            # a terminal escape in status, were it let through
+    w.str_("")
+    body = bytes(w.out)
+    with pytest.raises(p.ProtocolError, match="app name"):
+        p.decode_body(body)

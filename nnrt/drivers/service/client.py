@@ -84,7 +84,7 @@ from ...hal import (Buffer, BufferDesc, Capabilities, Device, Execution, Executi
                     ExecutionResult, FencedCallback, PreparedModel, Request, RequestExecution,
                     Scheduling, Timing)
 from ...hal.cache import CacheFiles, CacheRejected
-from ...hal.types import Priority
+from ...hal.types import AppDeclaration, Priority
 from ...memory import DeviceToken, Memory
 from ...memory.staging import ArenaPool, Staging, bind, stage
 from ...model.graph import HalModel
@@ -427,9 +427,10 @@ class ServiceDevice(Device):
         self._cache_files = tuple(cache_files)
 
     @classmethod
-    async def connect(cls, socket_path: str, *,
-                      timeout: float = CONNECT_TIMEOUT) -> "ServiceDevice":
-        """Connect to the service at ``socket_path`` and learn its answers to
+    async def connect(cls, socket_path: str, *, timeout: float = CONNECT_TIMEOUT,
+                      app: AppDeclaration = AppDeclaration()) -> "ServiceDevice":
+        """Connect to the service at ``socket_path`` as ``app`` (what this
+        process declares: its name and script) and learn its answers to
         the device queries. DEVICE_UNAVAILABLE when nobody serves there, or
         when whatever listens there does not answer HELLO and the queries
         within ``timeout`` seconds (a socket that accepts and stays silent
@@ -448,7 +449,7 @@ class ServiceDevice(Device):
         try:
             answers = {}
             with anyio.move_on_after(timeout) as scope:
-                info = _value(await channel.call(lambda cid: p.Hello(cid)), "HELLO")
+                info = _value(await channel.call(lambda cid: p.Hello(cid, app=app)), "HELLO")
                 for method in (p.Method.CAPABILITIES, p.Method.SUPPORTED_EXTENSIONS,
                                p.Method.NUMBER_OF_CACHE_FILES):
                     answers[method] = _value(

@@ -204,7 +204,7 @@ class DriverService:
     """A device and the connections it serves. Queries are asked of the
     device once: a device answers them the same for its whole life."""
 
-    def __init__(self, device: Device, app_key: str = "uid",
+    def __init__(self, device: Device, app_key: str = "pid",
                  limits: ServiceLimits = ServiceLimits(), statistics: str = "own",
                  admin_uids=()):
         if app_key not in ("uid", "pid"):
@@ -242,7 +242,8 @@ class DriverService:
         self.mirrors: dict[int, MirrorWriter] = {}
 
     def app_of(self, peer: "PeerCredentials"):
-        """The key of the peer's queue: its uid (default) or its pid."""
+        """The key of the peer's queue: its pid (default: each process its
+        own share) or its uid (every process of a user one app)."""
         return (self.app_key, peer.uid if self.app_key == "uid" else peer.pid)
 
     def next_id(self) -> int:
@@ -546,7 +547,10 @@ class ServiceConnection:
         if call.protocol_version != p.PROTOCOL_VERSION:
             raise invalid(f"protocol version {call.protocol_version} is not "
                           f"{p.PROTOCOL_VERSION}")
-        return self.service.info
+        service = self.service
+        if service.app_key == "pid":   # a uid's processes may each declare another
+            service.device.introduce_app(service.app_of(self.peer), call.app)
+        return service.info
 
     async def _query(self, call: p.Query):
         return self.service.answers[call.method]
@@ -1246,7 +1250,7 @@ def _secure_folder(folder: str, gid: int | None) -> None:
             path = parent
 
 
-async def serve(device: Device, socket_path: str, *, app_key: str = "uid",
+async def serve(device: Device, socket_path: str, *, app_key: str = "pid",
                 group: str | None = None, limits: ServiceLimits = ServiceLimits(),
                 statistics: str = "own", admin_uids=(),
                 task_status=anyio.TASK_STATUS_IGNORED) -> None:

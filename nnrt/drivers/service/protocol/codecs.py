@@ -14,7 +14,7 @@ from ....errors import ErrorStatus, NnrtError
 from ....hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                      OutputShape, PerformanceInfo, RequestArgument, Timing)
 from ....hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
-from ....hal.types import BufferRole, Priority
+from ....hal.types import AppDeclaration, BufferRole, Priority
 from ....memory import as_buffer
 from ....model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                              Operation, Subgraph)
@@ -24,7 +24,7 @@ from ....model.types import OperandLifeTime, OperandType, OperationType
 from ....qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
 from ....wirecodec import Reader, Writer
 from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_FRAME,
-                       MAX_JOB_RECORDS, MAX_STRING, Allocate, Allocated, BurstEnded, Cancel,
+                       MAX_JOB_RECORDS, MAX_STRING, PROTOCOL_VERSION, Allocate, Allocated, BurstEnded, Cancel,
                        Compute, ConfigureBurst, CopyBuffer, CreateExecution, DeviceInfo, Execute,
                        ExecuteFenced, FencedInfo, FreeBurstSlots, FromCache, GetMemories, Hello,
                        Kind, Method, PrepareModel, PrepareModelCaching, PrepareModelFromCache,
@@ -437,6 +437,22 @@ def _nothing(w, m) -> None:
 
 def _put_hello(w: _Writer, m: Hello) -> None:
     w.u32(m.protocol_version)
+    w.str_(m.app.name)
+    w.str_(m.app.script)
+
+
+def _get_hello(r: _Reader, call_id: int, method) -> Hello:
+    version = r.u32("protocol version")
+    if version != PROTOCOL_VERSION:
+        # Another version's HELLO: its version is all this one reads of it,
+        # so the service can say which versions met (the handler refuses it).
+        r.raw(r.left, "the rest of another version's HELLO")
+        return Hello(call_id, version)
+    name, script = r.str_("app name"), r.str_("app script")
+    try:
+        return Hello(call_id, version, AppDeclaration(name, script))
+    except NnrtError as e:
+        raise r.error(f"HELLO: {e.message}") from None
 
 
 def _put_device_info(w: _Writer, v: DeviceInfo) -> None:
@@ -953,7 +969,7 @@ def _get_u64_call(cls, what: str):
 
 CODECS: dict[Method, Codec] = {
     Method.ERROR: Codec(None, None),
-    Method.HELLO: Codec(_put_hello, lambda r, cid, m: Hello(cid, r.u32("protocol version")),
+    Method.HELLO: Codec(_put_hello, _get_hello,
                         _put_device_info, _get_device_info),
     Method.CAPABILITIES: Codec(_nothing, _query, _put_capabilities, _get_capabilities),
     Method.SUPPORTED_EXTENSIONS: Codec(_nothing, _query, _put_extensions, _get_extensions),

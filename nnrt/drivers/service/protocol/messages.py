@@ -13,16 +13,17 @@ from typing import Any
 from ....errors import ErrorStatus, NnrtError
 from ....hal import DeviceType, ExecutionPreference, ExecutionResult, RequestArgument, Timing
 from ....hal.cache import CacheReject
-from ....hal.types import BufferRole, Priority
+from ....hal.types import AppDeclaration, BufferRole, Priority
 from ....model.graph import HalModel
 
+# 5: HELLO carries the app's declaration (its name and script: AppDeclaration).
 # 4: reusable executions (CREATE_EXECUTION, COMPUTE, RELEASE_EXECUTION), the
 # scheduler's own records in STATISTICS, with each app's rule, weight and cap.
 # 2: memory domains (ALLOCATE..RELEASE_BUFFER, token pools, the mirror fd
 # of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
 # PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
 # client and a service of different versions refuse each other at HELLO.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
@@ -123,6 +124,7 @@ class DeviceInfo:
 class Hello:
     call_id: int
     protocol_version: int = PROTOCOL_VERSION
+    app: AppDeclaration = AppDeclaration()   # what the app says it is
     method = Method.HELLO
 
 
