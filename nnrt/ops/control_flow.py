@@ -55,6 +55,10 @@ def _check_condition(op: OpView, operand: Operand, what: str) -> None:
 def _validate_if(op: OpView) -> HalVersion:
     if len(op.inputs) < 3 or not op.outputs:
         raise op.fail("takes a condition, two subgraphs and inputs, and at least one output")
+    if op.is_omitted(0):
+        # Its declared type and shape may be right, so _check_condition
+        # passes it; the kernel would then read no value as false.
+        raise op.fail(f"input 0 (condition, operand {op.operation.inputs[0]}) has no value")
     _check_condition(op, op.inputs[0], "input 0 (condition)")
     for i, name in ((1, "then"), (2, "else")):
         sub = op.model.referenced[op.subgraph_ref(i)]

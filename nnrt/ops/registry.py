@@ -76,6 +76,9 @@ class OpView:
     def subgraph_ref(self, i: int) -> int:
         """The referenced-subgraph index held by SUBGRAPH input ``i``."""
         operand = self.inputs[i]
+        if operand.lifetime == OperandLifeTime.NO_VALUE:
+            raise self.fail(f"input {i} (operand {self.operation.inputs[i]}) has no value; it "
+                            f"must be a SUBGRAPH operand referring to a model")
         if operand.type != OperandType.SUBGRAPH or operand.lifetime != OperandLifeTime.SUBGRAPH \
                 or operand.location is None:
             raise self.fail(f"input {i} (operand {self.operation.inputs[i]}) must be a "

@@ -72,6 +72,8 @@ def _concat_validate(op: OpView) -> V:
     n = len(op.inputs) - 1
     t, version = _data_type(op, _SINCE_1_0)
     op.expect_types([t] * n + [T.INT32], [t])
+    for i in range(n):
+        op.expect_rank(i, at_most=4)   # NNAPI: "supported tensor rank: up to 4"
     ranks = {op.rank(i) for i in range(n)} - {None}
     if len(ranks) > 1:
         raise op.fail(f"inputs have different ranks {sorted(ranks)}")

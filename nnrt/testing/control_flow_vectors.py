@@ -322,6 +322,28 @@ def validation_cases() -> list[dict]:
     cases.append(_case("if_condition_unknown_size", main,
                        [_binary("then", "ADD", 1, [2, 3]), _binary("else", "MUL", 2, [2, 3])],
                        expect_failure=True))
+    # A condition with no value (its declared type and shape are right), in
+    # the main subgraph and in an IF's branch (issue 41: it ran the else branch).
+    def if_without_condition(graph: _Graph, xs: int, out: int, refs=(0, 1)) -> None:
+        c = graph.operand("cond", B8, [1], "NO_VALUE")
+        graph.op("IF", [c, graph.subgraph("then", refs[0]), graph.subgraph("else", refs[1]),
+                        xs], [out])
+
+    branches = [_binary("then", "ADD", 1, [2, 3]), _binary("else", "MUL", 2, [2, 3])]
+    main = _Graph("main")
+    xs = main.input("x", F32, [2, 3], x)
+    if_without_condition(main, xs, main.output("out", F32, [2, 3], np.zeros((2, 3))))
+    cases.append(_case("if_condition_no_value", main, branches, expect_failure=True))
+    outer_then = _Graph("outer_then")
+    if_without_condition(outer_then, outer_then.input("x", F32, [2, 3]),
+                         outer_then.output("out", F32, [2, 3]))
+    main = _Graph("main")
+    c = main.input("cond", B8, [1], [True])
+    xs = main.input("x", F32, [2, 3], x)
+    out = main.output("out", F32, [2, 3], np.zeros((2, 3)))
+    main.op("IF", [c, main.subgraph("then", 2), main.subgraph("else", 1), xs], [out])
+    cases.append(_case("if_condition_no_value_in_branch", main, [*branches, outer_then],
+                       expect_failure=True))
     # A body whose loop-carried input and output disagree ([2] in, [1] out)
     # while the outer operand, of unknown extent, matches both.
     cond, body = _while_graphs()

@@ -89,7 +89,8 @@ def test_own_control_flow_vectors_pass_in_every_harness_mode():
     assert not failed, "\n".join(failed)
     validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
     assert {"if_condition_unknown_size", "while_body_carried_shape_mismatch",
-            "if_condition_float32", "while_body_too_many_outputs"} <= validation
+            "if_condition_float32", "while_body_too_many_outputs", "if_condition_no_value",
+            "if_condition_no_value_in_branch"} <= validation
     assert {o.mode for o in outcomes} == set(cts.MODES) - {"dynamic"}
 
 

@@ -117,8 +117,9 @@ async def test_endless_while_stops_at_the_loop_timeout():
             await compiled.execute([np.zeros(1, np.float32)], loop_timeout=0.01)
 
 
-def if_model() -> nnrt.Model:
-    """IF c: x + x (shape [2]) else: concat(x, x) (shape [4])."""
+def if_model(condition_omitted: bool = False) -> nnrt.Model:
+    """IF c: x + x (shape [2]) else: concat(x, x) (shape [4]). With
+    ``condition_omitted``, c has no value (and x is the only input)."""
     then = nnrt.Model()
     x = then.add_operand(T.TENSOR_FLOAT32, [2])
     y = binary(then, Op.ADD, x, x, [2])
@@ -138,7 +139,9 @@ def if_model() -> nnrt.Model:
     m.set_operand_value_from_model(refs[1], other)
     out = m.add_operand(T.TENSOR_FLOAT32, [0])
     m.add_operation(Op.IF, [c, *refs, x], [out])
-    m.identify_inputs_and_outputs([c, x], [out])
+    if condition_omitted:
+        m.set_operand_value(c, None)
+    m.identify_inputs_and_outputs([x] if condition_omitted else [c, x], [out])
     return m.finish()
 
 
@@ -240,6 +243,50 @@ def test_bad_condition_operand_is_refused():
     operands = (bad,) + hal.main.operands[1:]
     with pytest.raises(NnrtError, match="condition.*TENSOR_BOOL8"):
         validate_model(replace(hal, main=replace(hal.main, operands=operands)))
+
+
+async def test_an_if_condition_without_a_value_is_refused_at_compile():
+    """Issue 41: an omitted condition (declared TENSOR_BOOL8 [1]) ran the else branch."""
+    async with nnrt.Runtime() as rt:
+        with pytest.raises(NnrtError) as refused:
+            await rt.compile(if_model(condition_omitted=True))
+    assert refused.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert "main subgraph operation 0 (IF): IF: input 0 (condition, operand 0) has no value" \
+        in refused.value.message
+
+
+async def test_an_if_condition_without_a_value_inside_a_referenced_subgraph_is_refused():
+    """The IF of the previous test as the body of an outer IF: model
+    validation reaches operations of every referenced subgraph."""
+    inner = if_model(condition_omitted=True)
+    m = nnrt.Model()
+    c = m.add_operand(T.TENSOR_BOOL8, [1])
+    x = m.add_operand(T.TENSOR_FLOAT32, [2])
+    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
+    m.set_operand_value_from_model(refs[0], inner)
+    m.set_operand_value_from_model(refs[1], inner)
+    out = m.add_operand(T.TENSOR_FLOAT32, [0])
+    m.add_operation(Op.IF, [c, *refs, x], [out])
+    m.identify_inputs_and_outputs([c, x], [out])
+    m.finish()
+    async with nnrt.Runtime() as rt:
+        with pytest.raises(NnrtError) as refused:
+            await rt.compile(m)
+    assert refused.value.status == ErrorStatus.INVALID_ARGUMENT
+    inner_index = m.hal_model.main.operands[refs[0]].location.offset
+    assert f"subgraph {inner_index} operation 0 (IF): IF: input 0 (condition, operand 0) has " \
+           f"no value" in refused.value.message
+
+
+@pytest.mark.parametrize("branch", [1, 2])
+def test_an_if_branch_operand_without_a_value_is_refused(branch):
+    # The builder cannot omit a SUBGRAPH operand; a HAL model from another process can.
+    hal = if_model().hal_model
+    k = hal.main.operations[0].inputs[branch]
+    operands = list(hal.main.operands)
+    operands[k] = replace(operands[k], lifetime=L.NO_VALUE, location=None)
+    with pytest.raises(NnrtError, match=rf"IF: input {branch} \(operand {k}\) has no value"):
+        validate_model(replace(hal, main=replace(hal.main, operands=tuple(operands))))
 
 
 def test_set_operand_value_from_model_checks_its_arguments():

@@ -113,6 +113,30 @@ def test_concat_validate_versions_and_shape():
         validate(Op.CONCATENATION, [t(F32, [2]), t(F32, [2]), s(T.INT32, 1)], [t(F32, [4])])
 
 
+@pytest.mark.parametrize("ranks", [(5, 5), (4, 5)])
+async def test_concat_of_rank_5_inputs_is_refused_at_compile(ranks):
+    """Issue 41: NNAPI's CONCATENATION takes tensors of rank up to 4."""
+    import nnrt
+    from nnrt.drivers.reference import ReferenceDevice
+
+    m = nnrt.Model()
+    a = m.add_operand(F32, [1] * (ranks[0] - 1) + [2])
+    b = m.add_operand(F32, [1] * (ranks[1] - 1) + [2])
+    axis = m.add_operand(T.INT32)
+    m.set_operand_value(axis, 0)
+    out = m.add_operand(F32, [])
+    m.add_operation(Op.CONCATENATION, [a, b, axis], [out])
+    m.identify_inputs_and_outputs([a, b], [out])
+    m.finish()
+    async with nnrt.Runtime(devices=[ReferenceDevice()]) as rt:
+        with pytest.raises(NnrtError) as refused:
+            await rt.compile(m)
+    assert refused.value.status == nnrt.ErrorStatus.INVALID_ARGUMENT
+    k = ranks.index(5)
+    assert f"CONCATENATION: input {k} (operand {(a, b)[k]}) must have rank at most 4, " \
+           f"got 5" in refused.value.message
+
+
 # --- RESHAPE, SQUEEZE, EXPAND_DIMS, TRANSPOSE ---------------------------------------
 
 def test_reshape_resolves_minus_one():
