@@ -512,14 +512,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="also let members of this group connect (socket 0660 and its "
                             "folder 0710, both given to the group; default: only this user, "
                             "socket 0600 in a 0700 folder). See docs/operators/security.md")
-    from .drivers.service.server import ServiceLimits
+    from .drivers.service.server import STATISTICS_SCOPES, ServiceLimits
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=N",
                        help="a resource limit (repeatable): " + ", ".join(
                            f"{f.name}={f.default}" for f in dataclasses.fields(ServiceLimits))
                        + " (the defaults; see docs/operators/security.md)")
-    serve.add_argument("--statistics", choices=["own", "all"], default="own",
-                       help="what STATISTICS (and nnrt driver status) shows a caller: its own "
-                            "app's work (default) or every app's")
+    serve.add_argument("--statistics", choices=list(STATISTICS_SCOPES), default="owner",
+                       help="who sees every app's work in STATISTICS (and nnrt driver "
+                            "status); any other caller sees its own app's: " + "; ".join(
+                                f"{k}: {v}" for k, v in STATISTICS_SCOPES.items())
+                            + " (default: owner)")
     serve.add_argument("--admin-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid that sees every app's work in STATISTICS (repeatable)")
     serve.add_argument("--parent-pid", type=int, default=None, metavar="PID",

@@ -1,6 +1,7 @@
 """The driver-service protocol without sockets: every message round-trips,
 framing and the call-stream state machine refuse what they must."""
 import math
+import os
 from dataclasses import fields
 
 import anyio
@@ -624,3 +625,20 @@ def test_a_hello_of_another_version_decodes_to_its_version_and_a_bad_name_is_mal
     body = bytes(w.out)
     with pytest.raises(p.ProtocolError, match="app name"):
         p.decode_body(body)
+
+
+@pytest.mark.parametrize("scope,admins,sees", [
+    ("owner", (), {"owner", "root"}), ("owner", (4242,), {"owner", "root", "admin"}),
+    ("own", (), set()), ("own", (4242,), {"admin"}),
+    ("all", (), {"owner", "root", "admin", "other"})])
+def test_who_sees_every_apps_statistics(scope, admins, sees):
+    """The service's own user and root see every app by default, with no
+    flag; any other uid its own app, unless an --admin-uid."""
+    from nnrt.drivers.reference import ReferenceDevice
+    from nnrt.drivers.service.server import DriverService, PeerCredentials
+    service = DriverService(ReferenceDevice(), statistics=scope, admin_uids=admins)
+    owner = os.getuid()
+    other = next(u for u in range(1000, 70000) if u not in (owner, 4242))
+    uids = {"owner": owner, "root": 0, "admin": 4242, "other": other}
+    assert {who for who, uid in uids.items()
+            if service.sees_all_apps(PeerCredentials(1, uid, uid))} == sees

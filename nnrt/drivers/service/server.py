@@ -195,6 +195,15 @@ class BurstStatistics:
                               # layout of a burst, not once per frame)
 
 
+# Who sees every app's work in STATISTICS (``nnrt driver status``); any other
+# caller sees its own app's.
+STATISTICS_SCOPES = {
+    "owner": "the service's own user, root and --admin-uid",
+    "own": "--admin-uid only",
+    "all": "every caller",
+}
+
+
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return PeerCredentials(*struct.unpack("3i", raw))
@@ -205,22 +214,25 @@ class DriverService:
     device once: a device answers them the same for its whole life."""
 
     def __init__(self, device: Device, app_key: str = "pid",
-                 limits: ServiceLimits = ServiceLimits(), statistics: str = "own",
+                 limits: ServiceLimits = ServiceLimits(), statistics: str = "owner",
                  admin_uids=()):
         if app_key not in ("uid", "pid"):
             raise invalid(f"app key {app_key!r} is neither 'uid' nor 'pid'")
-        if statistics not in ("own", "all"):
-            raise invalid(f"statistics scope {statistics!r} is neither 'own' nor 'all'")
+        if statistics not in STATISTICS_SCOPES:
+            raise invalid(f"statistics scope {statistics!r} is none of "
+                          f"{', '.join(STATISTICS_SCOPES)}")
         # Every served driver sits behind the per-app scheduler, which runs no
         # app's work on the service's shared event loop (inline_bound=0).
         self.device = device if device.scheduling().fronted \
             else ScheduledDevice(device, inline_bound=0)
         self.app_key = app_key
         self.limits = limits
-        # Who sees every app's work in STATISTICS: everyone ("all"), or the
-        # operator's uids; any other app sees its own (issue 23).
+        # Who sees every app's work in STATISTICS: everyone ("all"); the
+        # service's own user, root and the operator's uids ("owner"); or the
+        # operator's uids alone ("own"). Any other app sees its own (issue 23).
         self.statistics_scope = statistics
-        self.admin_uids = frozenset(admin_uids)
+        self.admin_uids = frozenset(admin_uids) | (
+            {0, os.getuid()} if statistics == "owner" else set())
         self._held: dict[ServiceConnection, tuple[int, int]] = {}   # (fds, bytes) per connection
         self._held_total = [0, 0]
         self.info = p.DeviceInfo(device.name, device.type, device.version_string,
@@ -1252,14 +1264,15 @@ def _secure_folder(folder: str, gid: int | None) -> None:
 
 async def serve(device: Device, socket_path: str, *, app_key: str = "pid",
                 group: str | None = None, limits: ServiceLimits = ServiceLimits(),
-                statistics: str = "own", admin_uids=(),
+                statistics: str = "owner", admin_uids=(),
                 task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Serve ``device`` on ``socket_path`` until cancelled; the socket file
     is removed on the way out. ``app_key`` ("uid" or "pid") says which peer
     credential keys an app's queue; ``group`` names a group whose members
     may connect too (see :func:`listen`; default: only the service's user);
-    ``limits`` bound what connections may hold; ``statistics`` ("own" or
-    "all") and ``admin_uids`` say who sees every app's work in STATISTICS.
+    ``limits`` bound what connections may hold; ``statistics`` ("owner",
+    "own" or "all": see ``STATISTICS_SCOPES``) and ``admin_uids`` say who sees
+    every app's work in STATISTICS.
     ``task_status.started`` gets the :class:`DriverService` (for
     ``statistics()``)."""
     service = DriverService(device, app_key, limits, statistics, admin_uids)
