@@ -32,8 +32,13 @@ releases the GIL while XNNPACK computes.
 from __future__ import annotations
 
 import math
+import os
 import queue
+import sys
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -197,9 +202,47 @@ class InterpreterSet:
 
 
 def new_interpreter(model: bytes, num_threads: int):
-    interp = Interpreter(model_content=model, num_threads=num_threads)
-    interp.allocate_tensors()
+    with _without_delegate_banner():
+        interp = Interpreter(model_content=model, num_threads=num_threads)
+        interp.allocate_tensors()
     return interp
+
+
+# LiteRT's C++ side writes "INFO: Created TensorFlow Lite XNNPACK delegate for
+# CPU." to fd 2 once per process, with no switch the Python package exposes,
+# so it landed in every nnrt command's output. The first interpreter is made
+# with fd 2 sent to a file; what was written there goes back to fd 2 but that
+# line. Later interpreters print nothing (the line is printed once).
+_BANNER = b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n"
+_banner_lock = threading.Lock()
+_banner_shown = False
+
+
+@contextmanager
+def _without_delegate_banner():
+    global _banner_shown
+    if _banner_shown:
+        yield
+        return
+    with _banner_lock:
+        if _banner_shown:
+            yield
+            return
+        with tempfile.TemporaryFile() as caught:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(caught.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+                _banner_shown = True
+                caught.seek(0)
+                rest = memoryview(caught.read().replace(_BANNER, b"", 1))
+                while rest:
+                    rest = rest[os.write(2, rest):]
 
 
 def time_invoke(interp, num_threads: int = 1) -> float:
