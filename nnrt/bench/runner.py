@@ -119,24 +119,32 @@ def model_inputs(path: str, compiled, seed: int) -> tuple[list[np.ndarray], list
 
 
 def compare(got: list[np.ndarray], want: list[np.ndarray], against: str,
-            quant_steps: list[bool] | None = None) -> Accuracy:
+            quant_steps: list[bool] | None = None,
+            beside: list[np.ndarray] | None = None) -> Accuracy:
     """Largest difference per output; within tolerance means floats within
     1e-3 of the largest reference magnitude (at least 1) and integers within
-    one quantization step."""
+    one quantization step -- or no further from ``want`` than ``beside`` is
+    (another implementation's outputs for the same inputs: XNNPACK's, when
+    ``want`` are LiteRT's reference kernels, which XNNPACK itself does not
+    meet on every model)."""
+    if beside is not None and len(beside) == len(want):
+        yardstick = compare(beside, want, against).max_diff
+    else:
+        yardstick = [0.0] * len(want)
     diffs, unit, ok, top1 = [], "abs", True, None
-    for a, b in zip(got, want):
+    for a, b, allowed in zip(got, want, yardstick):
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
             return Accuracy(against, [float("inf")], "shape", None, False)
         if a.dtype.kind in "iub" and b.dtype.kind in "iub":
             d = float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64)))) if a.size else 0.0
             unit = "LSB" if a.dtype.kind != "b" else "abs"
-            ok &= d <= 1
+            ok &= d <= max(1, allowed)
         else:
             a64, b64 = a.astype(np.float64), b.astype(np.float64)
             d = float(np.max(np.abs(a64 - b64))) if a.size else 0.0
             scale = max(1.0, float(np.max(np.abs(b64))) if b.size else 1.0)
-            ok &= d <= 1e-3 * scale
+            ok &= d <= max(1e-3 * scale, allowed)
         diffs.append(d)
     first = (np.asarray(got[0]), np.asarray(want[0])) if got and want else None
     if first is not None and first[0].ndim == 2 and first[0].shape[0] == 1 \
@@ -240,7 +248,8 @@ async def run_case(rt, path: str, model: nnrt.Model, device, mode: str, config: 
             ref_kernels = litert_reference_outputs(path)
             if len(ref_kernels) == len(litert):
                 case.accuracy.append(compare(first.outputs, [np.load(f) for f in ref_kernels],
-                                             "LiteRT reference kernels (.ref_out*.npy)"))
+                                             "LiteRT reference kernels (.ref_out*.npy)",
+                                             beside=litert))
         preempted_before = await _preemptions(rt, device)
         async with _Modes(compiled, mode) as runner:
             for _ in range(config.warmup):
