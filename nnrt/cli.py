@@ -408,7 +408,7 @@ def _run(args) -> int:
         return 2
 
     async def main():
-        async with nnrt.Runtime(discover=not args.no_discover) as rt:
+        async with nnrt.Runtime(discover=not args.no_discover, spawn=args.spawn) as rt:
             compiled = await rt.compile(model, devices=[args.device] if args.device else None,
                                         cache_dir=args.cache_dir)
             given = _parse_inputs(args.input, compiled.inputs)
@@ -565,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="execute N times and report timing (default: 1)")
     run.add_argument("--no-discover", action="store_true",
                      help="only the in-process reference device (skip configured services)")
+    run.add_argument("--spawn", action="append", default=[], metavar="KIND",
+                     help="start a driver service of this kind for the run (repeatable; e.g. "
+                          "mediapipe, which offers the com.nnrt.mediapipe extension)")
     run.add_argument("--cache-dir", metavar="DIR", default=None,
                      help="keep the compilation in DIR and prepare from it next time "
                           "(see 'nnrt cache')")

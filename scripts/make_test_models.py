@@ -366,6 +366,57 @@ def models() -> dict[str, tuple[list[Graph], list[list[np.ndarray]]]]:
     out["lrn"] = ([Graph(tensors, ops, [0], [1])], [[_f((1, 2, 2, 6), rng, -2, 2)]])
     OPTIMIZED_KERNELS.add("lrn")
 
+    # BATCH_MATMUL and PACK (NNAPI feature level 6). TFLite broadcasts the
+    # batch dimensions ([2, 1, 3, 4] x [3, 4, 5]: both inputs repeated),
+    # NNAPI does not: the importer writes the broadcast out. PACK's axis -1.
+    rng = _rng("batch_matmul")
+    tensors = [
+        T("x", (2, 1, 3, 4)),                                    # 0
+        T("w", (3, 4, 5), data=_f((3, 4, 5), rng)),              # 1
+        T("xw", (2, 3, 3, 5)),                                   # 2
+        T("y", (2, 4, 3)),                                       # 3
+        T("z", (2, 5, 4)),                                       # 4
+        T("yz", (2, 3, 5)),                                      # 5
+        T("packed", (2, 3, 5, 2)),                               # 6
+        T("r", (3, 4)),                                          # 7
+        T("rw", (3, 3, 5)),                                      # 8
+    ]
+    ops = [
+        Op("BATCH_MATMUL", [0, 1], [2], "BatchMatMulOptions", {"AdjX": False, "AdjY": False}),
+        Op("BATCH_MATMUL", [3, 4], [5], "BatchMatMulOptions", {"AdjX": True, "AdjY": True}),
+        Op("PACK", [5, 5], [6], "PackOptions", {"ValuesCount": 2, "Axis": -1}),
+        Op("BATCH_MATMUL", [7, 1], [8], "BatchMatMulOptions", {"AdjX": False, "AdjY": False}),
+    ]
+    out["batch_matmul_float"] = ([Graph(tensors, ops, [0, 3, 4, 7], [2, 6, 8])],
+                                 [[_f((2, 1, 3, 4), rng), _f((2, 4, 3), rng), _f((2, 5, 4), rng),
+                                   _f((3, 4), rng)]])
+
+    # int8 BATCH_MATMUL (asymmetric rhs, then a constant symmetric one of
+    # lower rank) and PACK on axis 1.
+    rng = _rng("batch_matmul_int8")
+    tensors = [
+        T("a", (2, 3, 4), "int8", quant=(0.05, -3)),                                 # 0
+        T("b", (2, 4, 5), "int8", quant=(0.04, 7)),                                  # 1
+        T("ab", (2, 3, 5), "int8", quant=(0.1, 2)),                                  # 2
+        T("w", (5, 2), "int8", rng.integers(-127, 128, (5, 2)), (0.03, 0)),          # 3
+        T("abw", (2, 3, 2), "int8", quant=(0.02, -5)),                               # 4
+        T("packed", (2, 2, 3, 2), "int8", quant=(0.02, -5)),                         # 5
+    ]
+    ops = [
+        Op("BATCH_MATMUL", [0, 1], [2], "BatchMatMulOptions", {"AdjX": False, "AdjY": False}),
+        Op("BATCH_MATMUL", [2, 3], [4], "BatchMatMulOptions", {"AdjX": False, "AdjY": False}),
+        Op("PACK", [4, 4], [5], "PackOptions", {"ValuesCount": 2, "Axis": 1}),
+    ]
+    out["batch_matmul_int8"] = ([Graph(tensors, ops, [0, 1], [2, 5])],
+                                [[rng.integers(-128, 128, (2, 3, 4)).astype(np.int8),
+                                  rng.integers(-128, 128, (2, 4, 5)).astype(np.int8)]])
+
+    # Hybrid BATCH_MATMUL (float lhs, int8 rhs): no NNAPI counterpart.
+    tensors = [T("x", (2, 3)), T("w", (3, 4), "int8", np.ones((3, 4)), (0.1, 0)), T("y", (2, 4))]
+    ops = [Op("BATCH_MATMUL", [0, 1], [2], "BatchMatMulOptions",
+              {"AdjX": False, "AdjY": False, "AsymmetricQuantizeInputs": True})]
+    out["batch_matmul_hybrid"] = ([Graph(tensors, ops, [0], [2])], [])
+
     # A custom operator no device offers: the import must refuse it by name.
     tensors = [T("x", (1, 4)), T("y", (1, 4)), T("z", (1, 4))]
     ops = [Op("RELU", [0], [1]), Op("CUSTOM:MyVendorOp", [1], [2])]

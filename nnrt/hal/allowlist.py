@@ -15,6 +15,9 @@ The files read, in this order, are ``$XDG_CONFIG_HOME/nnrt/extensions-allowlist`
 ``/etc/nnrt/extensions-allowlist``; an app listed in either may use
 extensions. No file means no app may.
 
+nnrt's own extensions (``nnrt.extensions.OWN``: ``com.nnrt.mediapipe``)
+ship with nnrt and need no entry; the allowlist is for third-party vendors'.
+
 The runtime checks the calling app when it compiles a model that uses an
 extension (``nnrt.runtime.partition``); a driver service checks again from
 the peer's kernel-reported executable (SO_PEERCRED pid -> ``/proc/PID/exe``),
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ErrorStatus, NnrtError
+from ..extensions import OWN
 
 FILE_NAME = "extensions-allowlist"
 SYSTEM_FILE = Path("/etc/nnrt") / FILE_NAME
@@ -111,6 +115,7 @@ def _refusal(who: str, used: set[str]) -> NnrtError:
 
 def check_current_app(used: set[str]) -> None:
     """Refuse this process the extensions ``used`` unless it is allowlisted."""
+    used = set(used) - OWN
     if not used:
         return
     exe = peer_executable(os.getpid())
@@ -121,6 +126,7 @@ def check_current_app(used: set[str]) -> None:
 def check_peer(pid: int, used: set[str]) -> None:
     """Refuse peer ``pid`` (from SO_PEERCRED) the extensions ``used`` unless
     its kernel-reported executable is allowlisted (by path or file name)."""
+    used = set(used) - OWN
     if not used:
         return
     exe = peer_executable(pid)

@@ -128,6 +128,97 @@ register(OperationType.CONCATENATION, validate=_concat_validate, shape=_concat_s
          kernel=_concat_kernel)
 
 
+# --- PACK (feature level 6) ---------------------------------------------------
+# Input 0 is the axis, inputs 1..N the tensors: N tensors of rank R become one
+# of rank R + 1, the new dimension (of size N) at the axis. NNAPI's valid axes
+# are [0, R] — no negative axis, unlike TFLite's PACK — and every input has
+# the output's type, shape and (quantized) scale and zero point.
+
+_PACK_TYPES = dict.fromkeys((T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_QUANT8_ASYMM,
+                             T.TENSOR_QUANT8_ASYMM_SIGNED, T.TENSOR_INT32), V.FL6)
+
+
+def _pack_axis(axis: int, rank: int, fail) -> int:
+    if not 0 <= axis <= rank:
+        raise fail(f"input 0: axis {axis} is outside [0, {rank}] for inputs of rank {rank}")
+    return axis
+
+
+def _pack_validate(op: OpView) -> V:
+    if len(op.inputs) < 2 or len(op.outputs) != 1:
+        raise op.fail(f"takes an axis and n >= 1 tensors, and one output; got "
+                      f"{len(op.inputs)} inputs and {len(op.outputs)} outputs")
+    op.expect_types([T.INT32], [])
+    out = op.outputs[0]
+    if out.type not in _PACK_TYPES:
+        raise op.fail(f"output 0 (operand {op.operation.outputs[0]}) has type {out.type.name}; "
+                      f"accepted: {', '.join(t.name for t in _PACK_TYPES)}")
+    n = len(op.inputs) - 1
+    op.expect_types([None] + [out.type] * n, [])
+    check_quant_params(op)
+    if out.type.is_quantized:
+        for i in range(1, n + 1):
+            a = op.inputs[i]
+            if a.scale != out.scale or a.zero_point != out.zero_point:
+                raise op.fail(f"input {i} (operand {op.operation.inputs[i]}) has scale {a.scale} "
+                              f"and zero point {a.zero_point}, output 0 {out.scale} and "
+                              f"{out.zero_point}: PACK keeps them")
+    ranks = {op.rank(i) for i in range(1, n + 1)} - {None}
+    out_rank = len(op.outputs[0].dimensions) or None
+    if out_rank is not None:
+        ranks.add(out_rank - 1)
+    if len(ranks) > 1:
+        raise op.fail(f"inputs of ranks {sorted(ranks)} (each must be the output's rank - 1)")
+    if ranks:
+        rank = ranks.pop()
+        if rank < 1:
+            raise op.fail("inputs must have rank 1 at least")
+        axis = op.value(0)
+        if axis is not None:
+            _pack_axis(int(axis), rank, op.fail)
+        _pack_input_dims(op)
+    return V.FL6
+
+
+def _pack_input_dims(op: OpView) -> tuple[int, ...]:
+    """The inputs' common dimensions (0 = unknown); they must agree."""
+    dims = [op.dims(i) for i in range(1, len(op.inputs)) if op.rank(i) is not None]
+    common = []
+    for d in range(len(dims[0]) if dims else 0):
+        known = {x[d] for x in dims} - {0}
+        if len(known) > 1:
+            raise op.fail(f"inputs disagree on dimension {d}: {sorted(known)}")
+        common.append(known.pop() if known else 0)
+    return tuple(common)
+
+
+def _pack_shape(op: OpView) -> list[tuple[int, ...]]:
+    n = len(op.inputs) - 1
+    if all(op.rank(i) is None for i in range(1, n + 1)):
+        out = op.outputs[0].dimensions
+        return [(0,) * len(out) if out else ()]
+    dims = _pack_input_dims(op)
+    axis = op.value(0)
+    if axis is None:
+        return [(0,) * (len(dims) + 1)]
+    axis = _pack_axis(int(axis), len(dims), op.fail)
+    return [dims[:axis] + (n,) + dims[axis:]]
+
+
+def _pack_kernel(call: Call) -> list[np.ndarray]:
+    axis, tensors = call.ins[0].value, call.ins[1:]
+    first = tensors[0].value
+    axis = _pack_axis(int(axis), first.ndim, call.fail)
+    for a in tensors[1:]:
+        if a.value.shape != first.shape:
+            raise call.fail(f"input shapes {first.shape} and {a.value.shape} differ")
+    return [np.stack([a.value for a in tensors], axis=axis).astype(call.outs[0].type.dtype,
+                                                                     copy=False)]
+
+
+register(OperationType.PACK, validate=_pack_validate, shape=_pack_shape, kernel=_pack_kernel)
+
+
 # --- RESHAPE -------------------------------------------------------------------
 
 def _reshape_target(shape: list[int], in_dims, fail) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..hal import Device, ExecutionPreference
+from ..extensions import DRIVER_OF
 from ..hal.allowlist import check_current_app
 from ..model.extensions import uses_extensions
 from ..errors import NnrtError, ErrorStatus
@@ -47,6 +48,17 @@ def _operation_type(model: HalModel, op: Operation) -> OperandType:
         if t.is_tensor:
             return t
     return model.main.operands[op.outputs[0]].type
+
+
+def _how_to_offer(extension: str) -> str:
+    kind = DRIVER_OF.get(extension)
+    if kind is None:
+        return (f"; {extension} is a vendor's: run that vendor's driver service and list "
+                f"it in NNRT_DRIVERS, and allowlist this app for it")
+    return (f"; {extension} ships with nnrt (no allowlist entry needed) and the "
+            f"{kind!r} driver offers it: start one with Runtime(spawn=[{kind!r}]) or "
+            f"'nnrt run --spawn {kind}', or serve one (nnrt driver serve NAME --driver "
+            f"{kind}) and list its socket in NNRT_DRIVERS")
 
 
 def assign_devices(model: HalModel, devices: list[Device], supported: list[list[bool]],
@@ -78,7 +90,8 @@ def assign_devices(model: HalModel, devices: list[Device], supported: list[list[
             if missing:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                                 f"operation {k} ({op.type.name}) needs the extension "
-                                f"{', '.join(missing)}, which no device offers")
+                                f"{', '.join(missing)}, which no device offers"
+                                + "".join(_how_to_offer(name) for name in missing))
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
                             f"no device supports operation {k} ({op.type.name})")
         chosen.append(best)

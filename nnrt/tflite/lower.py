@@ -11,8 +11,15 @@ operation(s) that compute the same thing:
 * most builtins map one to one, with options turned into NNAPI's scalar
   operands (padding codes SAME=0/VALID=1 become 1/2, fused activations keep
   their codes, a fused TANH becomes a TANH operation);
-* PACK is a RESHAPE per input and a CONCATENATION, UNPACK a SPLIT and a
-  RESHAPE per output (NNAPI has no UNPACK, and PACK only from feature level 6);
+* PACK maps to NNAPI's PACK (feature level 6), its axis made non-negative
+  (NNAPI takes [0, rank] only); UNPACK is a SPLIT and a RESHAPE per output
+  (NNAPI has no UNPACK);
+* BATCH_MATMUL maps to NNAPI's BATCH_MATMUL (feature level 6), which takes
+  inputs of one rank and the same batch dimensions: TFLite's broadcasting
+  is written out first, a RESHAPE adding leading 1s to the input of lower
+  rank and a TILE repeating an input along a batch dimension of 1 (both only
+  move values). Hybrid BATCH_MATMUL (float lhs, int8 rhs, quantizing the lhs
+  at run time, asymmetrically or not) has no NNAPI counterpart;
 * QUANTIZE between two quantized types is DEQUANTIZE + QUANTIZE (NNAPI's
   QUANTIZE takes only float input);
 * FULLY_CONNECTED with per-channel weights, which NNAPI's FULLY_CONNECTED
@@ -813,14 +820,60 @@ def _unpack(c: Lowering, op: Operator) -> None:
 def _pack(c: Lowering, op: Operator) -> None:
     out_t = c.tensor(op.outputs[0])
     axis = op.options.get("Axis", 0) % len(out_t.shape)
-    pieces = []
+    q = out_t.quantization
     for t in op.inputs:
-        dims = list(c.tensor(t).shape)
-        dims.insert(axis, 1)
-        piece = c.temp_like(t, tuple(dims))
-        c.emit(Op.RESHAPE, [_input(c, op, t), c.i32_tensor(dims)], [piece])
-        pieces.append(piece)
-    c.emit(Op.CONCATENATION, pieces + [c.i32(axis)], [c.output(op.outputs[0], op)])
+        tq = c.tensor(t).quantization
+        if q is not None and (tq is None or (tq.scales, tq.zero_points) != (q.scales, q.zero_points)):
+            # LiteRT refuses such a PACK too; NNAPI's PACK only moves values.
+            raise c.fail(op, f"input tensor {t} is quantized unlike the output")
+    c.emit(Op.PACK, [c.i32(axis)] + [_input(c, op, t) for t in op.inputs],
+           [c.output(op.outputs[0], op)])
+
+
+def _batch_matmul(c: Lowering, op: Operator) -> None:
+    lhs_t, rhs_t, out_t = c.tensor(op.inputs[0]), c.tensor(op.inputs[1]), c.tensor(op.outputs[0])
+    kinds = [c.operand_type(t, op)[0] for t in (lhs_t, rhs_t, out_t)]
+    if kinds[0] != kinds[1]:
+        raise c.fail(op, f"hybrid BATCH_MATMUL ({kinds[0].name} lhs, {kinds[1].name} rhs) "
+                         f"quantizes its lhs at run time: NNAPI has no such operation")
+    if kinds[0] not in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_QUANT8_ASYMM_SIGNED) \
+            or kinds[2] != kinds[0]:
+        raise c.fail(op, f"BATCH_MATMUL of {kinds[0].name} giving {kinds[2].name}: NNAPI's "
+                         f"takes float or per-tensor int8, giving the same type")
+    rank = len(out_t.shape)
+    if not 2 <= rank <= 4:
+        raise c.fail(op, f"rank {rank}: NNAPI's BATCH_MATMUL takes ranks 2 to 4")
+    batch = c.dims(out_t)[:-2]
+    ins = [_batch_broadcast(c, op, t, batch) for t in op.inputs[:2]]
+    o = op.options
+    c.emit(Op.BATCH_MATMUL, ins + [c.boolean(bool(o.get("AdjX", False))),
+                                   c.boolean(bool(o.get("AdjY", False)))],
+           [c.output(op.outputs[0], op)])
+
+
+def _batch_broadcast(c: Lowering, op: Operator, t: int, batch: tuple[int, ...]) -> int:
+    """Input ``t`` of a BATCH_MATMUL with the batch dimensions ``batch`` of
+    the output: leading 1s added (RESHAPE), dimensions of 1 repeated (TILE)."""
+    tensor = c.tensor(t)
+    dims = c.dims(tensor)
+    own = (1,) * (len(batch) - len(dims[:-2])) + dims[:-2]
+    if dims[:-2] == batch:
+        return _input(c, op, t)
+    if 0 in own or 0 in batch:
+        raise c.fail(op, f"input tensor {t} has batch dimensions {list(dims[:-2])} against the "
+                         f"output's {list(batch)}, not known at import: NNAPI does not "
+                         f"broadcast them")
+    src = _input(c, op, t)
+    if len(own) + 2 != len(dims):
+        shaped = c.temp_like(t, own + dims[-2:])
+        c.emit(Op.RESHAPE, [src, c.i32_tensor(own + dims[-2:])], [shaped])
+        if own == batch:
+            return shaped
+        src = shaped
+    tiled = c.temp_like(t, batch + dims[-2:])
+    multiples = [b // a for a, b in zip(own, batch)] + [1, 1]
+    c.emit(Op.TILE, [src, c.i32_tensor(multiples)], [tiled])
+    return tiled
 
 
 def _gather(c: Lowering, op: Operator) -> None:
@@ -1107,6 +1160,7 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "SPLIT": _split,
     "UNPACK": _unpack,
     "PACK": _pack,
+    "BATCH_MATMUL": _batch_matmul,
     "GATHER": _gather,
     "SQUEEZE": _squeeze,
     "EXPAND_DIMS": _expand_dims,

@@ -3,6 +3,8 @@
 the service's own allowlist check of the peer's executable, and
 selfie_segmentation end to end through the importer."""
 import os
+import select
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +20,8 @@ from nnrt.drivers.service.client import ServiceDevice
 from nnrt.extensions import mediapipe as mp
 from tests.conftest import start_service, stop
 from tests.unit.test_extension_mediapipe import mediapipe_model, transpose_conv_bias_f64
-from tests.conftest import MODELS
+from tests.conftest import MODELS, ROOT
+from tests.unit.test_extensions import example_model
 
 MODELS = MODELS / "mediapipe"
 SELFIE = MODELS / "selfie_segmentation"
@@ -67,6 +70,35 @@ async def test_extension_runs_in_a_service_for_an_allowed_app(tmp_path, allow_th
         stop(proc)
 
 
+EXAMPLE_SERVICE = """
+import sys
+from functools import partial
+import anyio
+sys.path.insert(0, {root!r})
+from tests.unit.test_extensions import ExampleDevice
+from nnrt.drivers.service.server import serve
+async def main():
+    async with anyio.create_task_group() as tg:
+        await tg.start(partial(serve, ExampleDevice(), {path!r}))
+        print("listening", flush=True)
+anyio.run(main)
+"""
+
+
+def serve_example(socket_path, config_home) -> subprocess.Popen:
+    """A service of a third-party vendor's extensions (com.example.scale and
+    .offset) whose allowlist is ``config_home``/nnrt/extensions-allowlist."""
+    proc = subprocess.Popen([sys.executable, "-c", EXAMPLE_SERVICE.format(
+        root=str(ROOT), path=str(socket_path))], stdout=subprocess.PIPE,
+        env=dict(os.environ, XDG_CONFIG_HOME=str(config_home)))
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    if not ready or b"listening" not in proc.stdout.readline():
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("the example extension service did not start")
+    return proc
+
+
 async def test_the_service_refuses_an_app_not_on_its_allowlist(tmp_path, monkeypatch):
     # The app calls itself "camera-app" and the service's list has that name,
     # but a service believes only the kernel: the peer's executable is the
@@ -76,11 +108,11 @@ async def test_the_service_refuses_an_app_not_on_its_allowlist(tmp_path, monkeyp
     write_allowlist(config, "camera-app\n/usr/bin/some-other-app\n")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
     monkeypatch.setenv("NNRT_APP_NAME", "camera-app")   # enough for the in-process check
-    proc = serve_mediapipe(tmp_path / "mp.sock", config)
+    proc = serve_example(tmp_path / "ex.sock", config)
     try:
-        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        dev = await ServiceDevice.connect(str(tmp_path / "ex.sock"))
         try:
-            model, x, _ = small_model()
+            model = example_model()
             with pytest.raises(NnrtError, match="not allowed to use vendor extensions") as e:
                 await dev.prepare_model(model.hal_model)
             assert e.value.status == ErrorStatus.INVALID_ARGUMENT
@@ -89,11 +121,57 @@ async def test_the_service_refuses_an_app_not_on_its_allowlist(tmp_path, monkeyp
                 with pytest.raises(NnrtError, match="not allowed"):
                     await rt.compile(model)
             # The same connection still serves what needs no extension.
-            assert await dev.supported_operations(model.hal_model) == [True]
+            plain = nnrt.Model()
+            a = plain.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [2])
+            b = plain.add_operand(nnrt.OperandType.TENSOR_FLOAT32, [2])
+            plain.add_operation(nnrt.OperationType.RELU, [a], [b])
+            plain.identify_inputs_and_outputs([a], [b])
+            assert await dev.supported_operations(plain.finish().hal_model) == [False]
         finally:
             dev.close()
     finally:
         stop(proc)
+
+
+async def test_nnrts_own_extension_needs_no_allowlist_entry(tmp_path, allow_nobody):
+    """com.nnrt.mediapipe ships with nnrt: an app on no allowlist uses it in
+    process and on a service whose allowlist does not name it either."""
+    model, x, want = small_model()
+    async with nnrt.Runtime(devices=[MediapipeDevice("mp"), ReferenceDevice()]) as rt:
+        compiled = await rt.compile(model)
+        np.testing.assert_allclose((await compiled.execute([x])).outputs[0], want,
+                                   rtol=1e-5, atol=1e-5)
+    proc = serve_mediapipe(tmp_path / "mp.sock", allow_nobody)
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "mp.sock"))
+        try:
+            prepared = await dev.prepare_model(model.hal_model)
+            prepared.release()
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
+
+
+async def test_a_model_needing_an_extension_no_device_offers_says_how_to_get_one():
+    model, _, _ = small_model()
+    async with nnrt.Runtime(devices=[ReferenceDevice()]) as rt:
+        with pytest.raises(NnrtError) as e:
+            await rt.compile(model)
+    assert "which no device offers" in e.value.message
+    assert "no allowlist entry needed" in e.value.message
+    assert "'nnrt run --spawn mediapipe'" in e.value.message
+    assert "Runtime(spawn=['mediapipe'])" in e.value.message
+
+
+def test_nnrt_run_of_selfie_segmentation_with_its_one_step(tmp_path):
+    """The one step the CLI guide documents: --spawn mediapipe, no allowlist."""
+    done = subprocess.run([sys.executable, "-m", "nnrt", "run", f"{SELFIE}.tflite", "--random",
+                           "--spawn", "mediapipe", "--no-discover"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, XDG_CONFIG_HOME=str(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    assert "mediapipe" in done.stdout.splitlines()[0]
 
 
 async def _run_selfie(spawn: bool, litert: bool = False):

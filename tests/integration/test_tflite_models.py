@@ -96,6 +96,8 @@ def test_unpack_and_pack_are_lowered():
     model = _run_and_compare("lstm_20x40_unrolled_float32")
     counts = _counts(model)
     assert counts[OperationType.SPLIT] >= 40 + 2  # the model's SPLITs and the UNPACKs
+    # PACK is NNAPI's PACK (feature level 6), not RESHAPEs and a CONCATENATION.
+    assert counts[OperationType.PACK] == 1 and OperationType.CONCATENATION not in counts
 
 
 def test_quantized_operations_alone_are_within_one_unit_of_litert_reference_kernels():

@@ -1,6 +1,6 @@
-"""Shape manipulation, lookups and FULLY_CONNECTED (nnrt/ops/shape_ops.py,
-lookup.py, fully_connected.py): hand-computed values, shape inference and
-validation refusals."""
+"""Shape manipulation, lookups, FULLY_CONNECTED and BATCH_MATMUL
+(nnrt/ops/shape_ops.py, lookup.py, fully_connected.py, matmul.py):
+hand-computed values, shape inference and validation refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -365,3 +365,82 @@ def test_fully_connected_validation():
     with pytest.raises(NnrtError):  # weights must be 2-D
         validate(Op.FULLY_CONNECTED, [t(F32, [2, 3]), t(F32, [4, 3, 1]), t(F32, [4]),
                                       s(T.INT32, 0)], [t(F32, [2, 4])])
+
+
+# --- PACK and BATCH_MATMUL (feature level 6) ------------------------------------------
+
+def test_pack_on_each_axis():
+    a, b = arr([[1, 2, 3], [4, 5, 6]]), arr([[7, 8, 9], [10, 11, 12]])
+    (out,) = run(Op.PACK, [sc(0), a, b], [(F32, 0, 0)])
+    assert out.tolist() == [[[1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11, 12]]]
+    (out,) = run(Op.PACK, [sc(1), a, b], [(F32, 0, 0)])
+    assert out.tolist() == [[[1, 2, 3], [7, 8, 9]], [[4, 5, 6], [10, 11, 12]]]
+    (out,) = run(Op.PACK, [sc(2), a, b], [(F32, 0, 0)])
+    assert out.tolist() == [[[1, 7], [2, 8], [3, 9]], [[4, 10], [5, 11], [6, 12]]]
+    (out,) = run(Op.PACK, [sc(0), arr([-128, 127], Q8S, 0.5, 3)], [(Q8S, 0.5, 3)])
+    assert out.tolist() == [[-128, 127]]
+
+
+def test_pack_validation():
+    ins = [s(T.INT32, 1), t(Q8, [2, 3], 0.5, 7), t(Q8, [2, 3], 0.5, 7)]
+    assert validate(Op.PACK, ins, [t(Q8, [2, 2, 3], 0.5, 7)]) == V.FL6
+    assert infer(Op.PACK, ins, [t(Q8, [0, 0, 0], 0.5, 7)]) == [(2, 2, 3)]
+    with pytest.raises(NnrtError, match="input 0"):  # the axis is an INT32 scalar, not a tensor
+        validate(Op.PACK, [t(I32, [1])] + ins[1:], [t(Q8, [2, 2, 3], 0.5, 7)])
+    refused = {
+        "axis -1": [s(T.INT32, -1), t(F32, [2]), t(F32, [2])],        # [0, rank] only
+        "axis 2": [s(T.INT32, 2), t(F32, [2]), t(F32, [2])],
+        "dimension 0": [s(T.INT32, 0), t(F32, [2]), t(F32, [3])],
+        "scale 0.25": [s(T.INT32, 0), t(Q8, [2], 0.5, 7), t(Q8, [2], 0.25, 7)],
+        "TENSOR_BOOL8": [s(T.INT32, 0), t(B8, [2]), t(B8, [2])],
+    }
+    for message, inputs in refused.items():
+        out_type = inputs[1][0]
+        with pytest.raises(NnrtError, match=message):
+            validate(Op.PACK, inputs, [t(out_type, [2, 2], *inputs[1][2:4])])
+
+
+def test_batch_matmul_adjoint_flags():
+    x, y = arr([[1, 2], [3, 4]]), arr([[5, 6], [7, 8]])
+    no, yes = sc(False, T.BOOL), sc(True, T.BOOL)
+    assert run(Op.BATCH_MATMUL, [x, y, no, no], [(F32, 0, 0)])[0].tolist() == [[19, 22], [43, 50]]
+    assert run(Op.BATCH_MATMUL, [x, y, yes, no], [(F32, 0, 0)])[0].tolist() == [[26, 30], [38, 44]]
+    assert run(Op.BATCH_MATMUL, [x, y, no, yes], [(F32, 0, 0)])[0].tolist() == [[17, 23], [39, 53]]
+    # Omitted flags are false; batches multiply pairwise.
+    xb, yb = arr([[[1, 2]], [[3, 4]]]), arr([[[1], [1]], [[2], [-1]]])
+    (out,) = run(Op.BATCH_MATMUL, [xb, yb, none(T.BOOL), none(T.BOOL)], [(F32, 0, 0)])
+    assert out.tolist() == [[[3]], [[2]]]
+
+
+def test_batch_matmul_int32_wraps_and_quant8_signed_rescales():
+    x, y = arr([[65536, 1]], I32), arr([[32768], [5]], I32)
+    no = sc(False, T.BOOL)
+    assert run(Op.BATCH_MATMUL, [x, y, no, no], [(I32, 0, 0)])[0].tolist() == [[-2147483643]]
+    # Reals [1, 2] . [1, 0.25] = 1.5 -> 1.5 / 0.25 + 3 = 9; at scale 0.01: 153, saturated.
+    x, y = arr([[3, 5]], Q8S, 0.5, 1), arr([[2], [-1]], Q8S, 0.25, -2)
+    assert run(Op.BATCH_MATMUL, [x, y, no, no], [(Q8S, 0.25, 3)])[0].tolist() == [[9]]
+    assert run(Op.BATCH_MATMUL, [x, y, no, no], [(Q8S, 0.01, 3)])[0].tolist() == [[127]]
+
+
+def test_batch_matmul_validation_and_shapes():
+    flags = [s(T.BOOL, False), s(T.BOOL, True)]
+    ins = [t(F32, [2, 4, 3]), t(F32, [2, 5, 3])] + flags
+    assert validate(Op.BATCH_MATMUL, ins, [t(F32, [2, 4, 5])]) == V.FL6
+    assert infer(Op.BATCH_MATMUL, ins, [t(F32, [0, 0, 0])]) == [(2, 4, 5)]
+    # A flag known only at execution: the rows are lhs's dim -2 or -1.
+    ins = [t(F32, [2, 3]), t(F32, [3, 3]), (T.BOOL, [], 0.0, 0, None), flags[0]]
+    assert infer(Op.BATCH_MATMUL, ins, [t(F32, [0, 0])]) == [(0, 3)]
+    refused = {
+        "TENSOR_QUANT8_ASYMM": ([t(Q8, [2, 3], 0.5), t(Q8, [3, 2], 0.5)], t(Q8, [2, 2], 1.0)),
+        "rank 3 and input 1": ([t(F32, [1, 2, 3]), t(F32, [3, 2])], t(F32, [1, 2, 2])),
+        "same batch size": ([t(F32, [2, 2, 3]), t(F32, [1, 3, 2])], t(F32, [2, 2, 2])),
+        "3 columns": ([t(F32, [2, 3]), t(F32, [4, 2])], t(F32, [2, 2])),
+        "rank 2 or 3 or 4": ([t(F32, [1, 1, 1, 2, 3]), t(F32, [1, 1, 1, 3, 2])],
+                             t(F32, [1, 1, 1, 2, 2])),
+    }
+    for message, (tensors, out) in refused.items():
+        with pytest.raises(NnrtError, match=message):
+            validate(Op.BATCH_MATMUL, tensors + [flags[0], flags[0]], [out])
+    with pytest.raises(NnrtError, match="must be BOOL"):
+        validate(Op.BATCH_MATMUL, [t(F32, [2, 3]), t(F32, [3, 2]), s(T.INT32, 0), flags[0]],
+                 [t(F32, [2, 2])])

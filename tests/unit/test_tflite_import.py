@@ -49,7 +49,8 @@ def _run_on_reference(model: nnrt.Model, inputs) -> list:
     return anyio.run(main)
 
 
-@pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn"])
+@pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn",
+                                  "batch_matmul_float", "batch_matmul_int8"])
 def test_generated_models_match_litert_reference_kernels(stem):
     model = nnrt.tflite.load(DATA / f"{stem}.tflite")
     cases = list(_cases(stem))
@@ -155,6 +156,70 @@ def test_operators_without_a_one_to_one_nnapi_operation_are_lowered():
     assert counts[OperationType.PRELU] == 1            # LEAKY_RELU
     assert counts[OperationType.SUB] == 1 and counts[OperationType.MUL] == 1  # SQUARED_DIFFERENCE
     assert counts[OperationType.TRANSPOSE_CONV_2D] == 1
+
+
+def test_batch_matmul_and_pack_map_to_feature_level_6_operations():
+    """TFLite's BATCH_MATMUL broadcasts batch dimensions, NNAPI's does not:
+    [2, 1, 3, 4] x [3, 4, 5] becomes a TILE of the lhs, a RESHAPE and a TILE
+    of the rhs, then one BATCH_MATMUL; PACK is one PACK (axis -1 made 3)."""
+    model = nnrt.tflite.load(DATA / "batch_matmul_float.tflite")
+    ops = model.hal_model.main.operations
+    counts = _op_counts(model)
+    assert counts == Counter({OperationType.BATCH_MATMUL: 3, OperationType.TILE: 3,
+                              OperationType.RESHAPE: 2, OperationType.PACK: 1})
+    operands = model.hal_model.main.operands
+    pack = next(op for op in ops if op.type == OperationType.PACK)
+    assert model.hal_model.constant_value(operands[pack.inputs[0]]) == 3
+    adjoint = [op for op in ops if op.type == OperationType.BATCH_MATMUL][1]
+    assert [bool(model.hal_model.constant_value(operands[i])) for i in adjoint.inputs[2:]] == \
+        [True, True]
+
+
+@pytest.mark.parametrize("stem", ["batch_matmul_float", "batch_matmul_int8"])
+def test_batch_matmul_and_pack_on_litert_match_litert_on_the_file(stem):
+    """The imported model on the litert device against LiteRT run directly on
+    the .tflite (XNNPACK): float within 1e-4 of the largest output, or no
+    further from the reference kernels' outputs than XNNPACK; int8 within one
+    unit. Every operation of the float model runs on litert; of the int8
+    one, all but the BATCH_MATMUL with a symmetric rhs (XNNPACK would take it
+    and rescale in float32: the table leaves it to the reference driver)."""
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    from nnrt.drivers.litert import LiteRTDevice
+    from nnrt.drivers.reference import ReferenceDevice
+
+    model = nnrt.tflite.load(DATA / f"{stem}.tflite")
+    (inputs, reference), = _cases(stem)
+    interp = litert.Interpreter(model_path=str(DATA / f"{stem}.tflite"))
+    interp.allocate_tensors()
+    for detail, value in zip(interp.get_input_details(), inputs):
+        interp.set_tensor(detail["index"], value)
+    interp.invoke()
+    xnnpack = [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
+
+    device = LiteRTDevice()
+    flags = anyio.run(device.supported_operations, model.hal_model)
+    refused = [op.type for op, ok in zip(model.hal_model.main.operations, flags) if not ok]
+    assert refused == ([] if stem.endswith("float") else [OperationType.BATCH_MATMUL])
+
+    async def run():
+        async with nnrt.Runtime(devices=[device, ReferenceDevice()]) as rt:
+            compiled = await rt.compile(model)
+            return (await compiled.execute(inputs)).outputs
+    for got, ref, xnn in zip(anyio.run(run), reference, xnnpack):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        if ref.dtype.kind == "f":
+            error = np.abs(got - ref).max()
+            assert error <= max(1e-4 * np.abs(ref).max(), np.abs(xnn - ref).max())
+        else:
+            assert np.abs(got.astype(np.int64) - xnn).max() <= 1
+            assert np.abs(got.astype(np.int64) - ref).max() <= 1
+
+
+def test_hybrid_batch_matmul_is_refused_naming_it():
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(DATA / "batch_matmul_hybrid.tflite")
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert "hybrid BATCH_MATMUL" in info.value.message and "operator 0" in info.value.message
 
 
 # --- MIRROR_PAD and REVERSE_V2 (NNAPI feature level 7) ----------------------------

@@ -531,6 +531,34 @@ def _concatenation(info: OpInfo) -> Lowered:
                    {"Axis": axis, "FusedActivationFunction": 0})
 
 
+def _pack(info: OpInfo) -> Lowered:
+    """NNAPI's axis (input 0, in [0, rank]) becomes PackOptions; the tensors
+    are the builtin's inputs. NNAPI and TFLite both want every input to keep
+    the output's quantization, so PACK only moves values."""
+    axis = int(info.const(0))
+    values = tuple(info.op.inputs[1:])
+    return Lowered(values, info.op.outputs, "PackOptions",
+                   {"ValuesCount": len(values), "Axis": axis})
+
+
+def _batch_matmul(info: OpInfo) -> Lowered:
+    """NNAPI's adj_x/adj_y (constants; omitted is false) become the options.
+    NNAPI's operands have one rank and the same batch dimensions, a case of
+    TFLite's broadcasting BATCH_MATMUL.
+
+    int8 runs on TFLite's kernel, whose fixed-point rescale is the reference
+    driver's bit for bit, unless XNNPACK takes the node: it does when the rhs
+    is symmetric (zero point 0), and rescales in float32, one unit off now and
+    then (seen on 3 of 200 random cases). That case is left to the reference
+    driver."""
+    if info.t(0) == S8 and info.operand(1).zero_point == 0:
+        raise Unsupported("int8 BATCH_MATMUL with a symmetric rhs: XNNPACK takes it and "
+                          "rescales in float32, not with NNAPI's fixed-point multiplier")
+    return Lowered((info.op.inputs[0], info.op.inputs[1]), info.op.outputs,
+                   "BatchMatMulOptions", {"AdjX": info.flag(2), "AdjY": info.flag(3),
+                                          "AsymmetricQuantizeInputs": False})
+
+
 def _block(options: str) -> Callable[[OpInfo], Lowered]:
     def lower(info: OpInfo) -> Lowered:
         if info.n > 2:
@@ -752,6 +780,8 @@ RULES: dict[Op, Rule] = {
     Op.MAX_POOL_2D: Rule("MAX_POOL_2D", FLOATQ, _pool, layout=_pool_layout),
     Op.L2_POOL_2D: Rule("L2_POOL_2D", frozenset({F32}), _pool, layout=_pool_layout),
     Op.CONCATENATION: Rule("CONCATENATION", FLOATQ, _concatenation),
+    Op.PACK: Rule("PACK", frozenset({F32, I32, U8, S8}), _pack, data=-1),
+    Op.BATCH_MATMUL: Rule("BATCH_MATMUL", frozenset({F32, S8}), _batch_matmul),
     Op.DEPTH_TO_SPACE: Rule("DEPTH_TO_SPACE", FLOATQ, _block("DepthToSpaceOptions"),
                               layout=_at(2)),
     Op.SPACE_TO_DEPTH: Rule("SPACE_TO_DEPTH", FLOATQ, _block("SpaceToDepthOptions"),
