@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # apps, CLI runs: a few hundred) compiles nnrt's sources again, ~0.35 s each.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo check test test-loaded hooks cts conformance bench clean
+.PHONY: demo check test test-loaded install-check hooks cts conformance bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: $(STAMP)
 test-loaded: $(STAMP)
 	yes > /dev/null & a=$$!; yes > /dev/null & b=$$!; \
 	$(PY) -m pytest -q $(XDIST); status=$$?; kill $$a $$b; exit $$status
+
+# A bare `pip install` (fresh venv, no extras) runs README.md's ten lines and
+# `nnrt run` on a shared model (CI runs it; needs the package index).
+install-check:
+	PYTHON=$(PYTHON) scripts/check-install
 
 hooks:
 	ln -sf ../../scripts/before-commit .git/hooks/pre-commit
