@@ -1,6 +1,7 @@
 """Tensor shape manipulation: CONCATENATION, RESHAPE (HAL 1.0); SQUEEZE,
 TRANSPOSE, STRIDED_SLICE, PAD, MEAN (HAL 1.1); EXPAND_DIMS, SLICE, SPLIT,
-TILE, PAD_V2 (HAL 1.2); MIRROR_PAD, REVERSE (NNAPI feature level 7).
+TILE, PAD_V2 (HAL 1.2); PACK (NNAPI feature level 6); MIRROR_PAD, REVERSE (NNAPI
+feature level 7).
 
 Data-movement kernels copy the stored values; a quantized output whose scale
 or zero point differs from the input's gets the values requantized (NNAPI
