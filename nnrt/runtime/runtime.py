@@ -84,6 +84,7 @@ class Runtime:
         self._services: list = []
         self._folder = None
         self._reconnector = None   # discovery.Reconnector of the configured services
+        self._local: list[Device] = []   # the in-process devices it made (after the services)
         self._cache_counters = cache.Counters()
 
     async def __aenter__(self) -> "Runtime":
@@ -170,6 +171,7 @@ class Runtime:
                     found += spawned
             local = [self._front(d) for d in in_process]
             self._cpu = local[-1]    # the reference device: the fallback
+            self._local = local
             self._devices = found + local
         vlog("manager", "devices: %s", ", ".join(d.name for d in self._devices))
 
@@ -239,7 +241,11 @@ class Runtime:
         self.devices   # drops the dead ones
         added = await self._reconnector.reconnect()
         if added:
-            at = self._devices.index(self._cpu) if self._cpu in self._devices else len(self._devices)
+            # Where open() puts services: before the in-process devices, so
+            # a returned service wins the ties it won at the first
+            # compilation and models move back to it.
+            at = next((k for k, d in enumerate(self._devices) if d in self._local),
+                      len(self._devices))
             self._devices[at:at] = added
             for d in added:
                 _log.warning("driver service %s is back; offering it to new compilations", d.name)
