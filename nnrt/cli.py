@@ -23,6 +23,13 @@ from .vlog import vlog
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def _feature_level(code: int) -> str:
+    """A device's NNAPI feature level as NeuralNetworks.h codes it (27..30:
+    the Android API level; 1000000 + n from level 6) and as its number."""
+    level = {27: 1, 28: 2, 29: 3, 30: 4, 31: 5}.get(code, code - 1_000_000)
+    return f"{level} ({code})" if 0 < level < 100 else str(code)
+
+
 def _devices(args) -> int:
     """Every device the runtime would offer (type, version, feature level,
     extensions, state, capabilities per operand type), then every configured
@@ -33,7 +40,7 @@ def _devices(args) -> int:
             for d in rt.devices:
                 caps = d.capabilities()
                 print(f"{d.name}\n  type: {d.type.name}\n  version: {d.version_string}\n"
-                      f"  feature level: {d.feature_level}\n"
+                      f"  feature level: {_feature_level(d.feature_level)}\n"
                       f"  state: {'up' if d.alive else 'dead'}\n"
                       f"  extensions: {', '.join(d.supported_extensions()) or 'none'}")
                 print("  capabilities (exec_time, power_usage; lower is better):")

@@ -24,7 +24,7 @@ from ..hal.types import BufferDesc, BufferRole
 from ..hal.cache import CacheFiles, check_counts
 from ..hal.validate import validate_model
 from ..model.graph import HalModel
-from ..model.types import OperandType
+from ..model.types import HalVersion, OperandType
 from ..vlog import vlog
 from . import cached
 from .executor import Binding, ExecutionContext, Executor, RequestPlan
@@ -36,7 +36,9 @@ _PLAN = "reference-plan"   # the one model cache file: the model and its inferre
 
 class ReferenceDevice(Device):
     type = DeviceType.CPU
-    feature_level = 30  # HAL 1.3 / Android 11
+    # HAL 1.3 and the operations NNAPI added after it (BATCH_MATMUL, PACK at
+    # feature level 6; MIRROR_PAD, REVERSE at 7): nnrt/testing/vectors/FL*.
+    feature_level = HalVersion.FL7.feature_level
     version_string = f"nnrt-reference-{__version__}"
 
     def __init__(self, name: str = "nnrt-reference"):

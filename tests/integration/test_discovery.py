@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nnrt
+from nnrt.model.types import HalVersion
 from nnrt.runtime import discovery
 
 from ..unit.test_partition import C, EXPECTED_T1, EXPECTED_Y, X, chain_model
@@ -39,7 +40,7 @@ async def test_nnrt_drivers_and_the_config_file_name_services(service, tmp_path,
     async with nnrt.Runtime(litert=False) as rt:
         assert [d.name for d in rt.devices] == ["fast", "nnrt-reference"]
         fast = rt.devices[0]
-        assert fast.version_string and fast.feature_level == 30
+        assert fast.version_string and fast.feature_level == HalVersion.FL7.feature_level
         assert fast.capabilities().performance(nnrt.OperandType.TENSOR_FLOAT32).exec_time < 1
     monkeypatch.delenv("NNRT_DRIVERS")
     conf = tmp_path / "config" / "nnrt" / "drivers.conf"
@@ -289,7 +290,7 @@ def test_nnrt_devices_lists_capabilities_and_every_configured_service(tmp_path):
         service.terminate()
         service.wait()
     assert "npu\n  type:" in out and "nnrt-reference\n  type: CPU" in out
-    assert "feature level: 30" in out and "extensions: none" in out and "state: up" in out
+    assert "feature level: 7 (1000007)" in out and "extensions: none" in out and "state: up" in out
     assert "TENSOR_FLOAT32: 1, 1" in out
     assert f"{path}: up (npu)" in out
     assert f"{missing}: unreachable: no driver service at {missing}" in out

@@ -30,7 +30,7 @@ from ...hal.types import BufferDesc
 from ...hal.cache import CacheFiles, CacheReject, CacheRejected, check_counts
 from ...hal.validate import validate_model, validate_request
 from ...model.graph import HalModel, Subgraph
-from ...model.types import OperandType
+from ...model.types import HalVersion, OperandType
 from ...vlog import vlog
 from .. import cached
 from . import segments as seg
@@ -58,7 +58,7 @@ def litert_version() -> str:
 
 class LiteRTDevice(Device):
     type = DeviceType.CPU
-    feature_level = 30
+    feature_level = HalVersion.FL7.feature_level   # it lowers operations up to level 7
 
     def __init__(self, name: str = "litert", *, num_threads: int = 1,
                  segment_time: float | None = DEFAULT_SEGMENT_TIME,
