@@ -32,10 +32,20 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pid_service(tmp_path_factory):
-    """A service whose apps are processes (--app-key pid), so a second
-    process of ours is another app."""
+    """A service whose apps are processes (--app-key pid, the default said
+    out loud), so a second process of ours is another app."""
     path = tmp_path_factory.mktemp("memdom-pid") / "reference.sock"
     proc = start_service(path, "reference", "memdom-pid", "--app-key", "pid")
+    yield path
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def uid_service(tmp_path_factory):
+    """A service whose apps are users (--app-key uid), so a second process
+    of ours is the same app."""
+    path = tmp_path_factory.mktemp("memdom-uid") / "reference.sock"
+    proc = start_service(path, "reference", "memdom-uid", "--app-key", "uid")
     yield path
     stop(proc)
 
@@ -175,12 +185,12 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("app_key", ["uid", "pid"])
-async def test_another_connections_or_apps_token_is_refused(app_key, service, pid_service):
+async def test_another_connections_or_apps_token_is_refused(app_key, uid_service, pid_service):
     """With app key uid the child process is the same app, but its prepared
     model is not one of the buffer's roles and the buffer is not its
     connection's; with app key pid it is another app altogether (the
     driver's ownership check). Either way: refused, and the owner goes on."""
-    path = service if app_key == "uid" else pid_service
+    path = uid_service if app_key == "uid" else pid_service
     device = await ServiceDevice.connect(str(path))
     try:
         prepared = await device.prepare_model(add_model((4,)))
