@@ -52,14 +52,22 @@ def render(device: str, stats: SchedulerStatistics | None,
     total = sum(a["run"] for a in apps.values()) or 1.0
     recent_total = sum(recent.values()) or 1.0
     policy = {a.app: a for a in stats.apps}
+    def who(app) -> str:
+        rule = policy.get(app)
+        return rule.who if rule and rule.who else _app_name(app)
+
+    # As wide as the longest app's name (the pid at its end must show), to a
+    # bound: a long script name is cut at its start.
+    width = min(48, max([16, *(len(who(app)) for app in apps)]))
     lines = [f"{device}: {stats.busy}/{stats.slots} slot(s) busy, {len(apps)} app(s)",
-             f"{'app':<28} {'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
+             f"{'app':<{width}} {'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
              f"{'share':>6} {'recent':>6} {'wait p50':>8} {'wait p99':>8} {'done':>7} "
              f"{'preempt':>7} {'misses':>6}"]
     for app, a in sorted(apps.items(), key=lambda kv: -kv[1]["run"]):
         rule = policy.get(app)
-        who = rule.who if rule and rule.who else _app_name(app)
-        lines.append(f"{who:<28.28} {rule.rule if rule else '-':<12.12} "
+        name = who(app)
+        name = name if len(name) <= width else "…" + name[-(width - 1):]
+        lines.append(f"{name:<{width}} {rule.rule if rule else '-':<12.12} "
                      f"{f'{rule.weight:g}' if rule else '-':>6} "
                      f"{rule.max_priority.name if rule else '-':<6} "
                      f"{a['queued']:>6} {a['running']:>3} "

@@ -280,3 +280,13 @@ def test_a_service_key_of_a_whole_uid_takes_no_declaration():
     assert who.name is None and who.uid == os.getuid()
     who = identify(("pid", os.getpid()), AppDeclaration("camera"))
     assert who.name == "camera" and who.cgroup is not None
+
+
+def test_a_long_app_name_keeps_its_pid_in_status():
+    from nnrt.qos import ManualClock, Scheduler
+    me = ("pid", os.getpid())
+    declared = {me: AppDeclaration("x" * 64, "/srv/apps/a-rather-long-script-name.py")}
+    s = Scheduler(clock=ManualClock(), settings=Policy().resolver(declared.get))
+    s.finish(s.submit(me, Priority.LOW))
+    row = render("npu", s.statistics()).splitlines()[2]
+    assert row.startswith("…") and f"script-name.py pid {os.getpid()} " in row, row
