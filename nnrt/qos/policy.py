@@ -72,7 +72,7 @@ _PRIORITIES = {"low": Priority.LOW, "medium": Priority.MEDIUM, "high": Priority.
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
 _SETTING_KEYS = {"weight", "max_priority", "queue_limit", "memory_limit", "deadlines",
-                 "when_full"}
+                 "when_full", "connections", "models", "bursts"}
 _KERNEL_KEYS = ("uid", "user", "exe", "cgroup")
 _DECLARED_KEYS = ("script", "app")
 _MATCH_KEYS = {*_KERNEL_KEYS, *_DECLARED_KEYS}
@@ -310,8 +310,9 @@ def _settings(table: dict, what: str) -> dict:
         if not isinstance(value, str) or value.lower() not in _PRIORITIES:
             raise invalid(f"{what}: max_priority must be low, medium or high, got {value!r}")
         out["max_priority"] = _PRIORITIES[value.lower()]
-    if "queue_limit" in table:
-        out["queue_limit"] = table["queue_limit"]
+    for key in ("queue_limit", "connections", "models", "bursts"):
+        if key in table:
+            out[key] = table[key]
     if "memory_limit" in table:
         out["memory_limit"] = _bytes(table["memory_limit"], what)
     if "deadlines" in table:

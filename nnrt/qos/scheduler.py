@@ -196,6 +196,11 @@ class AppSettings:
     memory_limit: int | None = None           # bytes per model (None: the device's)
     soft_deadlines: bool = False              # run late and report the miss, never refuse
     fail_when_full: bool = False              # RESOURCE_EXHAUSTED at the queue limit, not wait
+    # What a driver service lets the app hold at once, over all its
+    # connections (None: the service's --limit *_per_app).
+    connections: int | None = None
+    models: int | None = None                 # prepared models
+    bursts: int | None = None                 # burst sessions (a service thread each)
     name: str | None = None                   # the policy rule that matched (for status)
     # The app as the policy saw it, for status: a label, not a setting.
     who: str | None = field(default=None, compare=False)
@@ -205,10 +210,10 @@ class AppSettings:
                 or not 0 < self.weight < math.inf:
             raise invalid(f"an app's weight must be a positive number, got {self.weight!r}")
         object.__setattr__(self, "max_priority", check_priority(self.max_priority))
-        for what in ("queue_limit", "memory_limit"):
+        for what in ("queue_limit", "memory_limit", "connections", "models", "bursts"):
             value = getattr(self, what)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < (1 if what == "queue_limit" else 0)):
+                                      or value < (0 if what == "memory_limit" else 1)):
                 raise invalid(f"{what} must be None or a positive integer, got {value!r}")
 
 

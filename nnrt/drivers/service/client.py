@@ -428,16 +428,18 @@ class ServiceDevice(Device):
 
     @classmethod
     async def connect(cls, socket_path: str, *, timeout: float = CONNECT_TIMEOUT,
-                      app: AppDeclaration = AppDeclaration()) -> "ServiceDevice":
+                      app: AppDeclaration | None = None) -> "ServiceDevice":
         """Connect to the service at ``socket_path`` as ``app`` (what this
-        process declares: its name and script) and learn its answers to
-        the device queries. DEVICE_UNAVAILABLE when nobody serves there, or
+        process declares: its name and script; default
+        ``AppDeclaration.for_process()``) and learn its answers to the device
+        queries. DEVICE_UNAVAILABLE when nobody serves there, or
         when whatever listens there does not answer HELLO and the queries
         within ``timeout`` seconds (a socket that accepts and stays silent
         would otherwise hold the caller forever)."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not timeout > 0:
             raise invalid(f"timeout {timeout!r} is not a positive number of seconds")
+        app = AppDeclaration.for_process() if app is None else app
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(socket_path)

@@ -86,6 +86,7 @@ from ...hal.allowlist import check_peer
 from ...hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
 from ...hal.cache import CacheFiles, CacheReject, CacheRejected
 from ...qos import ScheduledDevice
+from ...qos.scheduler import DEFAULT_SETTINGS, AppSettings
 from . import protocol as p
 from .mirror import MirrorWriter
 from .scm import received_fds, rights
@@ -116,7 +117,14 @@ class ServiceLimits:
 
     *Unclaimed fds* arrived by SCM_RIGHTS ahead of (or beyond) the frames
     that claim them; *frame bytes* are those of frames not yet complete;
-    each burst is a thread of the service."""
+    each burst is a thread of the service.
+
+    Connections, prepared models and bursts are also counted per app (over
+    all its connections; a policy rule's ``connections``, ``models`` and
+    ``bursts`` override the ``*_per_app`` defaults) and per user: all the
+    apps of one uid together never take more than ``100 - reserve_percent``
+    percent of a service-wide limit, so with ``--app-key pid`` a user who
+    starts many processes still leaves the rest to other users."""
 
     fds_per_connection: int = 128
     fds: int = 1024
@@ -124,14 +132,25 @@ class ServiceLimits:
     frame_bytes: int = 128 << 20
     connections_per_app: int = 64
     connections: int = 512
+    models_per_app: int = 1024
+    models: int = 8192
     bursts_per_connection: int = 32
+    bursts_per_app: int = 64
     bursts: int = 256
+    reserve_percent: int = 25
 
     def __post_init__(self):
         for name in self.names():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise invalid(f"limit {name} = {value!r} is not a positive integer")
+        if self.reserve_percent > 90:
+            raise invalid(f"limit reserve_percent = {self.reserve_percent} is above 90")
+
+    def per_user(self, resource: str) -> int:
+        """How much of the service-wide ``resource`` one user's apps may hold."""
+        total = getattr(self, resource)
+        return max(1, total - total * self.reserve_percent // 100)
         if self.fds_per_connection < p.MAX_FDS:
             raise invalid(f"limit fds_per_connection = {self.fds_per_connection} is below "
                           f"the {p.MAX_FDS} fds one frame may carry")
@@ -266,15 +285,42 @@ class DriverService:
 
     def refuse_connection(self, peer: "PeerCredentials") -> str | None:
         """Why a new connection of ``peer`` is over a limit, or None."""
-        if len(self.connections) >= self.limits.connections:
-            return (f"the service has {len(self.connections)} connections, its limit "
-                    f"(connections={self.limits.connections})")
+        return self.over_limit(peer, "connections")
+
+    def over_limit(self, peer: "PeerCredentials", resource: str) -> str | None:
+        """Why one more of ``resource`` ("connections", "models" or
+        "bursts") for ``peer``'s app is over a limit -- the service's, its
+        user's share of it, or the app's own (its policy rule's, else the
+        service's ``*_per_app``) -- or None."""
+        def held(conn: "ServiceConnection") -> int:
+            return 1 if resource == "connections" else len(getattr(conn, resource))
+
+        limits = self.limits
+        total = sum(held(c) for c in self.connections)
+        if total >= getattr(limits, resource):
+            return (f"the service holds {total} {resource}, its limit "
+                    f"({resource}={getattr(limits, resource)})")
+        user = sum(held(c) for c in self.connections if c.peer.uid == peer.uid)
+        if user >= limits.per_user(resource):
+            return (f"the apps of uid {peer.uid} hold {user} {resource}, "
+                    f"{100 - limits.reserve_percent}% of the service's {resource} limit; the "
+                    f"rest is kept for other users (reserve_percent={limits.reserve_percent})")
         app = self.app_of(peer)
-        mine = sum(1 for c in self.connections if self.app_of(c.peer) == app)
-        if mine >= self.limits.connections_per_app:
-            return (f"app {app[0]} {app[1]} has {mine} connections open, its limit "
-                    f"(connections_per_app={self.limits.connections_per_app})")
+        mine = sum(held(c) for c in self.connections if self.app_of(c.peer) == app)
+        rule = self._rule_of(app)
+        own = getattr(rule, resource)
+        limit = getattr(limits, f"{resource}_per_app") if own is None else own
+        if mine >= limit:
+            where = (f"{resource}_per_app={limit}" if own is None
+                     else f"{resource} = {limit} in policy rule {rule.name!r}")
+            return f"app {app[0]} {app[1]} holds {mine} {resource}, its limit ({where})"
         return None
+
+    def _rule_of(self, app) -> AppSettings:
+        """What the policy of the service's scheduler gives ``app``."""
+        device = self.device
+        return device.settings_of(app) if isinstance(device, ScheduledDevice) \
+            else DEFAULT_SETTINGS
 
     def hold(self, conn: "ServiceConnection", fds: int, nbytes: int) -> str | None:
         """``conn`` holds ``fds`` unclaimed fds and ``nbytes`` bytes of
@@ -596,12 +642,18 @@ class ServiceConnection:
                             f"{len(model.main.operations)} operations")
         return flags
 
-    async def _prepare_model(self, call: p.PrepareModel) -> int:
-        service = self.service
+    def _check_model_room(self) -> None:
         if len(self.models) >= MAX_MODELS_PER_CONNECTION:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
                             f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
                             f"connection; release some")
+        refusal = self.service.over_limit(self.peer, "models")
+        if refusal is not None:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, refusal)
+
+    async def _prepare_model(self, call: p.PrepareModel) -> int:
+        service = self.service
+        self._check_model_room()
         model, memories = _map_model(call.model)
         try:
             # Extensions only for allowlisted apps, judged by the peer's
@@ -623,10 +675,7 @@ class ServiceConnection:
         """The driver reads the app's cache fds (it never opens a path); a
         refusal says why, for the app's counters."""
         service = self.service
-        if len(self.models) >= MAX_MODELS_PER_CONNECTION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_MODELS_PER_CONNECTION} prepared models on one "
-                            f"connection; release some")
+        self._check_model_room()
         try:
             offered = {e.name for e in service.device.supported_extensions()}
             if offered:
@@ -937,11 +986,9 @@ class ServiceConnection:
                             f"{len(self.bursts)} bursts open on this connection, its limit "
                             f"(bursts_per_connection={limits.bursts_per_connection}); "
                             f"release some")
-        open_bursts = sum(len(c.bursts) for c in self.service.connections)
-        if open_bursts >= limits.bursts:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
-                            f"the service has {open_bursts} bursts open, its limit "
-                            f"(bursts={limits.bursts})")
+        refusal = self.service.over_limit(self.peer, "bursts")
+        if refusal is not None:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, refusal)
         rings = []
         try:
             for k in (0, 3):
