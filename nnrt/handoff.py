@@ -103,7 +103,10 @@ class WorkerThreads:
     a thread, and the job holding the slot must never wait for a thread a
     queued job holds; the scheduler's per-app queue limit bounds them."""
 
-    def __init__(self, name: str, idle_timeout: float = 30.0):
+    # Idle threads end after this many seconds: a service whose apps opened
+    # and closed many bursts (a thread each) is back to its idle footprint
+    # soon after (issue 39), while a camera loop reuses its warm thread.
+    def __init__(self, name: str, idle_timeout: float = 5.0):
         self.name = name
         self.idle_timeout = idle_timeout
         self._lock = threading.Lock()

@@ -76,9 +76,11 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 
 from ..hal import PreparedModel, Request, RequestArgument
 from ..errors import ErrorStatus, NnrtError
+from ..handoff import run_in_worker
 from ..fmq import PREFIX, Ready, Ring, RingClosed, RingCorrupted, WouldBlock
 from ..memory import Memory
 from ..model.graph import DataLocation
@@ -163,6 +165,7 @@ class BurstServer:
         self._stop_efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stopped = False
         self._stop_requested: anyio.Event | None = None   # made by run(), on the loop
+        self._loop_token = None                            # the same
         self._drain_scope: anyio.CancelScope | None = None
         self._thread_done = False
         self._fetch_scope: anyio.CancelScope | None = None
@@ -189,6 +192,9 @@ class BurstServer:
         sync; then unmap and close everything."""
         self._counters.opened += 1
         self._stop_requested = anyio.Event()
+        # The serving thread is nnrt's worker, not anyio's: it reaches this
+        # loop (GET_MEMORIES) through the loop's token.
+        self._loop_token = anyio.lowlevel.current_token()
         try:
             if not self._stopped:
                 async with anyio.create_task_group() as tg:
@@ -197,8 +203,11 @@ class BurstServer:
                     # which _stop_when_cancelled wakes, so nothing is closed
                     # under it.
                     try:
-                        await anyio.to_thread.run_sync(self._serve_forever,
-                                                       limiter=anyio.CapacityLimiter(1))
+                        # nnrt's one kind of thread, ended after a few idle
+                        # seconds: anyio's pool kept a closed burst's thread
+                        # until its next call (issue 39: 256 bursts opened and
+                        # closed left 256 threads).
+                        await run_in_worker(self._serve_forever)
                     finally:
                         # However the thread ended: the drain loop must stop,
                         # or this task group (and the service's shutdown)
@@ -385,7 +394,7 @@ class BurstServer:
         if unknown:
             self._get_memories_calls += 1
             self._counters.get_memories_calls += 1
-            fetched = anyio.from_thread.run(self._fetch_on_loop, unknown)
+            fetched = anyio.from_thread.run(self._fetch_on_loop, unknown, token=self._loop_token)
             if fetched is None:
                 raise _Stopped
             missing = [s for s in unknown if s not in fetched]

@@ -474,3 +474,36 @@ def test_one_users_apps_leave_the_reserve_of_a_service_wide_limit():
     # An app's own limit holds below its user's share.
     service.connections = {Connection(mine[0]) for _ in range(3)}
     assert "(connections_per_app=3)" in service.refuse_connection(mine[0])
+
+
+async def test_closed_bursts_leave_no_threads_behind(tmp_path):
+    """Issue 39: 256 bursts opened and closed left 256 threads in the
+    service (anyio's pool kept each until its next call). A burst's thread
+    is nnrt's worker thread, ended after a few idle seconds: the service
+    returns to its idle threads and fds."""
+    path = tmp_path / "npu.sock"
+    proc = start_service(path, "reference", "npu")
+    try:
+        dev = await ServiceDevice.connect(str(path))
+        try:
+            prepared = await dev.prepare_model(add_model())
+            with Memory.create(48) as mem:
+                assert (await prepared.execute(memory_request(mem))).status == ErrorStatus.NONE
+            await anyio.sleep(0.2)
+
+            def threads() -> int:
+                return len(os.listdir(f"/proc/{proc.pid}/task"))
+            base_threads, base_fds = threads(), fd_count(proc.pid)
+            bursts = [await prepared.configure_burst() for _ in range(20)]
+            assert threads() >= 20 + 1     # a thread per burst, and the event loop's
+            for b in bursts:
+                b.close()
+            with anyio.move_on_after(20):     # a guard: the idle timeout is a few seconds
+                while threads() > base_threads or fd_count(proc.pid) > base_fds:
+                    await anyio.sleep(0.2)
+            assert (threads(), fd_count(proc.pid)) <= (base_threads, base_fds)
+        finally:
+            dev.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
