@@ -374,21 +374,30 @@ def all_cases() -> list[dict]:
     return if_cases() + while_cases() + validation_cases()
 
 
-def document() -> dict:
-    return {"format": "nnrt-cts-json/1", "spec": "V1_3/nnrt_control_flow.mod.py",
-            "specPath": "nnrt/testing/control_flow_vectors.py", "specGitBlob": None,
-            "cases": all_cases()}
+def vector_document(spec: str, module: str, cases: list[dict]) -> dict:
+    """A vector file of nnrt's own, made by ``nnrt/testing/<module>.py``."""
+    return {"format": "nnrt-cts-json/1", "spec": spec,
+            "specPath": f"nnrt/testing/{module}.py", "specGitBlob": None, "cases": cases}
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_vectors(module: str, document, argv: list[str] | None = None) -> int:
+    """``python -m nnrt.testing.<module> OUT.json``: write ``document()``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m nnrt.testing.control_flow_vectors OUT.json", file=sys.stderr)
+        print(f"usage: python -m nnrt.testing.{module} OUT.json", file=sys.stderr)
         return 2
     with open(argv[0], "w") as f:
         json.dump(document(), f, indent=None, separators=(",", ":"))
         f.write("\n")
     return 0
+
+
+def document() -> dict:
+    return vector_document("V1_3/nnrt_control_flow.mod.py", "control_flow_vectors", all_cases())
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_vectors("control_flow_vectors", document, argv)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ and ``np.flip``, independently of any driver.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 
-from .control_flow_vectors import _case as _control_flow_case, _Graph
+from .control_flow_vectors import _case as _control_flow_case, _Graph, vector_document, write_vectors
 
 SPEC = "FL7/nnrt_fl7.mod.py"
 F32, F16, I32 = "TENSOR_FLOAT32", "TENSOR_FLOAT16", "TENSOR_INT32"
@@ -199,20 +198,11 @@ def all_cases() -> list[dict]:
 
 
 def document() -> dict:
-    return {"format": "nnrt-cts-json/1", "spec": SPEC,
-            "specPath": "nnrt/testing/fl7_vectors.py", "specGitBlob": None,
-            "cases": all_cases()}
+    return vector_document(SPEC, "fl7_vectors", all_cases())
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m nnrt.testing.fl7_vectors OUT.json", file=sys.stderr)
-        return 2
-    with open(argv[0], "w") as f:
-        json.dump(document(), f, indent=None, separators=(",", ":"))
-        f.write("\n")
-    return 0
+    return write_vectors("fl7_vectors", document, argv)
 
 
 if __name__ == "__main__":

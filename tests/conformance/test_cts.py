@@ -94,29 +94,27 @@ def test_own_control_flow_vectors_pass_in_every_harness_mode():
     assert {o.mode for o in outcomes} == set(cts.MODES) - {"dynamic"}
 
 
-def test_own_fl7_vectors_pass_in_every_harness_mode_and_on_litert():
-    """nnrt's MIRROR_PAD and REVERSE vectors (feature level 7): the committed
-    file is what the generator makes; every run passes in every mode on the
-    runtime's choice of devices and on the reference device alone; on litert
-    every run it claims passes, and it claims the float32 and quant8 cases of
-    both operations (a lowering that claims nothing would skip them all)."""
+def _own_vectors_pass(level: str, generator, validation: set[str], claimed: set[str],
+                      skipped: set[str]) -> None:
+    """nnrt's vectors of feature level ``level``: the committed file is what
+    ``generator`` makes; every run passes in every mode on the runtime's
+    choice of devices and on the reference device alone, the ``validation``
+    cases among them; on litert every run it claims passes, it claims the
+    ``claimed`` cases (a lowering that claims nothing would skip them all)
+    and skips exactly ``skipped``."""
     import json
 
-    from nnrt.testing import fl7_vectors
     from nnrt.testing.conformance import OWN_VECTORS
 
-    path = OWN_VECTORS / "FL7" / "nnrt_fl7.json"
-    assert json.loads(path.read_text()) == json.loads(json.dumps(fl7_vectors.document()))
+    path = OWN_VECTORS / level / f"nnrt_{level.lower()}.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(generator.document()))
     for device in (None, "nnrt-reference"):
         outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1, device=device)
         failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
                   if o.status != "passed"]
         assert not failed, "\n".join(failed)
         assert {o.mode for o in outcomes} == set(cts.MODES)
-    validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
-    assert {"mirror_pad_reflect_paddings_too_large", "mirror_pad_symmetric_paddings_too_large",
-            "mirror_pad_mode_2", "mirror_pad_quant8_output_scale_mismatch",
-            "reverse_negative_axis", "reverse_axis_out_of_range"} <= validation
+    assert validation <= {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
     assert {"QuantizationCouplingTest", "SignedIdentity"} <= {o.suite for o in outcomes}
 
     pytest.importorskip("ai_edge_litert")
@@ -124,63 +122,46 @@ def test_own_fl7_vectors_pass_in_every_harness_mode_and_on_litert():
     failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
               if o.status == "failed"]
     assert not failed, "\n".join(failed)
-    claimed = {o.name for o in outcomes if o.status == "passed"
-               and o.suite == "GeneratedTests" and o.devices == "litert"}
-    for name in ("mirror_pad_reflect_float32_dim4", "mirror_pad_symmetric_quant8_asymm_dim2",
+    assert claimed <= {o.name for o in outcomes if o.status == "passed"
+                       and o.suite == "GeneratedTests" and o.devices == "litert"}
+    assert {o.name for o in outcomes if o.status == "skipped"} == skipped
+
+
+def test_own_fl7_vectors_pass_in_every_harness_mode_and_on_litert():
+    """MIRROR_PAD and REVERSE (feature level 7). On litert, paddings and axis
+    given at execution are skipped: the TFLite model is built with constants."""
+    from nnrt.testing import fl7_vectors
+    _own_vectors_pass(
+        "FL7", fl7_vectors,
+        validation={"mirror_pad_reflect_paddings_too_large",
+                    "mirror_pad_symmetric_paddings_too_large", "mirror_pad_mode_2",
+                    "mirror_pad_quant8_output_scale_mismatch", "reverse_negative_axis",
+                    "reverse_axis_out_of_range"},
+        claimed={"mirror_pad_reflect_float32_dim4", "mirror_pad_symmetric_quant8_asymm_dim2",
                  "mirror_pad_reflect_maximal_paddings_quant8_asymm",
-                 "mirror_pad_symmetric_maximal_paddings_float32",
-                 "reverse_float32_dim3_axis1", "reverse_quant8_asymm_dim2_axis0",
-                 "reverse_quant8_asymm_signed_dim2_axis1"):
-        assert name in claimed, name
-    skipped = {o.name for o in outcomes if o.status == "skipped"}
-    # Paddings and axis given at execution: the TFLite model is built with constants.
-    assert skipped == {"mirror_pad_symmetric_paddings_as_input", "reverse_axis_as_input"}
+                 "mirror_pad_symmetric_maximal_paddings_float32", "reverse_float32_dim3_axis1",
+                 "reverse_quant8_asymm_dim2_axis0", "reverse_quant8_asymm_signed_dim2_axis1"},
+        skipped={"mirror_pad_symmetric_paddings_as_input", "reverse_axis_as_input"})
 
 
 def test_own_fl6_vectors_pass_in_every_harness_mode_and_on_litert():
-    """nnrt's BATCH_MATMUL and PACK vectors (feature level 6): the committed
-    file is what the generator makes; every run passes in every mode on the
-    runtime's choice of devices and on the reference device alone; on litert
-    every run it claims passes, and it claims the float32 and quant8 cases of
-    both operations (a lowering that claims nothing would skip them all)."""
-    import json
-
+    """BATCH_MATMUL and PACK (feature level 6). On litert: TFLite's
+    BATCH_MATMUL has no int32 kernel, and XNNPACK takes an int8 one with a
+    symmetric rhs and rescales in float32 (see the litert table): skipped."""
     from nnrt.testing import fl6_vectors
-    from nnrt.testing.conformance import OWN_VECTORS
-
-    path = OWN_VECTORS / "FL6" / "nnrt_fl6.json"
-    assert json.loads(path.read_text()) == json.loads(json.dumps(fl6_vectors.document()))
-    for device in (None, "nnrt-reference"):
-        outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1, device=device)
-        failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
-                  if o.status != "passed"]
-        assert not failed, "\n".join(failed)
-        assert {o.mode for o in outcomes} == set(cts.MODES)
-    validation = {o.name for o in outcomes if o.suite == "GeneratedValidationTests"}
-    assert {"batch_matmul_quant8_asymm_refused", "batch_matmul_broadcast_ranks_refused",
-            "batch_matmul_broadcast_batch_refused", "batch_matmul_rank5_refused",
-            "pack_negative_axis_refused", "pack_input_quant_mismatch_refused",
-            "pack_shape_mismatch_refused"} <= validation
-    assert {"QuantizationCouplingTest", "SignedIdentity"} <= {o.suite for o in outcomes}
-
-    pytest.importorskip("ai_edge_litert")
-    outcomes = cts.run([str(path)], modes=cts.MODES, jobs=1, device="litert")
-    failed = [f"{o.name} [{o.suite}/{o.mode}]: {o.detail}" for o in outcomes
-              if o.status == "failed"]
-    assert not failed, "\n".join(failed)
-    claimed = {o.name for o in outcomes if o.status == "passed"
-               and o.suite == "GeneratedTests" and o.devices == "litert"}
-    for name in ("batch_matmul_float32_rank2", "batch_matmul_float32_rank4",
+    _own_vectors_pass(
+        "FL6", fl6_vectors,
+        validation={"batch_matmul_quant8_asymm_refused", "batch_matmul_broadcast_ranks_refused",
+                    "batch_matmul_broadcast_batch_refused", "batch_matmul_rank5_refused",
+                    "pack_negative_axis_refused", "pack_input_quant_mismatch_refused",
+                    "pack_shape_mismatch_refused"},
+        claimed={"batch_matmul_float32_rank2", "batch_matmul_float32_rank4",
                  "batch_matmul_float32_adj_x_adj_y", "batch_matmul_float16",
                  "batch_matmul_quant8_signed", "batch_matmul_quant8_signed_adj_x_rank4",
                  "pack_float32_axis0", "pack_float32_axis_last", "pack_int32_axis0",
-                 "pack_quant8_asymm_axis1", "pack_quant8_signed_axis_last"):
-        assert name in claimed, name
-    skipped = {o.name for o in outcomes if o.status == "skipped"}
-    # TFLite's BATCH_MATMUL has no int32 kernel; XNNPACK takes an int8 one
-    # with a symmetric rhs and rescales in float32 (see the litert table).
-    assert skipped == {"batch_matmul_int32", "batch_matmul_int32_adj_x",
-                       "batch_matmul_quant8_signed_symmetric_rhs"}
+                 "pack_quant8_asymm_axis1", "pack_quant8_signed_axis_last"},
+        skipped={"batch_matmul_int32", "batch_matmul_int32_adj_x",
+                 "batch_matmul_quant8_signed_symmetric_rhs"})
 
 
 def test_a_harness_mode_catches_what_it_is_for(monkeypatch):

@@ -22,6 +22,23 @@ X = np.arange(4, dtype=np.float32).reshape(1, 4)
 SUM = (X + X).tolist()
 
 
+@pytest.fixture
+def npu(tmp_path, monkeypatch):
+    """A configured sample service "npu" (NNRT_DRIVERS) and a function that
+    starts it again; whatever runs last is stopped at the end."""
+    path = tmp_path / "npu.sock"
+    monkeypatch.setenv("NNRT_DRIVERS", str(path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    procs = []
+
+    def start():
+        procs.append(start_service(path, "sample-float-fast", "npu"))
+        return procs[-1]
+    start()
+    yield procs, start
+    stop(procs[-1])
+
+
 def _kill(proc) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -40,94 +57,71 @@ async def _until(compiled, devices: list[str]) -> int:
     raise AssertionError("never moved")
 
 
-async def test_a_model_moves_off_a_dead_service_and_back_when_it_returns(tmp_path,
-                                                                         monkeypatch):
-    path = tmp_path / "npu.sock"
-    monkeypatch.setenv("NNRT_DRIVERS", str(path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    proc = start_service(path, "sample-float-fast", "npu")
-    try:
-        async with nnrt.Runtime(litert=False) as rt:
-            compiled = await rt.compile(public_add_model())
-            assert [d.name for d in compiled.devices] == ["npu"]
-            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
-            _kill(proc)
-            # The next execution reruns on the devices left, and so do later ones.
-            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
-            assert [d.name for d in compiled.devices] == ["nnrt-reference"]
-            assert [f.kind for f in compiled.placement.fallbacks] == ["died"]
-            proc = start_service(path, "sample-float-fast", "npu")
-            await _until(compiled, ["npu"])
-            assert compiled.placement.fallbacks == ()
-            assert compiled.statistics().fallbacks == 1
-            # A reusable execution follows the model: it binds on the service again.
-            execution = compiled.create_execution([X, X])
-            assert (await execution.compute()).outputs[0].tolist() == SUM
-    finally:
-        stop(proc)
+async def test_a_model_moves_off_a_dead_service_and_back_when_it_returns(npu):
+    procs, start = npu
+    async with nnrt.Runtime(litert=False) as rt:
+        compiled = await rt.compile(public_add_model())
+        assert [d.name for d in compiled.devices] == ["npu"]
+        assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+        _kill(procs[-1])
+        # The next execution reruns on the devices left, and so do later ones.
+        assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+        assert [d.name for d in compiled.devices] == ["nnrt-reference"]
+        assert [f.kind for f in compiled.placement.fallbacks] == ["died"]
+        start()
+        await _until(compiled, ["npu"])
+        assert compiled.placement.fallbacks == ()
+        assert compiled.statistics().fallbacks == 1
+        # A reusable execution follows the model: it binds on the service again.
+        execution = compiled.create_execution([X, X])
+        assert (await execution.compute()).outputs[0].tolist() == SUM
 
 
-async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(tmp_path,
-                                                                           monkeypatch):
-    path = tmp_path / "npu.sock"
-    monkeypatch.setenv("NNRT_DRIVERS", str(path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    proc = start_service(path, "sample-float-fast", "npu")
-    try:
-        async with nnrt.Runtime(litert=False) as rt:
-            compiled = await rt.compile(public_add_model(), devices=["npu"])
-            assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
-            _kill(proc)
-            for _ in range(3):
-                with pytest.raises(nnrt.NnrtError) as e:
-                    await compiled.execute([X, X])
-                assert e.value.status == ErrorStatus.DEAD_OBJECT
-            proc = start_service(path, "sample-float-fast", "npu")
-            with anyio.fail_after(GUARD):
-                while True:
-                    try:
-                        result = await compiled.execute([X, X])
-                        break
-                    except nnrt.NnrtError as e:
-                        assert e.status == ErrorStatus.DEAD_OBJECT
-                        await anyio.sleep(0.05)
-            assert result.outputs[0].tolist() == SUM
-            assert [d.name for d in compiled.devices] == ["npu"]
-            assert compiled.statistics().fallbacks == 0
-    finally:
-        stop(proc)
-
-
-async def test_a_pinned_burst_opened_again_in_a_loop_recovers_when_its_service_returns(
-        tmp_path, monkeypatch):
-    """An app that reopens its burst after each DEAD_OBJECT: every failed
-    open is a checkpoint (the runtime's look for the service runs between
-    them) and the model moves back, with no reconnect or compile of its own."""
-    path = tmp_path / "npu.sock"
-    monkeypatch.setenv("NNRT_DRIVERS", str(path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    proc = start_service(path, "sample-float-fast", "npu")
-    try:
-        async with nnrt.Runtime(litert=False) as rt:
-            compiled = await rt.compile(public_add_model(), devices=["npu"])
-            _kill(proc)
+async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(npu):
+    procs, start = npu
+    async with nnrt.Runtime(litert=False) as rt:
+        compiled = await rt.compile(public_add_model(), devices=["npu"])
+        assert (await compiled.execute([X, X])).outputs[0].tolist() == SUM
+        _kill(procs[-1])
+        for _ in range(3):
             with pytest.raises(nnrt.NnrtError) as e:
                 await compiled.execute([X, X])
             assert e.value.status == ErrorStatus.DEAD_OBJECT
-            proc = start_service(path, "sample-float-fast", "npu")
-            failed_opens = 0
-            with anyio.fail_after(GUARD):
-                while True:
-                    try:
-                        async with compiled.burst() as burst:
-                            result = await burst.execute([X, X])
-                            sessions = burst.statistics().sessions
-                        break
-                    except nnrt.NnrtError as e:
-                        assert e.status == ErrorStatus.DEAD_OBJECT
-                        failed_opens += 1
-            assert result.outputs[0].tolist() == SUM
-            assert sessions[0] is not None and sessions[0].executions == 1   # the service's ring
-            assert [d.name for d in compiled.devices] == ["npu"]
-    finally:
-        stop(proc)
+        start()
+        with anyio.fail_after(GUARD):
+            while True:
+                try:
+                    result = await compiled.execute([X, X])
+                    break
+                except nnrt.NnrtError as e:
+                    assert e.status == ErrorStatus.DEAD_OBJECT
+                    await anyio.sleep(0.05)
+        assert result.outputs[0].tolist() == SUM
+        assert [d.name for d in compiled.devices] == ["npu"]
+        assert compiled.statistics().fallbacks == 0
+
+
+async def test_a_pinned_burst_opened_again_in_a_loop_recovers_when_its_service_returns(npu):
+    """An app that reopens its burst after each DEAD_OBJECT: every failed
+    open is a checkpoint (the runtime's look for the service runs between
+    them) and the model moves back, with no reconnect or compile of its own."""
+    procs, start = npu
+    async with nnrt.Runtime(litert=False) as rt:
+        compiled = await rt.compile(public_add_model(), devices=["npu"])
+        _kill(procs[-1])
+        with pytest.raises(nnrt.NnrtError) as e:
+            await compiled.execute([X, X])
+        assert e.value.status == ErrorStatus.DEAD_OBJECT
+        start()
+        with anyio.fail_after(GUARD):
+            while True:
+                try:
+                    async with compiled.burst() as burst:
+                        result = await burst.execute([X, X])
+                        sessions = burst.statistics().sessions
+                    break
+                except nnrt.NnrtError as e:
+                    assert e.status == ErrorStatus.DEAD_OBJECT
+        assert result.outputs[0].tolist() == SUM
+        assert sessions[0] is not None and sessions[0].executions == 1   # the service's ring
+        assert [d.name for d in compiled.devices] == ["npu"]

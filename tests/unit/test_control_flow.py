@@ -223,18 +223,23 @@ def test_type_mismatch_between_operation_and_subgraph_is_refused():
     y = binary(then, Op.ADD, x, x, [2], T.TENSOR_INT32)
     then.identify_inputs_and_outputs([x], [y])
     then.finish()
+    m = _if_of(then, [2])
+    with pytest.raises(NnrtError, match="then input 0: TENSOR_FLOAT32 .* does not match"):
+        validate_model(m.hal_model)
+
+
+def _if_of(branch: nnrt.Model, out_dims: list[int]) -> nnrt.Model:
+    """(c, x float32 [2]) -> IF c then ``branch`` else ``branch``."""
     m = nnrt.Model()
     c = m.add_operand(T.TENSOR_BOOL8, [1])
     x = m.add_operand(T.TENSOR_FLOAT32, [2])
     refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
-    m.set_operand_value_from_model(refs[0], then)
-    m.set_operand_value_from_model(refs[1], then)
-    out = m.add_operand(T.TENSOR_FLOAT32, [2])
+    m.set_operand_value_from_model(refs[0], branch)
+    m.set_operand_value_from_model(refs[1], branch)
+    out = m.add_operand(T.TENSOR_FLOAT32, out_dims)
     m.add_operation(Op.IF, [c, *refs, x], [out])
     m.identify_inputs_and_outputs([c, x], [out])
-    m.finish()
-    with pytest.raises(NnrtError, match="then input 0: TENSOR_FLOAT32 .* does not match"):
-        validate_model(m.hal_model)
+    return m.finish()
 
 
 def test_bad_condition_operand_is_refused():
@@ -258,22 +263,13 @@ async def test_an_if_condition_without_a_value_is_refused_at_compile():
 async def test_an_if_condition_without_a_value_inside_a_referenced_subgraph_is_refused():
     """The IF of the previous test as the body of an outer IF: model
     validation reaches operations of every referenced subgraph."""
-    inner = if_model(condition_omitted=True)
-    m = nnrt.Model()
-    c = m.add_operand(T.TENSOR_BOOL8, [1])
-    x = m.add_operand(T.TENSOR_FLOAT32, [2])
-    refs = [m.add_operand(T.SUBGRAPH), m.add_operand(T.SUBGRAPH)]
-    m.set_operand_value_from_model(refs[0], inner)
-    m.set_operand_value_from_model(refs[1], inner)
-    out = m.add_operand(T.TENSOR_FLOAT32, [0])
-    m.add_operation(Op.IF, [c, *refs, x], [out])
-    m.identify_inputs_and_outputs([c, x], [out])
-    m.finish()
+    m = _if_of(if_model(condition_omitted=True), [0])
     async with nnrt.Runtime() as rt:
         with pytest.raises(NnrtError) as refused:
             await rt.compile(m)
     assert refused.value.status == ErrorStatus.INVALID_ARGUMENT
-    inner_index = m.hal_model.main.operands[refs[0]].location.offset
+    then = m.hal_model.main.operations[0].inputs[1]
+    inner_index = m.hal_model.main.operands[then].location.offset
     assert f"subgraph {inner_index} operation 0 (IF): IF: input 0 (condition, operand 0) has " \
            f"no value" in refused.value.message
 
