@@ -94,13 +94,31 @@ def _shell(page: Path, line: int, code: str) -> None:
     _run(["bash", "-c", "set -euo pipefail\n" + script], f"{page.name}, sh block at line {line}")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_code_block_of_the_page_runs(page):
+SHELLS = ("sh", "bash", "shell", "console")
+
+
+def _runs() -> list:
+    """One run per page for its python blocks (they share a namespace, in
+    order), one per shell block (each its own shell): separate tests, so the
+    suite's workers share a long page."""
+    runs = []
+    for page in PAGES:
+        found = blocks(page)
+        name = str(page.relative_to(ROOT))
+        if any(lang == "python" for lang, _, _ in found):
+            runs.append(pytest.param(page, None, id=f"{name}:python"))
+        runs += [pytest.param(page, line, id=f"{name}:sh@{line}")
+                 for lang, line, _ in found if lang in SHELLS]
+    return runs
+
+
+@pytest.mark.parametrize("page,line", _runs())
+def test_every_code_block_of_the_page_runs(page, line):
     found = blocks(page)
-    _python(page, found)
-    for lang, line, code in found:
-        if lang in ("sh", "bash", "shell", "console"):
-            _shell(page, line, code)
+    if line is None:
+        _python(page, found)
+    else:
+        _shell(page, line, next(code for lang, at, code in found if at == line))
 
 
 def test_the_guide_exists_and_its_pages_have_code():

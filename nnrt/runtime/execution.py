@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import handoff
-from ..errors import STATUS_NONE as _NONE, bad_state, invalid
+from ..errors import STATUS_NONE as _NONE, NnrtError, bad_state, invalid
 from ..hal import UINT64_MAX, Execution as HalExecution, ExecutionResult
 from ..hal.types import check_deadline, check_loop_timeout
 from . import request
@@ -165,7 +165,7 @@ class Execution:
                 return await self._general(deadline, sessions)
             outcome = await self._runner(sessions).execute(deadline)
             try:
-                return self._result(outcome)
+                return self._result(outcome, deadline)
             except _Recover as recover:
                 return await self._recover(recover, deadline)
         finally:
@@ -204,7 +204,7 @@ class Execution:
                 deadline = check_deadline(deadline)
             outcome = self._hal.execute_synchronously(deadline)
             try:
-                return self._result(outcome)
+                return self._result(outcome, deadline)
             except _Recover as recover:
                 self._pending = recover
                 return None
@@ -220,10 +220,10 @@ class Execution:
             self._outputs = list(result.outputs)
         return result
 
-    def _result(self, outcome: ExecutionResult) -> Result:
+    def _result(self, outcome: ExecutionResult, deadline: float | None) -> Result:
         """The app's result of a computation of the bound execution; raises
         the error of a failed one (``_Recover`` when the model may move to
-        the CPU)."""
+        the CPU), or of one whose result came after ``deadline``."""
         compiled = self._compiled
         if outcome.status != _NONE:
             try:
@@ -231,6 +231,12 @@ class Execution:
             except DriverFailure as failure:
                 raise _Recover(failure) from None
             except BaseException:
+                compiled._failures += 1
+                raise
+        if deadline is not None:
+            try:
+                request.check_on_time(deadline)
+            except NnrtError:
                 compiled._failures += 1
                 raise
         reported = outcome.output_shapes
@@ -262,7 +268,7 @@ class Execution:
             self._bind()
             if self._hal is None:
                 return await self._general(deadline)
-            return self._result(await self._hal.execute(deadline))
+            return self._result(await self._hal.execute(deadline), deadline)
         except _Recover as again:   # the CPU failed too: report it
             self._compiled._failures += 1
             raise again.failure.error from None

@@ -18,12 +18,13 @@ The conversion rule for inputs ("same kind only"):
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import invalid
+from ..errors import ErrorStatus, NnrtError, invalid
 from ..hal.types import Priority, check_priority
 from ..memory import Region
 from ..model.graph import HalModel, Operand
@@ -159,3 +160,18 @@ def check_no_overlap(inputs: Sequence, outputs: Sequence) -> None:
                 if where:
                     raise invalid(f"output {k} ({where}) overlaps {kind} {j}: an output must "
                                   f"not share memory with an input or another output")
+
+
+def check_on_time(deadline: float | None) -> None:
+    """A result that reaches the app after its deadline is a miss
+    (MISSED_DEADLINE_TRANSIENT), as the scheduler reports a job that finished
+    late: a driver service can finish in time and its reply still arrive
+    late (the way back, the app's own loop), and an app that set a deadline
+    must not take a late result for a timely one."""
+    if deadline is None:
+        return
+    late = time.monotonic() - deadline
+    if late > 0:
+        raise NnrtError(ErrorStatus.MISSED_DEADLINE_TRANSIENT,
+                        f"the result came {late * 1e3:.1f} ms after the deadline (the driver "
+                        f"finished; the result did not reach the app in time)")

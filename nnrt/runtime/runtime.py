@@ -1000,6 +1000,7 @@ class CompiledModel:
             outputs = [values[i] for i in main.output_indexes]
             if user_outputs is not None and not single:
                 outputs = copy_into(user_outputs, outputs)
+        request.check_on_time(deadline)
         shapes = [o.shape if o.__class__ is np.ndarray else _shape_of(o) for o in outputs]
         timing = None
         if measure:
