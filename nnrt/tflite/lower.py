@@ -563,6 +563,24 @@ def _binary_with_activation(kind: Op):
     return handler
 
 
+def _floor_div(c: Lowering, op: Operator) -> None:
+    """TFLite FLOOR_DIV: on int32 NNAPI's DIV already rounds toward negative
+    infinity; on floats it is DIV then FLOOR (floor(x / y), the same IEEE
+    division TFLite's kernel floors). Quantized FLOOR_DIV has no exact
+    NNAPI form."""
+    a, b = (_input(c, op, t) for t in op.inputs[:2])
+    dtype = c.tensor(op.outputs[0]).dtype
+    if dtype == np.int32:
+        c.emit(Op.DIV, [a, b, c.i32(0)], [c.output(op.outputs[0], op)])
+    elif dtype in (np.float32, np.float16):
+        quotient = c.temp_like(op.outputs[0])
+        c.emit(Op.DIV, [a, b, c.i32(0)], [quotient])
+        c.emit(Op.FLOOR, [quotient], [c.output(op.outputs[0], op)])
+    else:
+        raise c.fail(op, f"FLOOR_DIV on {np.dtype(dtype).name} has no NNAPI form "
+                         f"(int32, float32 and float16 only)")
+
+
 def _plain(kind: Op, count: int | None = None):
     def handler(c: Lowering, op: Operator) -> None:
         ins = [_input(c, op, t) for t in (op.inputs if count is None else op.inputs[:count])]
@@ -1116,6 +1134,7 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "SUB": _binary_with_activation(Op.SUB),
     "MUL": _binary_with_activation(Op.MUL),
     "DIV": _binary_with_activation(Op.DIV),
+    "FLOOR_DIV": _floor_div,
     "AVERAGE_POOL_2D": _pool(Op.AVERAGE_POOL_2D),
     "MAX_POOL_2D": _pool(Op.MAX_POOL_2D),
     "L2_POOL_2D": _pool(Op.L2_POOL_2D),

@@ -306,3 +306,23 @@ def test_what_nnapi_cannot_reverse_or_mirror_is_refused_naming_why(code, param, 
         nnrt.tflite.load(data)
     assert info.value.status == ErrorStatus.INVALID_ARGUMENT
     assert f"({code})" in info.value.message and reason in info.value.message
+
+
+# --- FLOOR_DIV (no NNAPI twin: lowered exactly) --------------------------------------
+
+@pytest.mark.parametrize("dtype,ops", [
+    ("int32", {OperationType.DIV: 1}),
+    ("float32", {OperationType.DIV: 1, OperationType.FLOOR: 1})])
+def test_floor_div_is_nnapi_div_and_floor_and_matches_litert(dtype, ops):
+    """Issue 41: FLOOR_DIV was refused at import. int32: NNAPI's DIV rounds
+    toward negative infinity; floats: DIV then FLOOR. Negative operands
+    included, where rounding toward zero would differ."""
+    x = (np.arange(24).reshape(2, 3, 4) - 11.5 if dtype == "float32"
+         else np.arange(24).reshape(2, 3, 4) - 12).astype(dtype)
+    y = np.array([3, -2, 5, -4], dtype)
+    data = _one_op_model("FLOOR_DIV", x.shape, dtype, None, y, x.shape)
+    model = nnrt.tflite.load(data)
+    assert _op_counts(model) == Counter(ops)
+    (got,) = _run_on_reference(model, [x])
+    np.testing.assert_array_equal(got, _litert(data, x))
+    np.testing.assert_array_equal(got, np.floor_divide(x, y))
