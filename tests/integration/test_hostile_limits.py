@@ -507,3 +507,44 @@ async def test_closed_bursts_leave_no_threads_behind(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_the_bytes_an_app_makes_a_service_map_are_bounded_for_that_app(tmp_path):
+    """Issue 39: an ADD of two 1 GiB inputs grew a service by GBs. The bytes
+    of an app's memories the service maps for requests count against the
+    app (mapped_bytes_per_app, here 1 MiB) while mapped: a request over it
+    is refused before anything is mapped, the app's smaller requests go on,
+    and what a released execution held is counted off."""
+    path = tmp_path / "npu.sock"
+    proc = start_service(path, "reference", "npu", "--limit", f"mapped_bytes_per_app={1 << 20}")
+    try:
+        dev = await ServiceDevice.connect(str(path))
+        try:
+            prepared = await dev.prepare_model(add_model())
+            with Memory.create(2 << 20) as huge, Memory.create(48) as small:
+                result = await prepared.execute(memory_request(huge))
+                assert result.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
+                assert "request pool 0 (2097152 bytes)" in result.message
+                assert "its limit (mapped_bytes_per_app=1048576)" in result.message
+                assert (await prepared.execute(memory_request(small))).status == ErrorStatus.NONE
+            # A reusable execution holds its memory mapped in the service;
+            # releasing it gives the bytes back: 600 KiB three times in turn
+            # fits in 1 MiB only if each is counted off.
+            for _ in range(3):
+                with Memory.create(600 << 10) as big:
+                    execution = prepared.create_execution(memory_request(big))
+                    assert (await execution.execute()).status == ErrorStatus.NONE
+                    execution.release()
+            with Memory.create(600 << 10) as a, Memory.create(600 << 10) as b:
+                first = prepared.create_execution(memory_request(a))
+                second = prepared.create_execution(memory_request(b))
+                assert (await first.execute()).status == ErrorStatus.NONE
+                refused = await second.execute()
+                assert refused.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, refused
+                first.release()
+                second.release()
+        finally:
+            dev.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

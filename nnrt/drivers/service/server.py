@@ -119,12 +119,14 @@ class ServiceLimits:
     that claim them; *frame bytes* are those of frames not yet complete;
     each burst is a thread of the service.
 
-    Connections, prepared models and bursts are also counted per app (over
-    all its connections; a policy rule's ``connections``, ``models`` and
-    ``bursts`` override the ``*_per_app`` defaults) and per user: all the
-    apps of one uid together never take more than ``100 - reserve_percent``
-    percent of a service-wide limit, so with ``--app-key pid`` a user who
-    starts many processes still leaves the rest to other users."""
+    Connections, prepared models, bursts and the bytes of the app's memories
+    the service maps for requests (executions, reusable executions, burst
+    slots) are also counted per app (over all its connections; a policy
+    rule's ``connections``, ``models`` and ``bursts`` override the
+    ``*_per_app`` defaults) and per user: all the apps of one uid together
+    never take more than ``100 - reserve_percent`` percent of a service-wide
+    limit, so with ``--app-key pid`` a user who starts many processes still
+    leaves the rest to other users."""
 
     fds_per_connection: int = 128
     fds: int = 1024
@@ -137,6 +139,8 @@ class ServiceLimits:
     bursts_per_connection: int = 32
     bursts_per_app: int = 64
     bursts: int = 256
+    mapped_bytes_per_app: int = 1 << 30
+    mapped_bytes: int = 4 << 30
     reserve_percent: int = 25
 
     def __post_init__(self):
@@ -287,30 +291,34 @@ class DriverService:
         """Why a new connection of ``peer`` is over a limit, or None."""
         return self.over_limit(peer, "connections")
 
-    def over_limit(self, peer: "PeerCredentials", resource: str) -> str | None:
-        """Why one more of ``resource`` ("connections", "models" or
-        "bursts") for ``peer``'s app is over a limit -- the service's, its
-        user's share of it, or the app's own (its policy rule's, else the
+    def over_limit(self, peer: "PeerCredentials", resource: str, more: int = 1) -> str | None:
+        """Why ``more`` of ``resource`` ("connections", "models", "bursts" or
+        "mapped_bytes") for ``peer``'s app is over a limit -- the service's,
+        its user's share of it, or the app's own (its policy rule's, else the
         service's ``*_per_app``) -- or None."""
         def held(conn: "ServiceConnection") -> int:
-            return 1 if resource == "connections" else len(getattr(conn, resource))
+            if resource == "connections":
+                return 1
+            if resource == "mapped_bytes":
+                return conn.mapped_bytes
+            return len(getattr(conn, resource))
 
         limits = self.limits
         total = sum(held(c) for c in self.connections)
-        if total >= getattr(limits, resource):
+        if total + more > getattr(limits, resource):
             return (f"the service holds {total} {resource}, its limit "
                     f"({resource}={getattr(limits, resource)})")
         user = sum(held(c) for c in self.connections if c.peer.uid == peer.uid)
-        if user >= limits.per_user(resource):
+        if user + more > limits.per_user(resource):
             return (f"the apps of uid {peer.uid} hold {user} {resource}, "
                     f"{100 - limits.reserve_percent}% of the service's {resource} limit; the "
                     f"rest is kept for other users (reserve_percent={limits.reserve_percent})")
         app = self.app_of(peer)
         mine = sum(held(c) for c in self.connections if self.app_of(c.peer) == app)
-        rule = self._rule_of(app)
-        own = getattr(rule, resource)
+        own = None if resource == "mapped_bytes" else getattr(self._rule_of(app), resource)
         limit = getattr(limits, f"{resource}_per_app") if own is None else own
-        if mine >= limit:
+        if mine + more > limit:
+            rule = self._rule_of(app)
             where = (f"{resource}_per_app={limit}" if own is None
                      else f"{resource} = {limit} in policy rule {rule.name!r}")
             return f"app {app[0]} {app[1]} holds {mine} {resource}, its limit ({where})"
@@ -426,6 +434,7 @@ class ServiceConnection:
         self.models: dict[int, _Prepared] = {}
         self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
         self.executions: dict[int, _Bound] = {}   # id -> a reusable execution it made
+        self.mapped_bytes = 0   # of the app's memories mapped for requests, now
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
@@ -765,9 +774,7 @@ class ServiceConnection:
                                         f"the connection's executions map "
                                         f"{held + len(memories)} memories, the limit of "
                                         f"{MAX_EXECUTION_POOLS_PER_CONNECTION}; release some")
-                    mem = by_file[key] = Memory.from_fd(
-                        wp.fd, wp.fd_offset, wp.map_size, PROT_RW if wp.writable else PROT_READ,
-                        require_sealed=True)
+                    mem = by_file[key] = self._map_request_memory(wp, f"request pool {k}")
                     memories.append(mem)
                 pools.append(mem.view()[wp.offset:wp.offset + wp.length])
             execution = entry.prepared.create_execution(
@@ -878,8 +885,7 @@ class ServiceConnection:
             # the prepared model's app and that the use is one of its roles.
             return DeviceToken(wp.token)
         if wp.fd is not None:
-            mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                 PROT_RW if wp.writable else PROT_READ, require_sealed=True)
+            mem = self._map_request_memory(wp, f"request pool {k}")
             if wp.pool_id == 0:
                 transient.append(mem)
             else:
@@ -1055,9 +1061,7 @@ class ServiceConnection:
                 if wp.fd is None or wp.pool_id not in slots or wp.pool_id in mapped:
                     raise invalid(f"GET_MEMORIES: the client answered slot {wp.pool_id} "
                                   f"{'without an fd' if wp.fd is None else 'unasked or twice'}")
-                mapped[wp.pool_id] = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
-                                                    PROT_RW if wp.writable else PROT_READ,
-                                                    require_sealed=True)
+                mapped[wp.pool_id] = self._map_request_memory(wp, f"burst slot {wp.pool_id}")
         except BaseException:
             for m in mapped.values():
                 m.close()
@@ -1079,6 +1083,25 @@ class ServiceConnection:
         finally:
             self.proto.abandon(call_id)
         return box.reply
+
+    def _map_request_memory(self, wp: p.WirePool, what: str) -> Memory:
+        """Map an app's memory for a request (an execution's, a reusable
+        execution's, a burst slot), counted against the app's and the
+        service's ``mapped_bytes`` until it is closed: a request of huge
+        memories is refused for that app (RESOURCE_EXHAUSTED_TRANSIENT)
+        before the service maps it."""
+        refusal = self.service.over_limit(self.peer, "mapped_bytes", wp.map_size)
+        if refusal is not None:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                            f"{what} ({wp.map_size} bytes): {refusal}")
+        mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
+                             PROT_RW if wp.writable else PROT_READ, require_sealed=True)
+        self.mapped_bytes += mem.size
+        mem.call_on_close(lambda size=mem.size: self._unmapped(size))
+        return mem
+
+    def _unmapped(self, size: int) -> None:
+        self.mapped_bytes -= size
 
     def _own(self, model_id: int) -> _Prepared:
         entry = self.models.get(model_id)
