@@ -548,3 +548,35 @@ async def test_the_bytes_an_app_makes_a_service_map_are_bounded_for_that_app(tmp
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_an_app_caching_many_memories_in_a_service_stops_at_its_limit(tmp_path):
+    """Issue 39: one connection cached ~10,000 request pools (an fd and a
+    mapping each) until the service ran out of fds for every app. An app's
+    mapped memories are counted (mapped_memories_per_app, here 8): the next
+    distinct one is refused for that app, memories already mapped go on
+    being used, and memories the app closes are given back."""
+    path = tmp_path / "npu.sock"
+    proc = start_service(path, "reference", "npu", "--limit", "mapped_memories_per_app=8")
+    try:
+        dev = await ServiceDevice.connect(str(path))
+        try:
+            prepared = await dev.prepare_model(add_model())
+            mems = [Memory.create(48) for _ in range(10)]
+            statuses = [(await prepared.execute(memory_request(m))).status for m in mems]
+            assert statuses == [ErrorStatus.NONE] * 8 + [
+                ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT] * 2
+            refused = await prepared.execute(memory_request(mems[9]))
+            assert "its limit (mapped_memories_per_app=8)" in refused.message
+            assert (await prepared.execute(memory_request(mems[0]))).status == ErrorStatus.NONE
+            for m in mems[:4]:
+                m.close()
+            for m in mems[8:]:
+                assert (await prepared.execute(memory_request(m))).status == ErrorStatus.NONE
+            for m in mems[4:]:
+                m.close()
+        finally:
+            dev.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

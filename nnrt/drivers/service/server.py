@@ -141,6 +141,8 @@ class ServiceLimits:
     bursts: int = 256
     mapped_bytes_per_app: int = 1 << 30
     mapped_bytes: int = 4 << 30
+    mapped_memories_per_app: int = 512      # each an fd and a mapping in the service
+    mapped_memories: int = 4096
     reserve_percent: int = 25
 
     def __post_init__(self):
@@ -299,8 +301,8 @@ class DriverService:
         def held(conn: "ServiceConnection") -> int:
             if resource == "connections":
                 return 1
-            if resource == "mapped_bytes":
-                return conn.mapped_bytes
+            if resource in ("mapped_bytes", "mapped_memories"):
+                return getattr(conn, resource)
             return len(getattr(conn, resource))
 
         limits = self.limits
@@ -315,7 +317,7 @@ class DriverService:
                     f"rest is kept for other users (reserve_percent={limits.reserve_percent})")
         app = self.app_of(peer)
         mine = sum(held(c) for c in self.connections if self.app_of(c.peer) == app)
-        own = None if resource == "mapped_bytes" else getattr(self._rule_of(app), resource)
+        own = None if resource.startswith("mapped_") else getattr(self._rule_of(app), resource)
         limit = getattr(limits, f"{resource}_per_app") if own is None else own
         if mine + more > limit:
             rule = self._rule_of(app)
@@ -435,6 +437,7 @@ class ServiceConnection:
         self.buffers: dict[int, Buffer] = {}   # token -> a driver buffer this connection made
         self.executions: dict[int, _Bound] = {}   # id -> a reusable execution it made
         self.mapped_bytes = 0   # of the app's memories mapped for requests, now
+        self.mapped_memories = 0   # the same memories (each an fd and a mapping)
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
@@ -1090,18 +1093,22 @@ class ServiceConnection:
         service's ``mapped_bytes`` until it is closed: a request of huge
         memories is refused for that app (RESOURCE_EXHAUSTED_TRANSIENT)
         before the service maps it."""
-        refusal = self.service.over_limit(self.peer, "mapped_bytes", wp.map_size)
+        service = self.service
+        refusal = service.over_limit(self.peer, "mapped_bytes", wp.map_size) \
+            or service.over_limit(self.peer, "mapped_memories")
         if refusal is not None:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
                             f"{what} ({wp.map_size} bytes): {refusal}")
         mem = Memory.from_fd(wp.fd, wp.fd_offset, wp.map_size,
                              PROT_RW if wp.writable else PROT_READ, require_sealed=True)
         self.mapped_bytes += mem.size
+        self.mapped_memories += 1
         mem.call_on_close(lambda size=mem.size: self._unmapped(size))
         return mem
 
     def _unmapped(self, size: int) -> None:
         self.mapped_bytes -= size
+        self.mapped_memories -= 1
 
     def _own(self, model_id: int) -> _Prepared:
         entry = self.models.get(model_id)
