@@ -19,9 +19,6 @@ from .model.builder import Model  # noqa: E402
 from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: E402
                           PaddingScheme)
 from .hal.types import Priority, deadline_in  # noqa: E402
-from .runtime import (Burst, CompiledModel, DeviceMemory, Execution,  # noqa: E402
-                      ExecutionTiming, MemoryDesc, Placement, Result, Runtime,
-                      SyncCompiledModel, SyncExecution, SyncRuntime, copy, run)
 
 __all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus", "Execution", "ExecutionPreference",
            "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "MemoryDesc", "Model", "NnrtError",
@@ -30,13 +27,26 @@ __all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus"
            "copy", "run", "__version__"]
 
 
+# The runtime's names, loaded on first use: a process that imports a part of
+# nnrt without running apps (a driver service, the CLI's other commands) does
+# not pay for the runtime (about 0.2 s of every service's start).
+_RUNTIME_NAMES = frozenset({"Burst", "CompiledModel", "DeviceMemory", "Execution",
+                            "ExecutionTiming", "MemoryDesc", "Placement", "Result", "Runtime",
+                            "SyncCompiledModel", "SyncExecution", "SyncRuntime", "copy", "run"})
+
+
 def __getattr__(name: str):
-    """The public submodules, imported on first use (``import nnrt`` does not
-    pay for the TFLite reader): ``nnrt.tflite.load(path)`` works after a
+    """The runtime's names and the public submodules, imported on first use
+    (``import nnrt`` does not pay for the TFLite reader): ``nnrt.Runtime``,
+    ``from nnrt import Runtime`` and ``nnrt.tflite.load(path)`` work after a
     plain ``import nnrt``, as ``nnrt.qos.Policy`` does."""
     # (Importing a name from the submodule loads it and binds it here as an
     # attribute of the package; ``from . import tflite`` would ask this
     # function again.)
+    if name in _RUNTIME_NAMES:
+        from . import runtime
+        value = globals()[name] = getattr(runtime, name)
+        return value
     if name == "tflite":
         from .tflite import load  # noqa: F401
         return globals()["tflite"]
@@ -44,3 +54,7 @@ def __getattr__(name: str):
         from .qos import Policy  # noqa: F401
         return globals()["qos"]
     raise AttributeError(f"module 'nnrt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _RUNTIME_NAMES | {"tflite", "qos"})

@@ -485,6 +485,11 @@ def _conformance(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command given (its first word): the arguments of the commands that
+    # need heavy modules (cache: the runtime; bench; conformance) are added
+    # only for them, so `nnrt driver serve` does not load what it never uses.
+    wanted = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="nnrt", description="nnrt neural-network runtime")
     parser.add_argument("--version", action="version", version=f"nnrt {nnrt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -581,25 +586,28 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_run)
     cache = sub.add_parser("cache", help="list or clear a compilation cache folder").add_subparsers(
         dest="action", required=True)
-    from .runtime.cache import default_cache_dir
     for action, func, text in (("ls", _cache_ls, "list the cache entries: key, size, age, "
                                 "devices, state (ok, stale: another nnrt, bad, staging)"),
                                ("clear", _cache_clear, "remove every cache entry (and staging "
                                 "folder left by a crash); nothing else in the folder")):
         cmd = cache.add_parser(action, help=text, description=text)
-        cmd.add_argument("folder", nargs="?", default=default_cache_dir(),
-                         help=f"the cache folder given to compile(cache_dir=) "
-                              f"(default: {default_cache_dir()})")
+        if wanted == "cache":
+            from .runtime.cache import default_cache_dir
+            cmd.add_argument("folder", nargs="?", default=default_cache_dir(),
+                             help=f"the cache folder given to compile(cache_dir=) "
+                                  f"(default: {default_cache_dir()})")
         cmd.set_defaults(func=func)
-    from .bench.command import add_arguments as bench_arguments
     bench = sub.add_parser("bench", help="latency, accuracy and stress per model and device, "
                            "with an HTML report")
-    bench_arguments(bench)
+    if wanted == "bench":
+        from .bench.command import add_arguments as bench_arguments
+        bench_arguments(bench)
     bench.set_defaults(func=_bench)
     conf = sub.add_parser("conformance", help="run the conformance kit (CTS vectors, VTS "
                           "checks, random graphs) against a device")
-    from .testing import conformance
-    conformance.add_arguments(conf)
+    if wanted == "conformance":
+        from .testing import conformance
+        conformance.add_arguments(conf)
     conf.set_defaults(func=_conformance)
     demo = sub.add_parser("demo", help="the simulated camera loop (make demo)", add_help=False)
     demo.set_defaults(func=None)
