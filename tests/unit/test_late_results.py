@@ -10,24 +10,14 @@ import numpy as np
 import pytest
 
 import nnrt
-from nnrt import ErrorStatus, OperandType as T, OperationType as Op
+from nnrt import ErrorStatus
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.hal import PreparedModel, Scheduling
 
+from ..integration.test_service import public_add_model
+
 X = np.ones((1, 4), np.float32)
 LATE = 0.05    # seconds the double's results take to "come back"
-
-
-def add_model() -> nnrt.Model:
-    m = nnrt.Model()
-    a = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    b = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    act = m.add_operand(T.INT32)
-    m.set_operand_value(act, 0)
-    out = m.add_operand(T.TENSOR_FLOAT32, [1, 4])
-    m.add_operation(Op.ADD, [a, b, act], [out])
-    m.identify_inputs_and_outputs([a, b], [out])
-    return m.finish()
 
 
 class _Late(PreparedModel):
@@ -61,7 +51,7 @@ class LateDevice(ReferenceDevice):
 @pytest.mark.parametrize("how", ["execute", "burst", "compute", "compute_synchronously"])
 async def test_a_result_after_its_deadline_is_a_missed_deadline(how):
     async with nnrt.Runtime(devices=[LateDevice("late")]) as rt:
-        compiled = await rt.compile(add_model())
+        compiled = await rt.compile(public_add_model())
         deadline = nnrt.deadline_in(ms=LATE * 1000 / 5)
         with pytest.raises(nnrt.NnrtError) as e:
             if how == "execute":
