@@ -77,6 +77,19 @@ async def test_a_model_moves_off_a_dead_service_and_back_when_it_returns(npu):
         assert (await execution.compute()).outputs[0].tolist() == SUM
 
 
+async def _while_dead(attempt, pause: float | None):
+    """``await attempt()`` again while it raises DEAD_OBJECT (the service is
+    down), ``pause`` seconds apart; what it returns once it works."""
+    with anyio.fail_after(GUARD):
+        while True:
+            try:
+                return await attempt()
+            except nnrt.NnrtError as e:
+                assert e.status == ErrorStatus.DEAD_OBJECT
+                if pause is not None:
+                    await anyio.sleep(pause)
+
+
 async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(npu):
     procs, start = npu
     async with nnrt.Runtime(litert=False) as rt:
@@ -88,14 +101,7 @@ async def test_a_pinned_model_fails_while_its_service_is_down_then_recovers(npu)
                 await compiled.execute([X, X])
             assert e.value.status == ErrorStatus.DEAD_OBJECT
         start()
-        with anyio.fail_after(GUARD):
-            while True:
-                try:
-                    result = await compiled.execute([X, X])
-                    break
-                except nnrt.NnrtError as e:
-                    assert e.status == ErrorStatus.DEAD_OBJECT
-                    await anyio.sleep(0.05)
+        result = await _while_dead(lambda: compiled.execute([X, X]), pause=0.05)
         assert result.outputs[0].tolist() == SUM
         assert [d.name for d in compiled.devices] == ["npu"]
         assert compiled.statistics().fallbacks == 0
@@ -113,15 +119,12 @@ async def test_a_pinned_burst_opened_again_in_a_loop_recovers_when_its_service_r
             await compiled.execute([X, X])
         assert e.value.status == ErrorStatus.DEAD_OBJECT
         start()
-        with anyio.fail_after(GUARD):
-            while True:
-                try:
-                    async with compiled.burst() as burst:
-                        result = await burst.execute([X, X])
-                        sessions = burst.statistics().sessions
-                    break
-                except nnrt.NnrtError as e:
-                    assert e.status == ErrorStatus.DEAD_OBJECT
+
+        async def one_frame():
+            async with compiled.burst() as burst:
+                return await burst.execute([X, X]), burst.statistics().sessions
+        # No pause between the opens: each failed open must be a checkpoint.
+        result, sessions = await _while_dead(one_frame, pause=None)
         assert result.outputs[0].tolist() == SUM
         assert sessions[0] is not None and sessions[0].executions == 1   # the service's ring
         assert [d.name for d in compiled.devices] == ["npu"]
