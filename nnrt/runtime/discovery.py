@@ -14,7 +14,8 @@ list each one's state), and an open runtime connects to it again once a new
 socket appears on its path (``Reconnector``): one broken service must not keep an app from running on the
 others or on the CPU. "Does not answer" includes a socket that accepts and
 then stays silent: connecting, HELLO and the device queries together get
-``CONNECT_TIMEOUT`` seconds (``NNRT_CONNECT_TIMEOUT`` overrides it).
+``CONNECT_TIMEOUT`` seconds (``NNRT_CONNECT_TIMEOUT`` overrides it); each
+later control call ``CALL_TIMEOUT`` (``NNRT_CALL_TIMEOUT``).
 
 Whom an app talks to. An app sends a service its models and its memories,
 so it connects only to a socket owned by its own user (or root) in a folder
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import anyio
 
-from ..drivers.service.client import CONNECT_TIMEOUT, ServiceDevice
+from ..drivers.service.client import CALL_TIMEOUT, CONNECT_TIMEOUT, ServiceDevice
 from ..errors import ErrorStatus, NnrtError
 from ..hal import AppDeclaration
 from ..vlog import vlog
@@ -136,7 +137,17 @@ def check_socket(path: str, environ=os.environ) -> None:
 def connect_timeout(environ=os.environ) -> float:
     """``NNRT_CONNECT_TIMEOUT`` (seconds) when it is a positive number, else
     ``CONNECT_TIMEOUT``."""
-    raw = environ.get("NNRT_CONNECT_TIMEOUT")
+    return _seconds(environ, "NNRT_CONNECT_TIMEOUT", CONNECT_TIMEOUT)
+
+
+def call_timeout(environ=os.environ) -> float:
+    """``NNRT_CALL_TIMEOUT`` (seconds) when it is a positive number, else
+    ``CALL_TIMEOUT``: how long a control call to a connected service waits."""
+    return _seconds(environ, "NNRT_CALL_TIMEOUT", CALL_TIMEOUT)
+
+
+def _seconds(environ, name: str, default: float) -> float:
+    raw = environ.get(name)
     if raw:
         try:
             value = float(raw)
@@ -144,9 +155,9 @@ def connect_timeout(environ=os.environ) -> float:
             value = 0.0
         if value > 0:
             return value
-        vlog("manager", "NNRT_CONNECT_TIMEOUT=%r is not a positive number of seconds; "
-             "using %g", raw, CONNECT_TIMEOUT)
-    return CONNECT_TIMEOUT
+        vlog("manager", "%s=%r is not a positive number of seconds; using %g", name, raw,
+             default)
+    return default
 
 
 async def connect(path: str, environ=os.environ, timeout: float | None = None,
@@ -159,6 +170,7 @@ async def connect(path: str, environ=os.environ, timeout: float | None = None,
     check_socket(path, environ)
     return await ServiceDevice.connect(
         path, timeout=connect_timeout(environ) if timeout is None else timeout,
+        call_timeout=call_timeout(environ),
         app=AppDeclaration.for_process(None, environ) if app is None else app)
 
 

@@ -348,3 +348,68 @@ async def test_connecting_to_a_socket_that_never_answers_hello_gives_up(tmp_path
         peer.close()
     finally:
         listener.close()
+
+
+async def test_a_service_that_stops_answering_fails_the_apps_control_calls_after_their_bound(
+        spawn_service):
+    """A service that accepted us and then stops answering (here: SIGSTOP,
+    as a wedged or paused process) costs a control call its bound
+    (``call_timeout``, NNRT_CALL_TIMEOUT), not the app's life: the call and
+    everything pending on the connection fail with DEAD_OBJECT."""
+    from nnrt.drivers.service.client import ServiceDevice
+    from .test_service import add_model
+    path, proc = spawn_service("reference")
+    dev = await ServiceDevice.connect(str(path), call_timeout=0.3)
+    try:
+        await dev.prepare_model(add_model())           # answered while it runs
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with anyio.fail_after(30):                 # a guard against the wait, not a timing
+                with pytest.raises(NnrtError, match="no answer to a control call within 0.3 s") \
+                        as e:
+                    await dev.prepare_model(add_model())
+            assert e.value.status == ErrorStatus.DEAD_OBJECT
+            assert not dev.alive
+        finally:
+            proc.send_signal(signal.SIGCONT)
+    finally:
+        dev.close()
+    with pytest.raises(NnrtError, match="is not a positive number"):
+        await ServiceDevice.connect(str(path), call_timeout=0)
+
+
+async def test_a_client_that_never_answers_the_services_call_costs_only_its_own_frame(
+        spawn_service):
+    """GET_MEMORIES (the service asking an app for a burst's slots) waits at
+    most ``--limit client_answer_ms``: an app that never answers gets that
+    frame failed on its result ring, and the service's burst thread is free
+    again (the next frame, with no slots, is served)."""
+    from nnrt.burst import wire
+    from nnrt.fmq import Ring
+    from .test_hostile_bursts_and_memory import HostileApp
+    path, proc = spawn_service("reference", "--limit", "client_answer_ms=300")
+    app = HostileApp(path)
+    try:
+        model_id = app.prepare()
+        with Ring.create(1 << 16, native=False) as requests, \
+                Ring.create(1 << 18, native=False) as results:
+            reply = app.configure_burst(model_id, requests.fds() + results.fds())
+            assert reply.status == ErrorStatus.NONE, reply.message
+            arg = wire.BurstArgument(False, 0, 0, 16, ())   # in slot 7
+            requests.write_nowait(wire.encode_request(wire.BurstRequest(1, (arg, arg), (arg,),
+                                                                        (7,))))
+            requests.write_nowait(wire.encode_request(wire.BurstRequest(2, (), (), ())))
+            got = []
+            with anyio.fail_after(30):                 # a guard, not a timing
+                while len(got) < 2:
+                    try:
+                        got.append(wire.decode_result(results.read_nowait()))
+                    except anyio.WouldBlock:
+                        await anyio.sleep(0.01)
+            first, second = got
+            assert first.serial == 1 and first.status == ErrorStatus.GENERAL_FAILURE
+            assert "did not answer within 0.3 s (limit client_answer_ms)" in first.message, \
+                first.message
+            assert second.serial == 2
+    finally:
+        app.close()

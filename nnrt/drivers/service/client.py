@@ -70,6 +70,7 @@ import os
 import select
 import socket
 import threading
+import time
 import weakref
 
 import anyio
@@ -97,6 +98,15 @@ _RECV_SIZE = 1 << 16
 # Seconds for HELLO and the device queries after connecting (discovery passes
 # NNRT_CONNECT_TIMEOUT's value).
 CONNECT_TIMEOUT = 5.0
+# Seconds any later control call (preparing a model, the queries, allocating
+# or copying a driver buffer, configuring a burst) waits for its answer
+# (discovery passes NNRT_CALL_TIMEOUT's value; a prepare with a later
+# deadline waits until then). A service that stays silent that long is
+# taken for dead: every call pending on the connection fails with
+# DEAD_OBJECT, and the runtime moves on (the recovery rules), where an
+# unbounded wait would hold the app for ever. Executions are bounded by
+# their own deadlines, and cancelled by their caller.
+CALL_TIMEOUT = 60.0
 _MAX_FREE_ARENAS = 8
 # How long a cancelled execution waits for the service to let go of its
 # pools (it stops at the next operation boundary; a live service answers
@@ -122,9 +132,10 @@ class _Channel:
     """One connection: its protocol state under one lock, a reader thread,
     and a backlog of frames the socket could not take at once."""
 
-    def __init__(self, sock: socket.socket, label: str):
+    def __init__(self, sock: socket.socket, label: str, call_timeout: float = CALL_TIMEOUT):
         self.sock = sock
         self.label = label
+        self.call_timeout = call_timeout
         self.proto = p.ClientConnection()
         self._lock = threading.Lock()
         self._backlog: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
@@ -216,9 +227,17 @@ class _Channel:
 
     # calls
 
-    async def call(self, build) -> p.Reply:
-        """Send ``build(call_id)`` and await its reply."""
-        return await self.await_call(lambda proto, token: proto.call(build, token))
+    async def call(self, build, deadline: float | None = None) -> p.Reply:
+        """Send the control call ``build(call_id)`` and await its reply, at
+        most ``call_timeout`` seconds (or until ``deadline``, a monotonic
+        time, when later): past that the service is taken for dead."""
+        bound = self.call_timeout
+        if deadline is not None:
+            bound = max(bound, deadline - time.monotonic())
+        with anyio.move_on_after(bound):
+            return await self.await_call(lambda proto, token: proto.call(build, token))
+        self._die(f"no answer to a control call within {bound:g} s")
+        raise self.dead
 
     async def await_call(self, make, on_cancel=None) -> p.Reply:
         """Send the call ``make(proto, token)`` registers and await its
@@ -428,6 +447,7 @@ class ServiceDevice(Device):
 
     @classmethod
     async def connect(cls, socket_path: str, *, timeout: float = CONNECT_TIMEOUT,
+                      call_timeout: float = CALL_TIMEOUT,
                       app: AppDeclaration | None = None) -> "ServiceDevice":
         """Connect to the service at ``socket_path`` as ``app`` (what this
         process declares: its name and script; default
@@ -435,10 +455,12 @@ class ServiceDevice(Device):
         queries. DEVICE_UNAVAILABLE when nobody serves there, or
         when whatever listens there does not answer HELLO and the queries
         within ``timeout`` seconds (a socket that accepts and stays silent
-        would otherwise hold the caller forever)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not timeout > 0:
-            raise invalid(f"timeout {timeout!r} is not a positive number of seconds")
+        would otherwise hold the caller forever). Every later control call
+        waits at most ``call_timeout`` seconds (see :data:`CALL_TIMEOUT`)."""
+        for name, value in (("timeout", timeout), ("call_timeout", call_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value > 0:
+                raise invalid(f"{name} {value!r} is not a positive number of seconds")
         app = AppDeclaration.for_process() if app is None else app
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -447,7 +469,7 @@ class ServiceDevice(Device):
             sock.close()
             raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
                             f"no driver service at {socket_path}: {e}") from None
-        channel = _Channel(sock, f"driver service at {socket_path}")
+        channel = _Channel(sock, f"driver service at {socket_path}", call_timeout)
         try:
             answers = {}
             with anyio.move_on_after(timeout) as scope:
@@ -531,11 +553,13 @@ class ServiceDevice(Device):
         try:
             if cache is None:
                 reply = await self._channel.call(
-                    lambda cid: p.PrepareModel(cid, wire, preference, priority, deadline))
+                    lambda cid: p.PrepareModel(cid, wire, preference, priority, deadline),
+                    deadline)
             else:   # the cache fds travel beside the call (SCM_RIGHTS)
                 reply = await self._channel.call(
                     lambda cid: p.PrepareModelCaching(cid, wire, preference, priority, deadline,
-                                                      cache.model, cache.data, cache.token))
+                                                      cache.model, cache.data, cache.token),
+                    deadline)
         finally:
             for m in staged:
                 m.close()
@@ -553,7 +577,7 @@ class ServiceDevice(Device):
             raise invalid(str(e)) from None
         reply = await self._channel.call(
             lambda cid: p.PrepareModelFromCache(cid, priority, deadline, cache.model,
-                                                cache.data, cache.token))
+                                                cache.data, cache.token), deadline)
         value = reply.value
         if reply.status != ErrorStatus.NONE and value is not None and value.reason is not None:
             raise CacheRejected(value.reason, reply.message.removeprefix(

@@ -117,7 +117,10 @@ class ServiceLimits:
 
     *Unclaimed fds* arrived by SCM_RIGHTS ahead of (or beyond) the frames
     that claim them; *frame bytes* are those of frames not yet complete;
-    each burst is a thread of the service.
+    each burst is a thread of the service. ``client_answer_ms`` bounds
+    how long a call of the service's to a client (GET_MEMORIES, for a
+    burst's slots) waits: a client that never answers costs its own burst
+    frame, not one of the service's threads for ever.
 
     Connections, prepared models, bursts and the bytes of the app's memories
     the service maps for requests (executions, reusable executions, burst
@@ -144,6 +147,7 @@ class ServiceLimits:
     mapped_memories_per_app: int = 512      # each an fd and a mapping in the service
     mapped_memories: int = 4096
     reserve_percent: int = 25
+    client_answer_ms: int = 10_000
 
     def __post_init__(self):
         for name in self.names():
@@ -152,14 +156,14 @@ class ServiceLimits:
                 raise invalid(f"limit {name} = {value!r} is not a positive integer")
         if self.reserve_percent > 90:
             raise invalid(f"limit reserve_percent = {self.reserve_percent} is above 90")
+        if self.fds_per_connection < p.MAX_FDS:
+            raise invalid(f"limit fds_per_connection = {self.fds_per_connection} is below "
+                          f"the {p.MAX_FDS} fds one frame may carry")
 
     def per_user(self, resource: str) -> int:
         """How much of the service-wide ``resource`` one user's apps may hold."""
         total = getattr(self, resource)
         return max(1, total - total * self.reserve_percent // 100)
-        if self.fds_per_connection < p.MAX_FDS:
-            raise invalid(f"limit fds_per_connection = {self.fds_per_connection} is below "
-                          f"the {p.MAX_FDS} fds one frame may carry")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -1074,17 +1078,24 @@ class ServiceConnection:
         return mapped
 
     async def _call_client(self, build) -> p.Reply:
-        """Send the client a call of ours and await its reply."""
+        """Send the client a call of ours and await its reply, at most
+        the ``client_answer_ms`` limit."""
         box = _ClientReply()
         call_id, data, fds = self.proto.call(build, box)
+        bound = self.service.limits.client_answer_ms / 1000
         try:
-            if self._alive:
-                await self._send(data, fds)
-            if not self._alive:
-                raise NnrtError(ErrorStatus.DEAD_OBJECT, "the client has gone")
-            await box.event.wait()
+            with anyio.move_on_after(bound):
+                if self._alive:
+                    await self._send(data, fds)
+                if not self._alive:
+                    raise NnrtError(ErrorStatus.DEAD_OBJECT, "the client has gone")
+                await box.event.wait()
         finally:
             self.proto.abandon(call_id)
+        if box.reply is None:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"the client did not answer within {bound:g} s (limit "
+                            f"client_answer_ms)")
         return box.reply
 
     def _map_request_memory(self, wp: p.WirePool, what: str) -> Memory:
