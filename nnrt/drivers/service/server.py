@@ -75,6 +75,7 @@ from ..heap import give_back_freed_memory
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
+from ...handoff import run_soon
 from ...memory import DeviceToken, Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.extensions import uses_extensions
@@ -471,6 +472,7 @@ class ServiceConnection:
             for bound in self.executions.values():
                 bound.close()
             self.executions.clear()
+            made_models = bool(self.models)
             for model_id, entry in self.models.items():
                 entry.close()
                 for m in self.proto.drop_model(model_id):
@@ -483,8 +485,12 @@ class ServiceConnection:
             self.bursts.clear()
             self.sock.close()
             self.proto.drop_buffer()
-            if self._most_bytes_held >= _GIVE_BACK_BYTES:
-                give_back_freed_memory()   # the heap keeps freed memory otherwise
+            if self._most_bytes_held >= _GIVE_BACK_BYTES or made_models:
+                # The heap keeps freed memory otherwise (nnrt.drivers.heap):
+                # what a departed app's models and frames held goes back to
+                # the kernel, on a worker thread (a trim of a big heap takes
+                # milliseconds the loop owes other apps).
+                run_soon(give_back_freed_memory)
             vlog("driver", "%s: connection from pid %d closed", self.service.info.name,
                  self.peer.pid)
 
