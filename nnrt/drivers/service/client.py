@@ -232,8 +232,8 @@ class _Channel:
         most ``call_timeout`` seconds (or until ``deadline``, a monotonic
         time, when later): past that the service is taken for dead."""
         bound = self.call_timeout
-        if deadline is not None:
-            bound = max(bound, deadline - time.monotonic())
+        if isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+            bound = max(bound, deadline - time.monotonic())   # (the service judges the value)
         with anyio.move_on_after(bound):
             return await self.await_call(lambda proto, token: proto.call(build, token))
         self._die(f"no answer to a control call within {bound:g} s")
