@@ -140,6 +140,12 @@ class Signature:
                           f"{kind}s")
         return positions[k]
 
+    def app_values(self, kind: str, values: Sequence) -> list:
+        """The app's inputs (outputs) among ``values``, one per model input
+        (output), state included."""
+        positions = self._input_positions if kind == "input" else self._output_positions
+        return [values[k] for k in positions]
+
     def reset_state(self) -> None:
         """The next execution starts from the initial state (for memories: the
         runtime writes it into them before the next execution)."""

@@ -158,3 +158,41 @@ def test_a_state_assigned_a_value_of_another_shape_is_refused():
     assert info.value.status == ErrorStatus.INVALID_ARGUMENT
     assert "variable 'count' is read as TENSOR_FLOAT32 [1, 1] but assigned TENSOR_FLOAT32 " \
            "[1, 4]" in info.value.message
+
+
+def test_a_reusable_execution_carries_the_compiled_models_state():
+    """create_execution on a stateful model: it binds the app's input once,
+    each computation carries the state (the compiled model's, shared with
+    execute and a burst), and the SyncRuntime's blocking compute does too."""
+    data = build(stateful_variables())
+    frames = _frames()[:8]
+    expected = _litert_stream(data, frames)
+
+    async def main():
+        async with nnrt.Runtime(devices=[ReferenceDevice()]) as rt:
+            compiled = await rt.compile(nnrt.tflite.load(data))
+            got = []
+            with compiled.create_execution() as execution:
+                assert not execution.bound and len(execution.inputs) == 1
+                for frame in frames[:3]:
+                    execution.inputs[0][...] = frame
+                    got.append([o.copy() for o in (await execution.compute()).outputs])
+                got.append([o.copy() for o in (await compiled.execute([frames[3]])).outputs])
+                async with compiled.burst() as burst:
+                    execution.inputs[0][...] = frames[4]
+                    got.append([o.copy() for o in (await burst.compute(execution)).outputs])
+            return got
+    got = anyio.run(main)
+    with nnrt.SyncRuntime(devices=[ReferenceDevice()]) as rt:
+        compiled = rt.compile(nnrt.tflite.load(data))
+        execution = compiled.create_execution()
+        for frame in frames[:3]:
+            execution.inputs[0][...] = frame
+            got.append([o.copy() for o in execution.compute().outputs])
+        compiled.reset_state()
+        execution.inputs[0][...] = frames[0]
+        got.append([o.copy() for o in execution.compute().outputs])
+    for g, e in zip(got, expected[:5] + expected[:3] + expected[:1]):
+        for a, b in zip(g, e):
+            _close(a, b)
+    assert len(got) == 9
