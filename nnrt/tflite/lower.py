@@ -281,6 +281,7 @@ class Lowering:
         for op in ops:
             self.lower_operator(op)
         out_operands = []
+        state_in = {s.input for s in self.states}
         for t in outputs:
             if t in self.values and t not in self.operands:
                 self.operand(t)
@@ -288,7 +289,7 @@ class Lowering:
             if o is None:
                 raise self._refuse(None, f"output tensor {t} ({self.tensor(t).name!r}) is "
                                          f"never written")
-            if o in in_operands or o in out_operands or t in self.values:
+            if o in in_operands or o in state_in or o in out_operands or t in self.values:
                 o = self.copy(o, self.tensor(t))
             out_operands.append(o)
         self.finish_variables(in_operands, out_operands)

@@ -196,3 +196,16 @@ def test_a_reusable_execution_carries_the_compiled_models_state():
         for a, b in zip(g, e):
             _close(a, b)
     assert len(got) == 9
+
+
+def test_a_state_read_straight_into_an_output_is_the_state_before_the_call():
+    graphs = stateful_variables()
+    graphs[0].outputs.append(5)   # acc as read, before this call assigns it
+    data = build(graphs)
+    frames = _frames()[:4]
+    got, _ = _stream(nnrt.tflite.load(data), frames)
+    for g, e in zip(got, _litert_stream(data, frames)):
+        assert len(g) == len(e) == 4
+        for a, b in zip(g, e):
+            _close(a, b)
+    np.testing.assert_array_equal(got[0][3], [[1, 2, 3, 4]])
