@@ -39,7 +39,8 @@ def _module(name: str):
 
 @dataclass
 class T:
-    """A tensor: shape, dtype, constant data, quantization (scale, zero point)."""
+    """A tensor: shape, dtype ("resource" for a variable's handle), constant
+    data, quantization (scale, zero point)."""
 
     name: str
     shape: tuple
@@ -75,6 +76,7 @@ def _int_vector(b: flatbuffers.Builder, values, kind=np.int32) -> int:
 def _options(b: flatbuffers.Builder, table: str, fields: dict) -> int:
     mod = _module(table)
     vectors = {k: _int_vector(b, v) for k, v in fields.items() if isinstance(v, (list, tuple))}
+    vectors.update({k: b.CreateString(v) for k, v in fields.items() if isinstance(v, (str, bytes))})
     mod.Start(b)
     for key, value in fields.items():
         getattr(mod, "Add" + key)(b, vectors.get(key, value))
@@ -109,7 +111,8 @@ def build(graphs: list[Graph]) -> bytes:
             m = _module("Tensor")
             m.Start(b)
             m.AddShape(b, shape)
-            m.AddType(b, _TYPES[np.dtype(t.dtype)])
+            m.AddType(b, tflite.TensorType.RESOURCE if t.dtype == "resource"
+                      else _TYPES[np.dtype(t.dtype)])
             m.AddBuffer(b, buffer)
             m.AddName(b, name)
             if quant is not None:
@@ -422,6 +425,82 @@ def models() -> dict[str, tuple[list[Graph], list[list[np.ndarray]]]]:
     ops = [Op("RELU", [0], [1]), Op("CUSTOM:MyVendorOp", [1], [2])]
     out["custom_op"] = ([Graph(tensors, ops, [0], [2])], [])
     return out
+
+
+def stateful_variables(init: list[Op] | None = None) -> list[Graph]:
+    """A streaming model that keeps its state in resource variables, set by a
+    CALL_ONCE init subgraph, with the cases an importer must get right:
+
+    * ``acc`` (starts [1, 2, 3, 4], a RESHAPE the init folds): read before it
+      is assigned (a state), assigned ``acc + x``, read again after that
+      assign (the assigned value), and assigned again (``0.5 * that``: the
+      last assign is the next state);
+    * ``bias`` (starts 0.25): read, never assigned (a constant);
+    * ``count`` (starts 10): assigned ``count + 1``, which is also an output;
+    * ``scratch``: assigned before it is read (no state at all).
+
+    Outputs: ``acc + x + bias``, ``count + 1``, ``scratch`` (= the first).
+    ``init`` replaces the init subgraph's operators (for refusals)."""
+    f32 = np.float32
+    tensors = [
+        T("x", (1, 4)),                                              # 0
+        T("acc_handle", (), "resource"),                             # 1
+        T("bias_handle", (), "resource"),                            # 2
+        T("count_handle", (), "resource"),                           # 3
+        T("scratch_handle", (), "resource"),                         # 4
+        T("acc", (1, 4)),                                            # 5
+        T("bias", (1, 4)),                                           # 6
+        T("acc_plus_x", (1, 4)),                                     # 7
+        T("y", (1, 4)),                                              # 8
+        T("acc_again", (1, 4)),                                      # 9
+        T("half", (1,), data=np.array([0.5], f32)),                  # 10
+        T("acc_next", (1, 4)),                                       # 11
+        T("count", (1, 1)),                                          # 12
+        T("one", (1,), data=np.array([1.0], f32)),                   # 13
+        T("count_next", (1, 1)),                                     # 14
+        T("scratch", (1, 4)),                                        # 15
+    ]
+    add = {"FusedActivationFunction": 0}
+    ops = [
+        Op("CALL_ONCE", [], [], "CallOnceOptions", {"InitSubgraphIndex": 1}),
+        Op("VAR_HANDLE", [], [1], "VarHandleOptions", {"Container": "", "SharedName": "acc"}),
+        Op("VAR_HANDLE", [], [2], "VarHandleOptions", {"Container": "", "SharedName": "bias"}),
+        Op("VAR_HANDLE", [], [3], "VarHandleOptions", {"Container": "", "SharedName": "count"}),
+        Op("VAR_HANDLE", [], [4], "VarHandleOptions",
+           {"Container": "", "SharedName": "scratch"}),
+        Op("READ_VARIABLE", [1], [5]),
+        Op("READ_VARIABLE", [2], [6]),
+        Op("ADD", [5, 0], [7], "AddOptions", add),
+        Op("ADD", [7, 6], [8], "AddOptions", add),
+        Op("ASSIGN_VARIABLE", [1, 7], []),
+        Op("READ_VARIABLE", [1], [9]),
+        Op("MUL", [9, 10], [11], "MulOptions", add),
+        Op("ASSIGN_VARIABLE", [1, 11], []),
+        Op("READ_VARIABLE", [3], [12]),
+        Op("ADD", [12, 13], [14], "AddOptions", add),
+        Op("ASSIGN_VARIABLE", [3, 14], []),
+        Op("ASSIGN_VARIABLE", [4, 8], []),
+        Op("READ_VARIABLE", [4], [15]),
+    ]
+    main = Graph(tensors, ops, [0], [8, 14, 15])
+    init_tensors = [
+        T("acc_handle", (), "resource"),                                       # 0
+        T("acc_flat", (4,), data=np.array([1, 2, 3, 4], f32)),                 # 1
+        T("shape", (2,), "int32", np.array([1, 4])),                           # 2
+        T("acc_init", (1, 4)),                                                 # 3
+        T("bias_handle", (), "resource"),                                      # 4
+        T("bias_init", (1, 4), data=np.full((1, 4), 0.25, f32)),               # 5
+        T("count_handle", (), "resource"),                                     # 6
+        T("count_init", (1, 1), data=np.array([[10]], f32)),                   # 7
+    ]
+    handle = lambda name, out: Op("VAR_HANDLE", [], [out], "VarHandleOptions",  # noqa: E731
+                                  {"Container": "", "SharedName": name})
+    init_ops = init if init is not None else [
+        handle("acc", 0), Op("RESHAPE", [1, 2], [3]), Op("ASSIGN_VARIABLE", [0, 3], []),
+        handle("bias", 4), Op("ASSIGN_VARIABLE", [4, 5], []),
+        handle("count", 6), Op("ASSIGN_VARIABLE", [6, 7], []),
+    ]
+    return [main, Graph(init_tensors, init_ops, [], [], "init")]
 
 
 def main() -> int:

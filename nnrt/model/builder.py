@@ -365,6 +365,16 @@ class Model:
         for i, o in metadata.states:
             if not (0 <= i < len(self._inputs) and 0 <= o < len(self._outputs)):
                 raise invalid(f"set_metadata: state pair ({i}, {o}) names no input/output")
+        if metadata.initial_states and len(metadata.initial_states) != len(metadata.states):
+            raise invalid(f"set_metadata: {len(metadata.initial_states)} initial states for "
+                          f"{len(metadata.states)} state pairs")
+        for (i, _), value in zip(metadata.states, metadata.initial_states):
+            info = metadata.inputs[i]
+            if value is not None and (np.asarray(value).dtype != info.dtype
+                                      or np.shape(value) != tuple(info.shape)):
+                raise invalid(f"set_metadata: the initial state of input {i} is "
+                              f"{np.asarray(value).dtype} {list(np.shape(value))}, the input "
+                              f"{info.dtype} {list(info.shape)}")
         self._metadata = metadata
 
     @property

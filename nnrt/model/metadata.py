@@ -9,7 +9,7 @@ describes its operands instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,7 +43,9 @@ class ModelMetadata:
     ``states`` pairs a state input with the state output that gives its next
     value (positions among the model's inputs and outputs): the runtime feeds
     output ``o`` of execution k as input ``i`` of execution k + 1, and an app
-    passes neither.
+    passes neither. ``initial_states`` gives, per pair, the value the first
+    execution (and the first after ``reset_state``) starts from, None for
+    zeros; empty when every state starts from zeros.
     """
 
     inputs: tuple[TensorInfo, ...]
@@ -51,3 +53,5 @@ class ModelMetadata:
     states: tuple[tuple[int, int], ...] = ()
     signature: str | None = None      # the signature key (e.g. "serving_default")
     source: str | None = None         # where the model came from (a file name)
+    # Arrays: left out of ==, which would compare them element by element.
+    initial_states: tuple[np.ndarray | None, ...] = field(default=(), compare=False)

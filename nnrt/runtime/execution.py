@@ -14,7 +14,11 @@ A compilation the driver can bind for is one step that is the whole model,
 not stateful, with no device memory among the values, whose outputs are
 given or of known shapes. Any other (a model split across devices, dynamic
 output shapes) computes through the general path of ``execute`` on the same
-bound arrays, with the same results: only slower.
+bound arrays, with the same results: only slower. A stateful model's state
+is its compiled model's (its state inputs change at every computation, so
+nothing binds them): its executions bind the app's inputs and outputs and
+compute through ``execute``'s path, which carries the state, shared with
+``execute`` and bursts.
 
 A driver failure falls back to the CPU as ``execute`` does; the execution
 binds again on the CPU step and carries on there.
@@ -55,14 +59,16 @@ class Execution:
         self._measure = request.flag(measure_timing, "measure_timing")
         self._loop_timeout = check_loop_timeout(loop_timeout)
         compiled._check_open()
-        if compiled._signature.stateful:
-            raise invalid("a stateful model carries its state from one execute to the next: "
-                          "use execute or a burst")
+        sig = compiled._signature
+        self._stateful = sig.stateful
         if inputs is None:
             inputs = [self._zeros(k) for k in range(len(compiled.inputs))]
-        inputs, outputs = compiled._order(inputs, outputs)
         self._given_outputs = outputs is not None
+        inputs, outputs = compiled._order(inputs, outputs)
         self._inputs, given, _, _ = compiled._check_request(inputs, outputs, self._measure, None)
+        if self._stateful:   # the app's own: the state is carried by each computation
+            self._inputs = sig.app_values("input", self._inputs)
+            given = sig.app_values("output", given) if self._given_outputs else None
         self._outputs = given
         self._computed = 0
         self._computing = False
@@ -94,7 +100,7 @@ class Execution:
         steps = self._steps = compiled._steps
         self._unbind()
         values = (*self._inputs, *(self._outputs or ()))
-        if steps is not compiled._whole_steps \
+        if steps is not compiled._whole_steps or self._stateful \
                 or any(isinstance(v, DeviceMemory) for v in values):
             return
         step = steps[0]
@@ -213,8 +219,13 @@ class Execution:
 
     async def _general(self, deadline, sessions: dict | None = None) -> Result:
         compiled = self._compiled
-        result = await compiled._execute(self._inputs, self._outputs, self._measure, deadline,
-                                         self._loop_timeout, sessions)
+        if self._stateful:
+            result = await compiled._execute_through(
+                sessions, list(self._inputs), self._outputs if self._given_outputs else None,
+                self._measure, deadline, self._loop_timeout)
+        else:
+            result = await compiled._execute(self._inputs, self._outputs, self._measure,
+                                             deadline, self._loop_timeout, sessions)
         self._computed += 1
         if self._outputs is None or not self._given_outputs:
             self._outputs = list(result.outputs)

@@ -694,7 +694,10 @@ class CompiledModel:
         return self._signature.model_index(kind, k)
 
     def reset_state(self) -> None:
-        """Zero the state a stateful model carries between executions."""
+        """Start the state a stateful model carries between executions afresh:
+        the next execution starts from the model's initial state (what a
+        TFLite model's CALL_ONCE init subgraph assigns its variables; zeros
+        for an LSTM's), as the first one did."""
         self._signature.reset_state()
 
     @property
@@ -741,9 +744,10 @@ class CompiledModel:
     async def _ready_state(self) -> None:
         """A stateful model keeps its state in device memories (two per
         state pair, taking turns), tried once: when the driver declines and
-        shared memory cannot stand in, the state stays in numpy. Zeroes them
-        after a reset; goes back to numpy state (zeroed, with a warning) when
-        the model moved off the memories' device."""
+        shared memory cannot stand in, the state stays in numpy. Writes the
+        initial state into them at first and after a reset; goes back to
+        numpy state (the initial one, with a warning) when the model moved
+        off the memories' device."""
         sig = self._signature
         if not sig.stateful:
             return
@@ -774,9 +778,12 @@ class CompiledModel:
                 m.close()
             return
         if sig.reset_pending:
-            for current, _next in memories:
-                with Memory.create(current.nbytes(current.declared), "nnrt-zero-state") as zero:
-                    await memory_domain.copy(zero, current)
+            for (current, _next), value in zip(memories, sig.initial_state()):
+                with Memory.create(current.nbytes(current.declared),
+                                   "nnrt-initial-state") as initial:
+                    if value.any():   # a new memory is zero-filled
+                        initial.array(value.dtype, value.shape)[...] = value
+                    await memory_domain.copy(initial, current)
             sig.reset_done()
 
     def _order(self, inputs, outputs) -> tuple[list, Sequence | None]:

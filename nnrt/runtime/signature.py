@@ -7,9 +7,11 @@ as a dict keyed by name into the ordered list the HAL request needs, and
 carries the state of a stateful model between executions.
 
 State: a model whose metadata pairs state inputs with state outputs (an
-imported LSTM's variable tensors) takes its state inputs from here, not from
-the app. Execution k's state outputs become execution k + 1's state inputs;
-the app sees neither, and ``reset_state`` zeros them. The runtime keeps the
+imported LSTM's variable tensors, a model's resource variables) takes its
+state inputs from here, not from the app. Execution k's state outputs become
+execution k + 1's state inputs; the app sees neither. The first execution
+starts from the metadata's initial states (zeros where it has none), and
+``reset_state`` goes back to them. The runtime keeps the
 state in device memories when it can (:meth:`Signature.keep_state_in`: two
 per state pair, taking turns as the state input and the state output, so
 the state stays in the driver and never crosses into the app); otherwise in
@@ -68,6 +70,10 @@ class Signature:
         self.inputs: list[TensorInfo] = [meta.inputs[k] for k in self._input_positions]
         self.outputs: list[TensorInfo] = [meta.outputs[k] for k in self._output_positions]
         self._state_info = [meta.inputs[i] for i, _ in meta.states]
+        self._initial = [np.zeros(info.shape, info.dtype) if value is None else
+                         np.array(value, info.dtype, copy=True)
+                         for info, value in zip(self._state_info,
+                                                meta.initial_states or [None] * len(meta.states))]
         for info in self._state_info:
             if any(d is None for d in info.shape):
                 raise invalid(f"state input {info.name!r} has unknown dimensions {info.shape}")
@@ -94,7 +100,7 @@ class Signature:
     def keep_state_in(self, memories) -> None:
         """Keep the state in ``memories`` from now on: per state pair, two
         memories (``nnrt.DeviceMemory``) that take turns as its input and
-        its output. They start zeroed (``reset_pending``)."""
+        its output. They start from the initial state (``reset_pending``)."""
         self._memories = [list(pair) for pair in memories]
         self._reset_pending = True
 
@@ -103,14 +109,15 @@ class Signature:
         return self._memories
 
     def drop_memories(self) -> list:
-        """Go back to numpy state (zeroed); the memories, to close."""
+        """Go back to numpy state (the initial one); the memories, to close."""
         memories, self._memories = self._memories or [], None
         self.reset_state()
         return [m for pair in memories for m in pair]
 
     @property
     def reset_pending(self) -> bool:
-        """The state's memories must be zeroed before the next execution."""
+        """The state's memories must be given the initial state before the
+        next execution."""
         return self._memories is not None and self._reset_pending
 
     def moved(self, memories) -> None:
@@ -133,11 +140,21 @@ class Signature:
                           f"{kind}s")
         return positions[k]
 
+    def app_values(self, kind: str, values: Sequence) -> list:
+        """The app's inputs (outputs) among ``values``, one per model input
+        (output), state included."""
+        positions = self._input_positions if kind == "input" else self._output_positions
+        return [values[k] for k in positions]
+
     def reset_state(self) -> None:
-        """Zero the state the next execution starts from (for memories: the
-        runtime zeroes them before the next execution)."""
-        self._state = [np.zeros(info.shape, info.dtype) for info in self._state_info]
+        """The next execution starts from the initial state (for memories: the
+        runtime writes it into them before the next execution)."""
+        self._state = [value.copy() for value in self._initial]
         self._reset_pending = True
+
+    def initial_state(self) -> list[np.ndarray]:
+        """The state the first execution starts from (copies)."""
+        return [value.copy() for value in self._initial]
 
     def state(self) -> list[np.ndarray]:
         """The state the next execution starts from (copies)."""

@@ -215,6 +215,10 @@ class SyncCompiledModel:
         """A burst session (``with compiled.burst() as burst: burst.execute(...)``)."""
         return SyncBurst(self._rt, self.compiled.burst())
 
+    def reset_state(self) -> None:
+        """As :meth:`CompiledModel.reset_state`."""
+        self.compiled.reset_state()
+
     @property
     def inputs(self):
         return self.compiled.inputs

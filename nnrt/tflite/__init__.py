@@ -3,7 +3,8 @@
 The flatbuffer is read with the ``tflite`` package (:mod:`.reader`) and each
 operator is lowered to NNAPI operations (:mod:`.lower`). The model keeps the
 tensor and signature names of its inputs and outputs, and the state of
-stateful operators as paired state inputs/outputs (``Model.metadata``).
+stateful operators and of resource variables as paired state inputs/outputs
+with the values they start from (``Model.metadata``).
 """
 from __future__ import annotations
 

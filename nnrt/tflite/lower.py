@@ -37,7 +37,18 @@ operation(s) that compute the same thing:
   tensors, which persist between invokes. NNAPI has no variables, so each
   variable becomes a model input and the op's state output a model output,
   paired in the model's metadata; the runtime feeds one execution's state
-  outputs to the next one's state inputs.
+  outputs to the next one's state inputs (zeros at first, as LiteRT's);
+* resource variables (VAR_HANDLE, READ_VARIABLE, ASSIGN_VARIABLE, named by
+  container and shared name) become state pairs the same way: a variable
+  read before it is assigned is a state input, the value its last
+  ASSIGN_VARIABLE writes the paired state output; a read after an assign is
+  the assigned value itself. Its initial value is what the CALL_ONCE init
+  subgraph assigns, evaluated here (constants, or operators that fold): the
+  metadata carries it, the first execution and ``reset_state`` start from it.
+  A variable the graph reads but never assigns keeps that value for ever:
+  it is a constant. Variables inside control-flow bodies, a state whose
+  assigned value differs in type, shape or quantization from what is read,
+  and init subgraphs that do not fold are refused.
 
 Rank-0 tensors: NNAPI has no rank-0 constant, so scalar constants become
 shape [1] and scalar temporaries have unknown rank; elementwise results are
@@ -45,6 +56,7 @@ the same values, and GATHER with a scalar index is reshaped back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -62,6 +74,19 @@ _FLOAT_TYPES = {np.dtype(np.float32): T.TENSOR_FLOAT32, np.dtype(np.float16): T.
                 np.dtype(np.int32): T.TENSOR_INT32, np.dtype(np.bool_): T.TENSOR_BOOL8}
 
 
+@dataclass
+class _State:
+    """A state pair of the model being built: the tensor whose type and shape
+    it has, its model input, and the (tensor, operand) giving its next value
+    (set when the graph is done, for a resource variable)."""
+
+    tensor: int
+    input: int
+    output: tuple[int, int] | None = None
+    name: str | None = None            # the tensor's name unless given
+    initial: np.ndarray | None = None  # the value it starts from; None: zeros
+
+
 class Lowering:
     """Lowers the operators ``ops`` of graph ``graph_index`` into a new
     ``nnrt.Model`` whose inputs and outputs are the given tensors."""
@@ -76,8 +101,17 @@ class Lowering:
         self.operands: dict[int, int] = {}
         self.values: dict[int, np.ndarray] = {t.index: t.data for t in self.graph.tensors
                                               if t.data is not None}
-        self.state_inputs: list[tuple[int, int]] = []   # (tensor, operand)
-        self.state_outputs: list[tuple[int, int]] = []  # (tensor of the state, operand)
+        self.states: list[_State] = []
+        # Resource variables, keyed by (container, shared name): the handle
+        # each VAR_HANDLE output stands for, the values CALL_ONCE init
+        # subgraphs assigned, the tensor holding each one's value now, and
+        # the state pair of each read before it is assigned.
+        self.handles: dict[int, tuple[str, str]] = {}
+        self.initial: dict[tuple[str, str], np.ndarray] = {}
+        self.initialized: set[int] = set()              # init subgraphs run
+        self.assigned: set[tuple[str, str]] = set()     # assigned somewhere in the graph
+        self.current: dict[tuple[str, str], int] = {}
+        self.variable_states: dict[tuple[str, str], _State] = {}
         self._pending: list[tuple[Op, int, int]] = []   # activations split off an operation
 
     # --- messages ----------------------------------------------------------
@@ -242,9 +276,12 @@ class Lowering:
         for t in inputs:
             self.values.pop(t, None)
             in_operands.append(self.output(t))
-        for op in (g.operators if ops is None else ops):
+        ops = g.operators if ops is None else ops
+        self.assigned = _assigned_variables(ops)
+        for op in ops:
             self.lower_operator(op)
         out_operands = []
+        state_in = {s.input for s in self.states}
         for t in outputs:
             if t in self.values and t not in self.operands:
                 self.operand(t)
@@ -252,12 +289,13 @@ class Lowering:
             if o is None:
                 raise self._refuse(None, f"output tensor {t} ({self.tensor(t).name!r}) is "
                                          f"never written")
-            if o in in_operands or o in out_operands or t in self.values:
+            if o in in_operands or o in state_in or o in out_operands or t in self.values:
                 o = self.copy(o, self.tensor(t))
             out_operands.append(o)
+        self.finish_variables(in_operands, out_operands)
         self.model.identify_inputs_and_outputs(
-            in_operands + [o for _, o in self.state_inputs],
-            out_operands + [o for _, o in self.state_outputs])
+            in_operands + [s.input for s in self.states],
+            out_operands + [s.output[1] for s in self.states])
         if self.is_main:
             self.model.set_metadata(self.metadata(inputs, outputs))
         return self.model.finish()
@@ -309,13 +347,51 @@ class Lowering:
                               sig_names.get(t))
         ins = [info(t, sig.inputs if sig else {}) for t in inputs]
         outs = [info(t, sig.outputs if sig else {}) for t in outputs]
-        states = []
-        for (t_in, _), (t_out, _) in zip(self.state_inputs, self.state_outputs):
-            states.append((len(ins), len(outs)))
-            ins.append(info(t_in, {}))
-            outs.append(info(t_out, {}, ":next"))
-        return ModelMetadata(tuple(ins), tuple(outs), tuple(states),
-                             sig.key if sig else None, self.file.name)
+        pairs = []
+        for state in self.states:
+            pairs.append((len(ins), len(outs)))
+            described = info(state.tensor, {})
+            if state.name is not None:
+                described = replace(described, name=state.name)
+            ins.append(described)
+            outs.append(replace(described, name=described.name + ":next"))
+        initial = tuple(None if s.initial is None else
+                        s.initial.astype(ins[i].dtype).reshape(ins[i].shape)
+                        for s, (i, _) in zip(self.states, pairs))
+        return ModelMetadata(tuple(ins), tuple(outs), tuple(pairs),
+                             sig.key if sig else None, self.file.name,
+                             initial if any(v is not None for v in initial) else ())
+
+    # --- resource variables ------------------------------------------------------
+    def variable(self, op: Operator, handle: int) -> tuple[str, str]:
+        """The variable a resource tensor ``handle`` (a VAR_HANDLE's output) names."""
+        if handle not in self.handles:
+            raise self.fail(op, f"tensor {handle} is not the output of a VAR_HANDLE of this "
+                                f"subgraph")
+        return self.handles[handle]
+
+    def same_type(self, a: Tensor, b: Tensor) -> bool:
+        """Whether values of tensors ``a`` and ``b`` are the same operand type,
+        shape and quantization (a variable holds bytes; NNAPI a typed operand)."""
+        return (self.operand_type(a) == self.operand_type(b)
+                and tuple(a.shape) == tuple(b.shape))
+
+    def finish_variables(self, in_operands: list[int], out_operands: list[int]) -> None:
+        """Each variable's state output: the value it holds at the end."""
+        taken = set(in_operands) | set(out_operands) | {s.input for s in self.states}
+        for key, state in self.variable_states.items():
+            t = self.current[key]
+            read, last = self.tensor(state.tensor), self.tensor(t)
+            if not self.same_type(read, last):
+                raise self._refuse(None, f"variable {_variable_name(key)!r} is read as "
+                                         f"{_describe(self, read)} but assigned "
+                                         f"{_describe(self, last)}: NNAPI keeps a state of "
+                                         f"one type")
+            o = self.operand(t)
+            if o in taken or t in self.values:   # a constant, an input, another output
+                o = self.copy(o, read)
+            taken.add(o)
+            state.output = (t, o)
 
     def submodel(self, graph_index: int, op: Operator) -> int:
         """A SUBGRAPH operand referring to graph ``graph_index``, lowered once."""
@@ -967,7 +1043,7 @@ def _lstm(c: Lowering, op: Operator) -> None:
         if t in c.operands:
             raise c.fail(op, f"variable tensor {t} is shared with another operator")
         state = c.output(t, op)  # a model input: the runtime feeds the last state
-        c.state_inputs.append((t, state))
+        c.states.append(_State(t, state))
         states.append(state)
     nn += states
     nn += [c.i32(o.get("FusedActivationFunction", 4)), c.f32(o.get("CellClip", 0.0)),
@@ -975,11 +1051,140 @@ def _lstm(c: Lowering, op: Operator) -> None:
     for t in ins[20:24]:
         nn.append(c.operand(t, op) if t >= 0 else c.omitted())
     state_outs = []
-    for t in ins[18:20]:
+    for state, t in zip(c.states[-2:], ins[18:20]):
         nxt = c.temp_like(t)
-        c.state_outputs.append((t, nxt))
+        state.output = (t, nxt)
         state_outs.append(nxt)
     c.emit(Op.UNIDIRECTIONAL_SEQUENCE_LSTM, nn, [c.output(op.outputs[0], op)] + state_outs)
+
+
+def _variable_key(op: Operator) -> tuple[str, str]:
+    """The variable a VAR_HANDLE names: (container, shared name), as LiteRT keys it."""
+    def text(v) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v or "")
+    return text(op.options.get("Container")), text(op.options.get("SharedName"))
+
+
+def _variable_name(key: tuple[str, str]) -> str:
+    container, name = key
+    return f"{container}/{name}" if container else name
+
+
+def _describe(c: Lowering, tensor: Tensor) -> str:
+    kind, quant = c.operand_type(tensor)
+    return f"{kind.name} {list(tensor.shape)}" + (f" {quant}" if quant else "")
+
+
+def _assigned_variables(ops: list[Operator]) -> set[tuple[str, str]]:
+    """The variables ``ops`` assign (a variable never assigned is a constant)."""
+    handles = {op.outputs[0]: _variable_key(op) for op in ops
+               if op.name == "VAR_HANDLE" and op.outputs}
+    return {handles[op.inputs[0]] for op in ops
+            if op.name == "ASSIGN_VARIABLE" and op.inputs and op.inputs[0] in handles}
+
+
+def _var_handle(c: Lowering, op: Operator) -> None:
+    if not c.is_main:
+        raise c.fail(op, "resource variables inside a control-flow body are not supported")
+    c.handles[op.outputs[0]] = _variable_key(op)
+
+
+def _read_variable(c: Lowering, op: Operator) -> None:
+    key = c.variable(op, op.inputs[0])
+    out = op.outputs[0]
+    out_t = c.tensor(out)
+    name = _variable_name(key)
+    if key in c.current:   # assigned, or read as a state, earlier in this invoke
+        src = c.current[key]
+        if not c.same_type(c.tensor(src), out_t):
+            raise c.fail(op, f"variable {name!r} holds {_describe(c, c.tensor(src))} but is "
+                             f"read as {_describe(c, out_t)}")
+        if src in c.values:
+            c.values[out] = c.values[src]
+        else:
+            c.operands[out] = c.operand(src, op)
+        return
+    initial = c.initial.get(key)
+    if initial is None:
+        raise c.fail(op, f"variable {name!r} is read before any value is assigned to it "
+                         f"(no CALL_ONCE init subgraph before this operator assigns it)")
+    if initial.dtype != out_t.dtype or tuple(initial.shape) != tuple(out_t.shape):
+        raise c.fail(op, f"variable {name!r} starts as {initial.dtype} {list(initial.shape)} "
+                         f"(its init subgraph) but is read as {out_t.type_name} "
+                         f"{list(out_t.shape)}")
+    c.operand_type(out_t, op)   # a type NNAPI has an operand for
+    c.current[key] = out
+    if key not in c.assigned:   # it keeps its initial value for ever
+        c.values[out] = initial
+        return
+    if not c.static_shape(out_t):
+        raise c.fail(op, f"variable {name!r} is read with unknown dimensions "
+                         f"{list(out_t.shape_signature)}")
+    state = _State(out, c.output(out, op), name=name, initial=initial)
+    c.states.append(state)
+    c.variable_states[key] = state
+
+
+def _assign_variable(c: Lowering, op: Operator) -> None:
+    key = c.variable(op, op.inputs[0])
+    value = op.inputs[1]
+    if value not in c.values:
+        _input(c, op, value)   # refuses a value read before it is written
+    c.current[key] = value
+
+
+def _call_once(c: Lowering, op: Operator) -> None:
+    """Runs the init subgraph once, as LiteRT does at the first invoke: here,
+    at import, its assigned values becoming the variables' initial values."""
+    if not c.is_main:
+        raise c.fail(op, "CALL_ONCE inside a control-flow body is not supported")
+    index = op.options.get("InitSubgraphIndex", -1)
+    if not 0 <= index < len(c.file.graphs) or index == c.graph.index:
+        raise c.fail(op, f"init subgraph {index} is not a subgraph it can run (the file has "
+                         f"{len(c.file.graphs)})")
+    if index not in c.initialized:
+        c.initialized.add(index)
+        c.initial.update(_evaluate_init(c, op, index))
+
+
+def _evaluate_init(c: Lowering, op: Operator, index: int) -> dict[tuple[str, str], np.ndarray]:
+    """The values init subgraph ``index`` assigns to variables, computed at
+    import: every operator must be a variable access or fold to constants."""
+    graph = c.file.graphs[index]
+    if graph.inputs or graph.outputs:
+        raise c.fail(op, f"init subgraph {index} has inputs or outputs (LiteRT's take none)")
+    init = Lowering(c.file, index, c.referenced, is_main=False)
+    handles: dict[int, tuple[str, str]] = {}
+    assigned: dict[tuple[str, str], np.ndarray] = {}
+
+    def not_evaluable(inner: Operator, why: str):
+        return c.fail(op, f"init subgraph {index} is not evaluable at import: its operator "
+                          f"{inner.index} ({inner.name}) {why}")
+    for inner in graph.operators:
+        if inner.name == "VAR_HANDLE":
+            handles[inner.outputs[0]] = _variable_key(inner)
+        elif inner.name in ("ASSIGN_VARIABLE", "READ_VARIABLE"):
+            if not inner.inputs or inner.inputs[0] not in handles:
+                raise not_evaluable(inner, "names no VAR_HANDLE of that subgraph")
+            key = handles[inner.inputs[0]]
+            if inner.name == "ASSIGN_VARIABLE":
+                value = init.value(inner.inputs[1]) if len(inner.inputs) > 1 else None
+                if value is None:
+                    raise not_evaluable(inner, "assigns a value computed at run time")
+                assigned[key] = np.array(value, copy=True)
+            else:
+                known = assigned.get(key, c.initial.get(key))
+                if known is None:
+                    raise not_evaluable(inner, f"reads variable {_variable_name(key)!r} "
+                                               f"before it is assigned")
+                init.values[inner.outputs[0]] = known
+        else:
+            folded = _fold(init, inner)
+            if folded is None:
+                raise not_evaluable(inner, "is not a constant computation")
+            for t, v in zip(inner.outputs, folded):
+                init.values[t] = v
+    return assigned
 
 
 def _while(c: Lowering, op: Operator) -> None:
@@ -1187,6 +1392,10 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "UNIDIRECTIONAL_SEQUENCE_LSTM": _lstm,
     "WHILE": _while,
     "IF": _if,
+    "VAR_HANDLE": _var_handle,
+    "READ_VARIABLE": _read_variable,
+    "ASSIGN_VARIABLE": _assign_variable,
+    "CALL_ONCE": _call_once,
     "PRELU": _plain(Op.PRELU, 2),
     "MAXIMUM": _plain(Op.MAXIMUM, 2),
     "MINIMUM": _plain(Op.MINIMUM, 2),

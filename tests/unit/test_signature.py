@@ -119,3 +119,50 @@ async def test_stateful_lstm_equals_litert_invoked_three_times_on_one_interprete
         got = (await compiled.execute([xs[2]])).outputs[0]
         np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
         assert np.abs(want - expected[2]).max() > 1e-5  # the state mattered
+
+
+
+def _accumulator(initial) -> nnrt.Model:
+    """y = state + x, and the same sum as the next state: a state pair in the
+    metadata that starts at ``initial``."""
+    from nnrt.model.metadata import ModelMetadata, TensorInfo
+    m = nnrt.Model()
+    state, x, y, new = (m.add_operand(OperandType.TENSOR_FLOAT32, [4]) for _ in range(4))
+    act = m.add_operand(OperandType.INT32)
+    m.set_operand_value(act, 0)
+    m.add_operation(OperationType.ADD, [state, x, act], [y])
+    m.add_operation(OperationType.ADD, [state, x, act], [new])
+    m.identify_inputs_and_outputs([x, state], [y, new])
+    f32 = np.dtype(np.float32)
+    m.set_metadata(ModelMetadata(
+        (TensorInfo("x", f32, (4,)), TensorInfo("state", f32, (4,))),
+        (TensorInfo("y", f32, (4,)), TensorInfo("state:next", f32, (4,))),
+        states=((1, 1),), initial_states=(initial,)))
+    return m.finish()
+
+
+@pytest.mark.parametrize("where", ["in process",
+                                   pytest.param("service", marks=pytest.mark.service)])
+async def test_a_state_starts_from_its_initial_value_and_reset_goes_back_to_it(where):
+    """ModelMetadata.initial_states: the first execution and the first after
+    reset_state start there (written into the state's device memories)."""
+    if where == "service":
+        runtime = nnrt.Runtime(spawn=[("npu", "reference")], discover=False, litert=False)
+    else:
+        runtime = nnrt.Runtime(discover=False, litert=False)
+    async with runtime as rt:
+        compiled = await rt.compile(_accumulator(np.array([1, 2, 3, 4], np.float32)))
+        ones = np.ones(4, np.float32)
+        got = [(await compiled.execute([ones])).outputs[0].tolist() for _ in range(3)]
+        assert got == [[2, 3, 4, 5], [3, 4, 5, 6], [4, 5, 6, 7]]
+        compiled.reset_state()
+        assert (await compiled.execute([ones])).outputs[0].tolist() == [2, 3, 4, 5]
+        assert all(m.on_device for pair in compiled._signature.memories for m in pair)
+
+
+def test_an_initial_state_of_another_shape_or_dtype_is_refused():
+    for wrong in (np.zeros(3, np.float32), np.zeros(4, np.int32)):
+        with pytest.raises(nnrt.NnrtError) as info:
+            _accumulator(wrong)
+        assert info.value.status == ErrorStatus.INVALID_ARGUMENT
+        assert "the initial state of input 1" in info.value.message
