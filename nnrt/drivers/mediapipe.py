@@ -318,10 +318,17 @@ class MediapipePreparedModel(PreparedModel):
             main = self.model.main
             values = dict(self._constants)
             values.update(zip(main.input_indexes, read_inputs(self.model, request)))
-            for output, run in self._steps:
+            for k, (output, run) in enumerate(self._steps):
                 if checkpoint is not None:
                     checkpoint()
-                values[output] = run(values)
+                try:
+                    values[output] = run(values)
+                except (ValueError, TypeError, IndexError, ArithmeticError, MemoryError) as e:
+                    # As the reference executor: a kernel that cannot compute
+                    # what it was given (a crop too large to allocate) fails
+                    # this execution, never the driver.
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"operation {k} failed: {type(e).__name__}: {e}") from e
             outputs = [values[i] for i in main.output_indexes]
             shapes = output_shapes(request, outputs)
             if not all(s.is_sufficient for s in shapes):

@@ -1058,7 +1058,9 @@ def _custom_options(c: Lowering, op: Operator, keys: dict[str, type]) -> dict:
     try:
         options = flexbuffers.Loads(op.custom_options)
     except (IndexError, ValueError, TypeError, KeyError, struct.error, RecursionError,
-            OverflowError) as e:
+            OverflowError, MemoryError, AssertionError) as e:
+        # What flexbuffers raises on bytes that are not a flexbuffer (it
+        # checks some type tags with assert), found by mutating real options.
         raise c.fail(op, f"custom options are not a flexbuffer ({type(e).__name__}: {e})") \
             from None
     if not isinstance(options, dict):

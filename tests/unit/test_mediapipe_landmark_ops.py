@@ -297,3 +297,13 @@ async def test_each_custom_op_of_face_landmark_with_attention_computes_what_medi
                 assert np.max(np.abs(got - want)) <= 8 * EPS * np.max(np.abs(want)), op.name
             else:
                 np.testing.assert_array_equal(got, want, err_msg=op.name)
+
+
+async def test_a_crop_too_large_to_allocate_fails_the_execution_not_the_driver():
+    data, m = ramp(), matrix([1, 0, 0, 0], [0, 1, 0, 0])
+    model = op_model(mp.TRANSFORM_TENSOR_BILINEAR, [data, m],
+                     [(T.INT32, 2**24), (T.INT32, 2**24)])   # 4 PiB: past any address space
+    with pytest.raises(NnrtError) as e:
+        await run(model, [data, m])
+    assert e.value.status == ErrorStatus.GENERAL_FAILURE
+    assert "MemoryError" in e.value.message
