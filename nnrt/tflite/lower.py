@@ -1079,6 +1079,13 @@ def _custom_options(c: Lowering, op: Operator, keys: dict[str, type]) -> dict:
     return found
 
 
+def _mediapipe_version_2(c: Lowering, op: Operator) -> None:
+    """Version 1 of the landmark ops reads other options and computes otherwise."""
+    if op.version != 2:
+        raise c.fail(op, f"is version {op.version}; com.nnrt.mediapipe implements version 2, "
+                         f"the one mediapipe's op resolvers register")
+
+
 def _mediapipe_op(c: Lowering, op: Operator, type_within: int, inputs: int,
                   params: list[int]) -> None:
     """Emit ``op`` as operation ``type_within`` of com.nnrt.mediapipe: its
@@ -1086,9 +1093,6 @@ def _mediapipe_op(c: Lowering, op: Operator, type_within: int, inputs: int,
     if len(op.inputs) != inputs or len(op.outputs) != 1:
         raise c.fail(op, f"takes {inputs} inputs and 1 output, has {len(op.inputs)} and "
                          f"{len(op.outputs)}")
-    if op.version != 2:
-        raise c.fail(op, f"is version {op.version}; com.nnrt.mediapipe implements version 2, "
-                         f"the one mediapipe's op resolvers register")
     kind = c.model.get_extension_operation_type(_mediapipe.NAME, type_within)
     c.emit(kind, [_input(c, op, t) for t in op.inputs] + params, [c.output(op.outputs[0], op)])
 
@@ -1096,6 +1100,7 @@ def _mediapipe_op(c: Lowering, op: Operator, type_within: int, inputs: int,
 def _mediapipe_landmarks_to_transform_matrix(c: Lowering, op: Operator) -> None:
     # Version 2 reads subset_idxs, left/right_rotation_idx, target_rotation_radians,
     # output_height/width and scale_x/y from its flexbuffer options.
+    _mediapipe_version_2(c, op)
     o = _custom_options(c, op, {"subset_idxs": list, "left_rotation_idx": int,
                                 "right_rotation_idx": int, "target_rotation_radians": float,
                                 "output_height": int, "output_width": int, "scale_x": float,
@@ -1111,6 +1116,7 @@ def _mediapipe_landmarks_to_transform_matrix(c: Lowering, op: Operator) -> None:
 
 def _mediapipe_transform_tensor_bilinear(c: Lowering, op: Operator) -> None:
     # Version 2 (align corners) reads output_height and output_width.
+    _mediapipe_version_2(c, op)
     o = _custom_options(c, op, {"output_height": int, "output_width": int})
     _mediapipe_op(c, op, _mediapipe.TRANSFORM_TENSOR_BILINEAR, 2,
                   [c.i32(o["output_height"]), c.i32(o["output_width"])])
@@ -1118,6 +1124,7 @@ def _mediapipe_transform_tensor_bilinear(c: Lowering, op: Operator) -> None:
 
 def _mediapipe_transform_landmarks(c: Lowering, op: Operator) -> None:
     # Version 2 has no options: the landmarks' last dimension says 2D or 3D.
+    _mediapipe_version_2(c, op)
     _mediapipe_op(c, op, _mediapipe.TRANSFORM_LANDMARKS, 2, [])
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flatbuffers import flexbuffers
 
 import nnrt
 import nnrt.tflite
@@ -253,7 +254,11 @@ def _face_custom_op(name: str):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(version=1), "is version 1; com.nnrt.mediapipe implements version 2"),
+    # Version 1's options (mediapipe's V1 parser's keys): refused for the version.
+    (dict(version=1, custom_options=bytes(flexbuffers.Dumps(dict(
+        input_hw=[48, 48], output_hw=[16, 16], dimensions=3, landmarks_range=192,
+        bbox_size_multiplier=1.5, left_rotation_idx=61, right_rotation_idx=291,
+        subset=[61, 291])))), "is version 1; com.nnrt.mediapipe implements version 2"),
     (dict(custom_options=b"\x00\x01garbage"), "custom options are not a flexbuffer"),
 ])
 def test_the_importer_refuses_what_mediapipe_does_not_define(change, message):
@@ -266,7 +271,6 @@ def test_the_importer_refuses_what_mediapipe_does_not_define(change, message):
 
 
 def test_the_importer_names_a_missing_option():
-    from flatbuffers import flexbuffers
     file, k = _face_custom_op("TransformTensorBilinear")
     graph = file.graphs[0]
     graph.operators[k] = replace(graph.operators[k],
