@@ -3,15 +3,20 @@ extension ``com.nnrt.mediapipe`` (defined in ``nnrt.extensions.mediapipe``).
 
 It claims only its extension's operations, so a model like
 selfie_segmentation is split: the convolution stack runs on the other
-devices, ``Convolution2DTransposeBias`` here. The kernel is the reference
+devices, ``Convolution2DTransposeBias`` here. That kernel is the reference
 driver's TRANSPOSE_CONV_2D, called with the geometry the custom op's
-parameters describe. Like every driver it validates what it receives
+parameters describe; the landmark operations of face_landmark_with_attention
+(``Landmarks2TransformMatrix``, ``TransformTensorBilinear``,
+``TransformLandmarks``) are in ``mediapipe_kernels``. Each operation has one
+entry in ``_PREPARE``: its validation, which returns its kernel bound to the
+operation's constants. Like every driver it validates what it receives
 (INVALID_ARGUMENT naming the operand), runs one operation at a time and
 stops at operation boundaries when the scheduler asks.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -25,6 +30,7 @@ from ..hal.request import output_shapes, read_inputs, write_outputs
 from ..hal.validate import validate_model, validate_request
 from ..model.graph import HalModel, Operand, Operation
 from ..model.types import OperandLifeTime as L, OperandType as T, OperationType, PaddingScheme
+from . import mediapipe_kernels as mk
 
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)
 
@@ -60,20 +66,68 @@ def _out_dims(in_dims, w_dims, padding: int, stride_w: int, stride_h: int) -> tu
     return (n, size(h, stride_h, kh), size(w, stride_w, kw), o)
 
 
-def _check_operation(model: HalModel, k: int, op: Operation) -> None:
-    """Validate operation ``k`` as this extension defines it."""
-    what = f"operation {k} ({op.type.name})"
-    if not (op.type.is_extension and op.type.extension == mp.NAME
-            and op.type.type_within == mp.CONVOLUTION_2D_TRANSPOSE_BIAS):
-        raise invalid(f"{what}: not an operation of {mp.NAME}")
-    if len(op.inputs) != 4 or len(op.outputs) != 1:
-        raise invalid(f"{what}: takes 4 inputs and 1 output, got {len(op.inputs)} and "
+def _operand(model: HalModel, op: Operation, what: str, pos: str, kind: T,
+             rank: int | None = None, constant: bool = False) -> Operand:
+    """Operand ``pos`` ("input 1", "output 0") of ``op``, checked for type,
+    rank (when the model gives one) and, for parameters, being a constant."""
+    side, k = pos.split()
+    operand = model.main.operands[(op.inputs if side == "input" else op.outputs)[int(k)]]
+    if operand.type != kind:
+        raise invalid(f"{what}: {pos} must be {kind.name}, got {operand.type.name}")
+    if rank is not None and operand.dimensions and len(operand.dimensions) != rank:
+        raise invalid(f"{what}: {pos} must have rank {rank}, got dimensions "
+                      f"{list(operand.dimensions)}")
+    if constant and operand.lifetime not in _CONSTANT:
+        raise invalid(f"{what}: {pos} (a parameter) must be a constant")
+    if operand.lifetime == L.NO_VALUE:
+        raise invalid(f"{what}: {pos} is omitted; it is required")
+    return operand
+
+
+def _scalar(model: HalModel, op: Operation, what: str, k: int, kind: T, name: str,
+            positive: bool = False):
+    value = model.constant_value(_operand(model, op, what, f"input {k}", kind, constant=True))
+    if not np.isfinite(value) or (positive and not value > 0):
+        raise invalid(f"{what}: input {k} ({name}) must be {'> 0' if positive else 'finite'}, "
+                      f"got {value}")
+    return value
+
+
+def _check_output(what: str, out: Operand, inferred: tuple[int, ...]) -> None:
+    """A declared output shape must agree with the inferred one (0 = unknown)."""
+    if out.dimensions and (len(out.dimensions) != len(inferred) or any(
+            d and e and d != e for d, e in zip(out.dimensions, inferred))):
+        raise invalid(f"{what}: output declared {list(out.dimensions)}, the operation "
+                      f"produces {list(inferred)}")
+
+
+def _check_arity(what: str, op: Operation, inputs: int) -> None:
+    if len(op.inputs) != inputs or len(op.outputs) != 1:
+        raise invalid(f"{what}: takes {inputs} inputs and 1 output, got {len(op.inputs)} and "
                       f"{len(op.outputs)}")
-    operands = model.main.operands
-    x, w, b, out = (operands[i] for i in (*op.inputs[:3], op.outputs[0]))
-    for pos, operand in (("input 0", x), ("input 1", w), ("input 2", b), ("output 0", out)):
-        if operand.type != T.TENSOR_FLOAT32:
-            raise invalid(f"{what}: {pos} must be TENSOR_FLOAT32, got {operand.type.name}")
+
+
+def _check_dims(what: str, pos: str, dims: tuple[int, ...], want: tuple[int | str, ...]) -> None:
+    """Known dimensions of ``pos`` equal ``want`` (a name: any size)."""
+    if any(d and isinstance(w, int) and d != w for d, w in zip(dims, want)):
+        shape = ", ".join(map(str, want))
+        raise invalid(f"{what}: {pos} must have shape [{shape}], got {list(dims)}")
+
+
+def _matrix(model: HalModel, op: Operation, what: str, k: int) -> None:
+    m = _operand(model, op, what, f"input {k}", T.TENSOR_FLOAT32, rank=3)
+    _check_dims(what, f"input {k} (the matrix)", m.dimensions, (1, 4, 4))
+
+
+Run = Callable[[dict[int, np.ndarray]], np.ndarray]
+
+
+def _prepare_transpose_conv_bias(model: HalModel, op: Operation, what: str) -> Run:
+    _check_arity(what, op, 4)
+    x = _operand(model, op, what, "input 0", T.TENSOR_FLOAT32)
+    w = _operand(model, op, what, "input 1", T.TENSOR_FLOAT32)
+    b = _operand(model, op, what, "input 2", T.TENSOR_FLOAT32)
+    out = _operand(model, op, what, "output 0", T.TENSOR_FLOAT32)
     for pos, operand, rank in (("input 0", x, 4), ("input 1", w, 4), ("input 2", b, 1)):
         if len(operand.dimensions) != rank:
             raise invalid(f"{what}: {pos} must have rank {rank}, got dimensions "
@@ -86,13 +140,119 @@ def _check_operation(model: HalModel, k: int, op: Operation) -> None:
     if x.dimensions[3] and x.dimensions[3] != w.dimensions[3]:
         raise invalid(f"{what}: input depth {x.dimensions[3]} differs from the weights' "
                       f"{w.dimensions[3]}")
-    padding, stride_w, stride_h = _params(model, op, what)
-    inferred = _out_dims(x.dimensions, w.dimensions, padding, stride_w, stride_h)
-    if out.dimensions:
-        if len(out.dimensions) != 4 or any(d and e and d != e
-                                           for d, e in zip(out.dimensions, inferred)):
-            raise invalid(f"{what}: output declared {list(out.dimensions)}, the operation "
-                          f"produces {list(inferred)}")
+    params = _params(model, op, what)
+    _check_output(what, out, _out_dims(x.dimensions, w.dimensions, *params))
+    i_x, i_w, i_b = op.inputs[:3]
+
+    def run(values):
+        return _convolution_2d_transpose_bias(values[i_x], values[i_w], values[i_b], *params)
+    return run
+
+
+def _prepare_landmarks_to_transform_matrix(model: HalModel, op: Operation, what: str) -> Run:
+    _check_arity(what, op, 9)
+    landmarks = _operand(model, op, what, "input 0", T.TENSOR_FLOAT32, rank=3)
+    _check_dims(what, "input 0 (the landmarks)", landmarks.dimensions, (1, "n", 3))
+    subset_operand = _operand(model, op, what, "input 1", T.TENSOR_INT32, rank=1, constant=True)
+    subset = np.asarray(model.constant_value(subset_operand), np.int64).reshape(-1)
+    left = _scalar(model, op, what, 2, T.INT32, "left_rotation_idx")
+    right = _scalar(model, op, what, 3, T.INT32, "right_rotation_idx")
+    target = _scalar(model, op, what, 4, T.FLOAT32, "target_rotation_radians")
+    height = _scalar(model, op, what, 5, T.INT32, "output_height", positive=True)
+    width = _scalar(model, op, what, 6, T.INT32, "output_width", positive=True)
+    scale_x = _scalar(model, op, what, 7, T.FLOAT32, "scale_x", positive=True)
+    scale_y = _scalar(model, op, what, 8, T.FLOAT32, "scale_y", positive=True)
+    if not subset.size:
+        raise invalid(f"{what}: input 1 (the subset) names no landmark")
+    indexes = [("left_rotation_idx", left), ("right_rotation_idx", right),
+               ("the subset's", int(subset.min())), ("the subset's", int(subset.max()))]
+    count = landmarks.dimensions[1] if len(landmarks.dimensions) == 3 else 0
+
+    def check_indexes(n: int | None) -> None:
+        for name, index in indexes:
+            if index < 0 or (n is not None and index >= n):
+                raise invalid(f"{what}: {name} landmark index {index} is outside the "
+                              f"{n or 'unknown number of'} landmarks of input 0")
+    check_indexes(count or None)
+    out = _operand(model, op, what, "output 0", T.TENSOR_FLOAT32)
+    _check_output(what, out, (1, 4, 4))
+    i_landmarks = op.inputs[0]
+
+    def run(values):
+        x = values[i_landmarks]
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != 3:
+            raise invalid(f"{what}: input 0 of shape {list(x.shape)} is not [1, n, 3]")
+        check_indexes(x.shape[1])
+        return mk.landmarks_to_transform_matrix(x, subset, left, right, target, height, width,
+                                                scale_x, scale_y)
+    return run
+
+
+def _prepare_transform_tensor_bilinear(model: HalModel, op: Operation, what: str) -> Run:
+    _check_arity(what, op, 4)
+    data = _operand(model, op, what, "input 0", T.TENSOR_FLOAT32, rank=4)
+    _check_dims(what, "input 0", data.dimensions, (1, "h", "w", "c"))
+    _matrix(model, op, what, 1)
+    height = _scalar(model, op, what, 2, T.INT32, "output_height", positive=True)
+    width = _scalar(model, op, what, 3, T.INT32, "output_width", positive=True)
+    out = _operand(model, op, what, "output 0", T.TENSOR_FLOAT32)
+    channels = data.dimensions[3] if len(data.dimensions) == 4 else 0
+    _check_output(what, out, (1, height, width, channels))
+    i_data, i_matrix = op.inputs[:2]
+
+    def run(values):
+        x, m = values[i_data], values[i_matrix]
+        if x.ndim != 4 or x.shape[0] != 1 or 0 in x.shape:
+            raise invalid(f"{what}: input 0 of shape {list(x.shape)} is not [1, h, w, c]")
+        _check_matrix_value(what, m)
+        return mk.transform_tensor_bilinear(x, m, height, width)
+    return run
+
+
+def _prepare_transform_landmarks(model: HalModel, op: Operation, what: str) -> Run:
+    _check_arity(what, op, 2)
+    landmarks = _operand(model, op, what, "input 0", T.TENSOR_FLOAT32, rank=3)
+    _check_dims(what, "input 0 (the landmarks)", landmarks.dimensions, (1, "n", "d"))
+    if len(landmarks.dimensions) == 3 and landmarks.dimensions[2] not in (0, 2, 3):
+        raise invalid(f"{what}: input 0 holds landmarks of {landmarks.dimensions[2]} "
+                      f"coordinates; 2 (x, y) or 3 (x, y, z) are defined")
+    _matrix(model, op, what, 1)
+    out = _operand(model, op, what, "output 0", T.TENSOR_FLOAT32)
+    _check_output(what, out, landmarks.dimensions or (0, 0, 0))
+    i_landmarks, i_matrix = op.inputs
+
+    def run(values):
+        x, m = values[i_landmarks], values[i_matrix]
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] not in (2, 3):
+            raise invalid(f"{what}: input 0 of shape {list(x.shape)} is not [1, n, 2 or 3]")
+        _check_matrix_value(what, m)
+        return mk.transform_landmarks(x, m)
+    return run
+
+
+def _check_matrix_value(what: str, m: np.ndarray) -> None:
+    if m.shape != (1, 4, 4):
+        raise invalid(f"{what}: input 1 of shape {list(m.shape)} is not a [1, 4, 4] matrix")
+
+
+# Type within com.nnrt.mediapipe -> its validation, which returns its kernel
+# bound to the operation's operands and constants.
+_PREPARE: dict[int, Callable[[HalModel, Operation, str], Run]] = {
+    mp.CONVOLUTION_2D_TRANSPOSE_BIAS: _prepare_transpose_conv_bias,
+    mp.LANDMARKS_TO_TRANSFORM_MATRIX: _prepare_landmarks_to_transform_matrix,
+    mp.TRANSFORM_TENSOR_BILINEAR: _prepare_transform_tensor_bilinear,
+    mp.TRANSFORM_LANDMARKS: _prepare_transform_landmarks,
+}
+
+
+def _prepare_operation(model: HalModel, k: int, op: Operation) -> Run:
+    """Validate operation ``k`` as this extension defines it; its kernel."""
+    what = f"operation {k} ({op.type.name})"
+    prepare = _PREPARE.get(op.type.type_within) if (
+        op.type.is_extension and op.type.extension == mp.NAME) else None
+    if prepare is None:
+        raise invalid(f"{what}: not an operation of {mp.NAME}")
+    return prepare(model, op, what)
 
 
 class MediapipeDevice(Device):
@@ -117,7 +277,7 @@ class MediapipeDevice(Device):
         flags = []
         for k, op in enumerate(model.main.operations):
             try:
-                _check_operation(model, k, op)
+                _prepare_operation(model, k, op)
                 flags.append(True)
             except NnrtError:
                 flags.append(False)
@@ -129,8 +289,6 @@ class MediapipeDevice(Device):
         validate_model(model)
         if model.referenced:
             raise invalid(f"{self.name} does not run control flow")
-        for k, op in enumerate(model.main.operations):
-            _check_operation(model, k, op)
         return MediapipePreparedModel(model)
 
     def __repr__(self) -> str:
@@ -141,14 +299,14 @@ class MediapipePreparedModel(PreparedModel):
     def __init__(self, model: HalModel):
         self.model = model
         main = model.main
-        self._steps = []
-        for k, op in enumerate(main.operations):
-            params = _params(model, op, f"operation {k}")
-            weights = np.asarray(model.constant_value(main.operands[op.inputs[1]]), np.float32) \
-                if main.operands[op.inputs[1]].lifetime in _CONSTANT else None
-            bias = np.asarray(model.constant_value(main.operands[op.inputs[2]]), np.float32) \
-                if main.operands[op.inputs[2]].lifetime in _CONSTANT else None
-            self._steps.append((op, params, weights, bias))
+        self._steps = [(op.outputs[0], _prepare_operation(model, k, op))
+                       for k, op in enumerate(main.operations)]
+        # Constant tensors an operation reads (weights, a fixed matrix), decoded once.
+        self._constants = {i: np.asarray(model.constant_value(main.operands[i]))
+                           for op in main.operations for i in op.inputs
+                           if main.operands[i].lifetime in _CONSTANT
+                           and not main.operands[i].type.is_scalar
+                           and not main.operands[i].type.is_extension}
 
     def execute_synchronously(self, request, measure: bool = False,
                               deadline: float | None = None, loop_timeout: float | None = None,
@@ -158,14 +316,19 @@ class MediapipePreparedModel(PreparedModel):
         try:
             validate_request(self.model, request)
             main = self.model.main
-            values = dict(zip(main.input_indexes, read_inputs(self.model, request)))
-            for op, params, weights, bias in self._steps:
+            values = dict(self._constants)
+            values.update(zip(main.input_indexes, read_inputs(self.model, request)))
+            for k, (output, run) in enumerate(self._steps):
                 if checkpoint is not None:
                     checkpoint()
-                x = values[op.inputs[0]]
-                w = weights if weights is not None else values[op.inputs[1]]
-                b = bias if bias is not None else values[op.inputs[2]]
-                values[op.outputs[0]] = _convolution_2d_transpose_bias(x, w, b, *params)
+                try:
+                    values[output] = run(values)
+                except (ValueError, TypeError, IndexError, ArithmeticError, MemoryError) as e:
+                    # As the reference executor: a kernel that cannot compute
+                    # what it was given (a crop too large to allocate) fails
+                    # this execution, never the driver.
+                    raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                                    f"operation {k} failed: {type(e).__name__}: {e}") from e
             outputs = [values[i] for i in main.output_indexes]
             shapes = output_shapes(request, outputs)
             if not all(s.is_sufficient for s in shapes):

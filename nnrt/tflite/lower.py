@@ -31,6 +31,12 @@ operation(s) that compute the same thing:
   REVERSE_V2 becomes one NNAPI REVERSE per axis, each axis made non-negative
   (NNAPI's REVERSE takes exactly one axis in [0, rank)); its axes must be
   constant, distinct and at least one;
+* CUSTOM ops a known vendor extension defines become its operations:
+  mediapipe's Convolution2DTransposeBias, Landmarks2TransformMatrix,
+  TransformTensorBilinear and TransformLandmarks are ``com.nnrt.mediapipe``
+  operations, their custom options (raw TfLiteTransposeConvParams, or a
+  flexbuffer map read as mediapipe's parsers read it) NNAPI constants; the
+  landmark ops only in version 2, the one mediapipe's resolvers register;
 * WHILE and IF become NNAPI control flow whose condition, body and branches
   are referenced models (``set_operand_value_from_model``);
 * UNIDIRECTIONAL_SEQUENCE_LSTM reads its state from TFLite *variable*
@@ -56,10 +62,12 @@ the same values, and GATHER with a scalar index is reshaped back.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
+from flatbuffers import flexbuffers
 
 from ..errors import NnrtError, invalid
 from ..extensions import mediapipe as _mediapipe
@@ -1245,10 +1253,94 @@ def _mediapipe_transpose_conv_bias(c: Lowering, op: Operator) -> None:
     c.emit(kind, ins, [c.output(op.outputs[0], op)])
 
 
+_KIND_NAMES = {int: "an int", float: "a number", list: "a vector of ints"}
+
+
+def _custom_options(c: Lowering, op: Operator, keys: dict[str, type]) -> dict:
+    """The flexbuffer map of ``op``'s custom options, as mediapipe's parsers
+    read it: each of ``keys`` present, an int (``int``), a number
+    (``float``) or a vector of ints (``list``); other keys are ignored."""
+    try:
+        options = flexbuffers.Loads(op.custom_options)
+    except (IndexError, ValueError, TypeError, KeyError, struct.error, RecursionError,
+            OverflowError, MemoryError, AssertionError) as e:
+        # What flexbuffers raises on bytes that are not a flexbuffer (it
+        # checks some type tags with assert), found by mutating real options.
+        raise c.fail(op, f"custom options are not a flexbuffer ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(options, dict):
+        raise c.fail(op, "custom options are not a flexbuffer map")
+    found = {}
+    for key, kind in keys.items():
+        value = options.get(key)
+        items = value if kind is list and isinstance(value, list) else [value]
+        if value is None or not all(isinstance(v, (float, int) if kind is float else int)
+                                    and not isinstance(v, bool) for v in items):
+            raise c.fail(op, f"custom option {key!r} must be {_KIND_NAMES[kind]}, "
+                             f"got {value!r}")
+        if kind is not float and not all(-2**31 <= v < 2**31 for v in items):
+            raise c.fail(op, f"custom option {key!r} does not fit int32: {value!r}")
+        found[key] = value
+    return found
+
+
+def _mediapipe_version_2(c: Lowering, op: Operator) -> None:
+    """Version 1 of the landmark ops reads other options and computes otherwise."""
+    if op.version != 2:
+        raise c.fail(op, f"is version {op.version}; com.nnrt.mediapipe implements version 2, "
+                         f"the one mediapipe's op resolvers register")
+
+
+def _mediapipe_op(c: Lowering, op: Operator, type_within: int, inputs: int,
+                  params: list[int]) -> None:
+    """Emit ``op`` as operation ``type_within`` of com.nnrt.mediapipe: its
+    ``inputs`` tensors, then the ``params`` operands, one output."""
+    if len(op.inputs) != inputs or len(op.outputs) != 1:
+        raise c.fail(op, f"takes {inputs} inputs and 1 output, has {len(op.inputs)} and "
+                         f"{len(op.outputs)}")
+    kind = c.model.get_extension_operation_type(_mediapipe.NAME, type_within)
+    c.emit(kind, [_input(c, op, t) for t in op.inputs] + params, [c.output(op.outputs[0], op)])
+
+
+def _mediapipe_landmarks_to_transform_matrix(c: Lowering, op: Operator) -> None:
+    # Version 2 reads subset_idxs, left/right_rotation_idx, target_rotation_radians,
+    # output_height/width and scale_x/y from its flexbuffer options.
+    _mediapipe_version_2(c, op)
+    o = _custom_options(c, op, {"subset_idxs": list, "left_rotation_idx": int,
+                                "right_rotation_idx": int, "target_rotation_radians": float,
+                                "output_height": int, "output_width": int, "scale_x": float,
+                                "scale_y": float})
+    if not o["subset_idxs"]:
+        raise c.fail(op, "custom option 'subset_idxs' names no landmark")
+    _mediapipe_op(c, op, _mediapipe.LANDMARKS_TO_TRANSFORM_MATRIX, 1, [
+        c.i32_tensor(o["subset_idxs"]), c.i32(o["left_rotation_idx"]),
+        c.i32(o["right_rotation_idx"]), c.f32(o["target_rotation_radians"]),
+        c.i32(o["output_height"]), c.i32(o["output_width"]), c.f32(o["scale_x"]),
+        c.f32(o["scale_y"])])
+
+
+def _mediapipe_transform_tensor_bilinear(c: Lowering, op: Operator) -> None:
+    # Version 2 (align corners) reads output_height and output_width.
+    _mediapipe_version_2(c, op)
+    o = _custom_options(c, op, {"output_height": int, "output_width": int})
+    _mediapipe_op(c, op, _mediapipe.TRANSFORM_TENSOR_BILINEAR, 2,
+                  [c.i32(o["output_height"]), c.i32(o["output_width"])])
+
+
+def _mediapipe_transform_landmarks(c: Lowering, op: Operator) -> None:
+    # Version 2 has no options: the landmarks' last dimension says 2D or 3D.
+    _mediapipe_version_2(c, op)
+    _mediapipe_op(c, op, _mediapipe.TRANSFORM_LANDMARKS, 2, [])
+
+
 # TFLite custom codes a known vendor extension defines.
 _CUSTOM_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
-    code: _mediapipe_transpose_conv_bias for code in _mediapipe.CUSTOM_OPS
+    "Convolution2DTransposeBias": _mediapipe_transpose_conv_bias,
+    "Landmarks2TransformMatrix": _mediapipe_landmarks_to_transform_matrix,
+    "TransformTensorBilinear": _mediapipe_transform_tensor_bilinear,
+    "TransformLandmarks": _mediapipe_transform_landmarks,
 }
+assert _CUSTOM_HANDLERS.keys() == _mediapipe.CUSTOM_OPS.keys()
 
 
 def _space_to_batch(c: Lowering, op: Operator) -> None:

@@ -74,6 +74,7 @@ class Operator:
     outputs: tuple[int, ...]
     options: dict = field(default_factory=dict)
     custom_options: bytes = b""
+    version: int = 1              # the operator code's version (custom ops' kernels differ by it)
 
 
 @dataclass
@@ -108,7 +109,8 @@ def read(data: bytes, name: str) -> TfliteFile:
     try:
         model = tflite.Model.GetRootAsModel(data, 0)
         buffers = [_buffer(model.Buffers(i), data) for i in range(model.BuffersLength())]
-        opcodes = [_opcode_name(model.OperatorCodes(i)) for i in range(model.OperatorCodesLength())]
+        opcodes = [(_opcode_name(model.OperatorCodes(i)), model.OperatorCodes(i).Version())
+                   for i in range(model.OperatorCodesLength())]
         graphs = [_graph(model.Subgraphs(g), g, buffers, opcodes, name)
                   for g in range(model.SubgraphsLength())]
         signatures = [_signature(model.SignatureDefs(i)) for i in range(model.SignatureDefsLength())]
@@ -151,7 +153,7 @@ def _graph(sg, g: int, buffers, opcodes, name: str) -> Graph:
         if not 0 <= code < len(opcodes):
             raise ValueError(f"operator {k} has opcode index {code} of {len(opcodes)}")
         operators.append(Operator(
-            index=k, name=opcodes[code],
+            index=k, name=opcodes[code][0], version=opcodes[code][1],
             inputs=tuple(int(i) for i in op.InputsAsNumpy()) if op.InputsLength() else (),
             outputs=tuple(int(i) for i in op.OutputsAsNumpy()) if op.OutputsLength() else (),
             options=_options(op),

@@ -307,3 +307,97 @@ async def test_the_extension_part_of_selfie_matches_xnnpack(allow_this_app):
         got = (await compiled.execute([x])).outputs[-1]
     expected = np.load(f"{SELFIE}.out0.npy")
     assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+
+# --- face_landmark_with_attention: the landmark operations --------------------------------
+
+FACE = ROOT / "tests" / "data" / "mediapipe" / "face_landmark_with_attention"
+
+
+async def _run_face(spawn: bool = False, litert: bool = False):
+    """The model on its stored input: the devices it ran on and its outputs;
+    the builtin operations on the reference device (or litert), the custom
+    ones on the mediapipe driver (in process, or a service with ``spawn``)."""
+    model = nnrt.tflite.load(f"{FACE}.tflite")
+    if spawn:
+        runtime = nnrt.Runtime(spawn=[("mp", "mediapipe")], discover=False, litert=litert)
+    else:
+        from nnrt.drivers.litert import LiteRTDevice
+        runtime = nnrt.Runtime(devices=[MediapipeDevice("mp"), *(
+            [LiteRTDevice()] if litert else []), ReferenceDevice()])
+    async with runtime as rt:
+        compiled = await rt.compile(model)
+        result = await compiled.execute([np.load(f"{FACE}.in0.npy")])
+    return [d.name for d in compiled.devices], result.outputs
+
+
+def _mediapipes_spread(recorded) -> list[float]:
+    """Per output, how far mediapipe's two runs of the model (TFLite's builtin
+    kernels, XNNPACK) are apart: float noise of two right implementations of
+    the builtin operations around the same custom kernels."""
+    spread = []
+    for i in range(7):
+        plain, xnnpack = recorded[f"out{i}"], recorded[f"xnnpack_out{i}"]
+        spread.append(float(np.max(np.abs(plain - xnnpack))))
+        assert 0 < spread[-1] < 1e-5 * np.max(np.abs(plain))   # noise, not a wrong kernel
+    return spread
+
+
+def _check_refinements(outputs) -> None:
+    """The attention heads refine the mesh in crops around the lips and the
+    eyes: each refined point lies where the mesh has that point, within 8
+    pixels of the 192-pixel input (two pixels of the 16 x 16 crop), and each
+    iris centre inside its eye. A wrong crop matrix puts them tens of pixels
+    away."""
+    from flatbuffers import flexbuffers
+    from nnrt.tflite.reader import read
+    file = read(Path(f"{FACE}.tflite").read_bytes(), "face")
+    subsets = [flexbuffers.Loads(op.custom_options)["subset_idxs"] for op in file.graphs[0].operators
+               if op.name == "CUSTOM:Landmarks2TransformMatrix"]     # lips, left eye, right eye
+    mesh = outputs[0].reshape(468, 3)[:, :2]
+    for refined, subset in zip(outputs[1:4], subsets):
+        points = refined.reshape(-1, 2)
+        assert np.max(np.linalg.norm(points - mesh[subset[:len(points)]], axis=1)) < 8
+    for iris, subset in zip(outputs[4:6], subsets[1:]):
+        centre, eye = iris.reshape(5, 2)[0], mesh[subset]
+        assert np.all(eye.min(0) < centre) and np.all(centre < eye.max(0))
+
+
+async def test_face_landmark_with_attention_matches_mediapipes_own_kernels():
+    """The issue's done-when: the model runs, its custom ops on the mediapipe
+    driver, and gives what mediapipe computes (its InferenceCalculator with
+    its own resolver, recorded by scripts/record_face_landmark_attention.py).
+    The builtin operations run on the reference device, whose float32 sums
+    come in another order than TFLite's kernels': each output must be within
+    twice the distance between mediapipe's own two runs (TFLite's kernels,
+    XNNPACK) of its run with TFLite's kernels (here at most 1.05 times it:
+    8.8e-5 on values up to 156)."""
+    recorded = np.load(f"{FACE}.mediapipe.npz")
+    names, outputs = await _run_face()
+    assert names == ["nnrt-reference", "mp", "nnrt-reference", "mp", "nnrt-reference"]
+    for i, (got, spread) in enumerate(zip(outputs, _mediapipes_spread(recorded))):
+        assert got.shape == recorded[f"out{i}"].shape
+        assert np.max(np.abs(got - recorded[f"out{i}"])) <= 2 * spread, f"output {i}"
+    _check_refinements(outputs)
+
+
+async def test_face_landmark_with_attention_on_litert_matches_mediapipe_on_xnnpack():
+    """With the builtin operations on the litert driver (XNNPACK, as
+    mediapipe's XNNPACK run) the same bound holds against that run (here the
+    outputs are the same bits)."""
+    pytest.importorskip("ai_edge_litert.interpreter")
+    recorded = np.load(f"{FACE}.mediapipe.npz")
+    names, outputs = await _run_face(litert=True)
+    assert "mp" in names and set(names) <= {"mp", "litert"}
+    for i, (got, spread) in enumerate(zip(outputs, _mediapipes_spread(recorded))):
+        assert np.max(np.abs(got - recorded[f"xnnpack_out{i}"])) <= 2 * spread, f"output {i}"
+
+
+async def test_face_landmark_with_attention_on_a_mediapipe_service():
+    """The custom ops on a mediapipe driver service, no allowlist entry: the
+    same kernels on both sides of the socket give the same bits."""
+    _, in_process = await _run_face()
+    names, served = await _run_face(spawn=True)
+    assert names == ["nnrt-reference", "mp", "nnrt-reference", "mp", "nnrt-reference"]
+    for got, want in zip(served, in_process):
+        np.testing.assert_array_equal(got, want)
