@@ -50,10 +50,11 @@ from typing import Callable
 import numpy as np
 
 from ..errors import NnrtError, invalid
-from ..extensions import mediapipe as _mediapipe
+from ..extensions import mediapipe as _mediapipe, tflite as _tflite_ext
 from ..model.builder import Model
 from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
 from ..model.types import OperandType as T, OperationType as Op
+from ..ops.tflite_builtins import range_values
 from .reader import Graph, Operator, Tensor, TfliteFile
 
 _PADDING = {0: 1, 1: 2}  # TFLite Padding SAME/VALID -> NNAPI PaddingScheme
@@ -112,6 +113,8 @@ class Lowering:
             return T.TENSOR_INT32, {}
         if dt in _FLOAT_TYPES:
             return _FLOAT_TYPES[dt], {}
+        if dt == np.complex64:  # (real, imaginary) as a last dimension of 2: see dims()
+            return T.TENSOR_FLOAT32, {}
         raise self._refuse(op, f"{where} has a type NNAPI has no operand for")
 
     def _refuse(self, op: Operator | None, message: str):
@@ -129,10 +132,14 @@ class Lowering:
         return not unknown or (self.is_main and unknown == [0])
 
     def dims(self, tensor: Tensor) -> tuple[int, ...]:
-        """NNAPI dimensions: 0 where the size is only known at execution."""
+        """NNAPI dimensions: 0 where the size is only known at execution. A
+        complex64 tensor is float32 with a last dimension of 2 (real,
+        imaginary), the layout of the com.nnrt.tflite extension's RFFT2D."""
+        pair = (2,) if tensor.dtype == np.complex64 else ()
         if self.static_shape(tensor):
-            return tensor.shape
-        return tuple(0 if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature))
+            return tensor.shape + pair
+        return tuple(0 if s < 0 else d
+                     for d, s in zip(tensor.shape, tensor.shape_signature)) + pair
 
     def operand(self, t: int, op: Operator | None = None) -> int:
         """The operand of tensor ``t`` (a constant operand when its value is known)."""
@@ -145,6 +152,8 @@ class Lowering:
         kind, quant = self.operand_type(tensor, op)
         if value.dtype == np.int64:
             value = _to_int32(value, self._refuse(op, f"tensor {t} does not fit int32"))
+        if value.dtype == np.complex64:
+            value = np.stack([value.real, value.imag], axis=-1)
         index = self.model.add_operand(kind, value.shape or (1,), **quant)
         self.model.set_operand_value(index, np.ascontiguousarray(value).reshape(value.shape or (1,)))
         self.operands[t] = index
@@ -269,6 +278,10 @@ class Lowering:
                 self.values[t] = v
             return
         handler = _HANDLERS.get(op.name)
+        if op.name not in _COMPLEX_HANDLERS and any(
+                t >= 0 and self.tensor(t).dtype == np.complex64 for t in op.inputs):
+            raise self.fail(op, f"reads a complex64 tensor; the importer takes complex "
+                                f"tensors only into {', '.join(sorted(_COMPLEX_HANDLERS))}")
         if handler is None and op.name.startswith("CUSTOM:"):
             handler = _CUSTOM_HANDLERS.get(op.name[7:])
         if handler is None:
@@ -415,9 +428,38 @@ def _fold_strided_slice(c, op, args):
 
 def _fold_reshape(c, op, args):
     out = c.tensor(op.outputs[0])
+    if op.name == "RESHAPE" and len(args) > 1 and args[1] is not None:
+        # The shape input decides (the file's output shape may be a placeholder).
+        return [args[0].reshape([int(v) for v in args[1].reshape(-1)])]
+    if op.name == "EXPAND_DIMS":
+        return [np.expand_dims(args[0], int(args[1].reshape(-1)[0]))]
+    if op.name == "SQUEEZE":
+        axes = op.options.get("SqueezeDims") or None
+        return [np.squeeze(args[0], axis=tuple(axes) if axes else None)]
     if not c.static_shape(out):
         return None
     return [args[0].reshape(out.shape)]
+
+
+def _fold_split_v(c, op, args):
+    x, sizes, axis = args[0], [int(v) for v in args[1].reshape(-1)], int(args[2].reshape(-1)[0])
+    if sizes.count(-1) == 1:
+        sizes[sizes.index(-1)] = x.shape[axis] - (sum(sizes) + 1)
+    return np.split(x, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _fold_range(c, op, args):
+    dtype = np.int32 if args[0].dtype.kind in "iu" else np.float32
+    return [range_values(*args[:3], dtype, lambda m: c.fail(op, m))]
+
+
+def _fold_int_reduce(fn):
+    def fold(c, op, args):
+        if args[0].dtype.kind not in "iu":
+            return None
+        axes = tuple(int(a) for a in args[1].reshape(-1))
+        return [fn(args[0], axis=axes, keepdims=bool(op.options.get("KeepDims")))]
+    return fold
 
 
 _FOLDERS: dict[str, Callable] = {
@@ -439,6 +481,12 @@ _FOLDERS: dict[str, Callable] = {
     "SUB": _fold_int(np.subtract),
     "MUL": _fold_int(np.multiply),
     "FLOOR_DIV": _fold_int(np.floor_divide),
+    "MAXIMUM": _fold_int(np.maximum),
+    "MINIMUM": _fold_int(np.minimum),
+    "SPLIT_V": _fold_split_v,
+    "RANGE": _fold_range,
+    "REDUCE_PROD": _fold_int_reduce(np.prod),
+    "SUM": _fold_int_reduce(np.sum),
 }
 
 
@@ -1129,6 +1177,106 @@ def _tile(c: Lowering, op: Operator) -> None:
            [c.output(op.outputs[0], op)])
 
 
+# --- TFLite builtins without an NNAPI twin: the com.nnrt.tflite extension ------------
+
+def _extension_op(c: Lowering, within: int):
+    return c.model.get_extension_operation_type(_tflite_ext.NAME, within)
+
+
+def _range(c: Lowering, op: Operator) -> None:
+    """A RANGE whose ends are known only when it runs (a constant one is
+    folded): the extension's RANGE, its length a dynamic output shape."""
+    ins = [_input(c, op, t) for t in op.inputs[:3]]
+    c.emit(_extension_op(c, _tflite_ext.RANGE), ins, [c.output(op.outputs[0], op)])
+
+
+def _rfft2d(c: Lowering, op: Operator) -> None:
+    length = _constant_input(c, op, 1, "fft_length").reshape(-1)
+    if length.size != 2 or any(n < 1 or int(n) & (int(n) - 1) for n in length):
+        raise c.fail(op, f"fft_length {length.tolist()} must be two powers of two")
+    c.emit(_extension_op(c, _tflite_ext.RFFT2D),
+           [_input(c, op, op.inputs[0]), c.i32_tensor(length)], [c.output(op.outputs[0], op)])
+
+
+def _complex_part(c: Lowering, op: Operator, part: int, target: int | None = None) -> int:
+    """Part 0 (real) or 1 (imaginary) of a complex tensor: a STRIDED_SLICE of
+    the last dimension that drops it (shrink mask); masks keep every other
+    dimension whole, so unknown sizes need not be known."""
+    x_t = c.tensor(op.inputs[0])
+    rank = len(x_t.shape) + 1
+    every = (1 << (rank - 1)) - 1
+    begin = [0] * (rank - 1) + [part]
+    end = [0] * (rank - 1) + [part + 1]
+    out = c.output(op.outputs[0], op) if target is None else target
+    c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin), c.i32_tensor(end),
+                              c.i32_tensor([1] * rank), c.i32(every), c.i32(every),
+                              c.i32(1 << (rank - 1))], [out])
+    return out
+
+
+def _real(c: Lowering, op: Operator) -> None:
+    _complex_part(c, op, 0)
+
+
+def _imag(c: Lowering, op: Operator) -> None:
+    _complex_part(c, op, 1)
+
+
+def _complex_abs(c: Lowering, op: Operator) -> None:
+    """|z| as sqrt(re * re + im * im) (TFLite calls std::abs, a hypot: the
+    two round differently in the last bit, and this one overflows past
+    1.8e19 where hypot does not)."""
+    parts = []
+    for part in (0, 1):
+        value = _complex_part(c, op, part, c.temp_like(op.outputs[0]))
+        square = c.temp_like(op.outputs[0])
+        c.emit(Op.MUL, [value, value, c.i32(0)], [square])
+        parts.append(square)
+    total = c.temp_like(op.outputs[0])
+    c.emit(Op.ADD, [*parts, c.i32(0)], [total])
+    c.emit(Op.SQRT, [total], [c.output(op.outputs[0], op)])
+
+
+def _cast_complex(c: Lowering, op: Operator) -> None:
+    """CAST of a complex64 tensor to float32 keeps the real part, as
+    TFLite's kernel does; other casts are NNAPI's CAST."""
+    x_t, out_t = c.tensor(op.inputs[0]), c.tensor(op.outputs[0])
+    if x_t.dtype != np.complex64:
+        return _cast(c, op)
+    if out_t.dtype != np.float32:
+        raise c.fail(op, f"CAST from complex64 to {out_t.type_name}: only to FLOAT32 (the "
+                         f"real part)")
+    _complex_part(c, op, 0)
+
+
+def _squeeze_any(c: Lowering, op: Operator) -> None:
+    """SQUEEZE; on a complex tensor the axes count from the front as in the
+    file, and a negative axis skips the (real, imaginary) dimension."""
+    x_t = c.tensor(op.inputs[0])
+    if x_t.dtype != np.complex64:
+        return _squeeze(c, op)
+    rank = len(x_t.shape)
+    axes = op.options.get("SqueezeDims") or []
+    if not axes:
+        if not c.static_shape(x_t):
+            raise c.fail(op, "SQUEEZE of every dimension of 1 needs the input's shape at import")
+        axes = [d for d, n in enumerate(x_t.shape) if n == 1]
+    axes = [int(a) % rank for a in axes]
+    c.emit(Op.SQUEEZE, [_input(c, op, op.inputs[0]), c.i32_tensor(axes)],
+           [c.output(op.outputs[0], op)])
+
+
+# Operators that take complex64 tensors (kept as a last dimension of 2).
+_COMPLEX_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
+    "RFFT2D": _rfft2d,
+    "REAL": _real,
+    "IMAG": _imag,
+    "COMPLEX_ABS": _complex_abs,
+    "CAST": _cast_complex,
+    "SQUEEZE": _squeeze_any,
+}
+
+
 _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "ADD": _binary_with_activation(Op.ADD),
     "SUB": _binary_with_activation(Op.SUB),
@@ -1173,7 +1321,6 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "SPACE_TO_DEPTH": _block(Op.SPACE_TO_DEPTH),
     "DEQUANTIZE": _dequantize,
     "QUANTIZE": _quantize,
-    "CAST": _cast,
     "STRIDED_SLICE": _strided_slice,
     "SLICE": _slice,
     "SPLIT": _split,
@@ -1181,10 +1328,11 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "PACK": _pack,
     "BATCH_MATMUL": _batch_matmul,
     "GATHER": _gather,
-    "SQUEEZE": _squeeze,
     "EXPAND_DIMS": _expand_dims,
     "TRANSPOSE": _transpose,
     "UNIDIRECTIONAL_SEQUENCE_LSTM": _lstm,
+    "RANGE": _range,
+    **_COMPLEX_HANDLERS,
     "WHILE": _while,
     "IF": _if,
     "PRELU": _plain(Op.PRELU, 2),
