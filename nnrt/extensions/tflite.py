@@ -20,9 +20,11 @@ Operation ``RFFT2D`` (type within 1), TFLite's RFFT2D:
 * input 0: TENSOR_FLOAT32 of rank 2 to 6, its last two dimensions the signal
 * input 1: TENSOR_INT32 [2], a constant: ``fft_length`` (height, width), each
   a power of two; the signal is cropped or padded with zeros to it
-* output 0: TENSOR_FLOAT32 ``[..., height, width / 2 + 1, 2]``: the complex
-  result as a trailing dimension of two, real part then imaginary part
-  (TFLite's complex64 tensor has the same memory layout).
+* output 0: TENSOR_FLOAT32 ``[..., height, 2 * (width / 2 + 1)]``: the
+  complex result with its real and imaginary parts interleaved along the last
+  dimension, the memory layout of TFLite's complex64 tensor. (Interleaving
+  keeps the rank, so the NNAPI operations that read a part, STRIDED_SLICE
+  with a stride of 2, take the tensors of rank up to 4 they accept.)
 """
 from __future__ import annotations
 

@@ -110,14 +110,14 @@ def _rfft2d_shape(op: OpView) -> list[tuple[int, ...]]:
     dims = op.dims(0)
     if not dims:
         return [()]
-    return [tuple(dims[:-2]) + (height, width // 2 + 1, 2)]
+    return [tuple(dims[:-2]) + (height, 2 * (width // 2 + 1))]
 
 
 def _rfft2d_kernel(call: Call) -> list[np.ndarray]:
     x = np.asarray(call.ins[0].value, np.float64)
     height, width = (int(v) for v in np.asarray(call.ins[1].value).reshape(-1))
-    spectrum = np.fft.rfft2(x, s=(height, width), axes=(-2, -1))
-    return [np.stack([spectrum.real, spectrum.imag], axis=-1).astype(np.float32)]
+    spectrum = np.fft.rfft2(x, s=(height, width), axes=(-2, -1)).astype(np.complex64)
+    return [spectrum.view(np.float32)]   # (real, imaginary) interleaved, as complex64 is
 
 
 register_extension(ext.EXTENSION, ext.RFFT2D, validate=_rfft2d_validate, shape=_rfft2d_shape,

@@ -49,9 +49,11 @@ from typing import Callable
 
 import numpy as np
 
+from .. import ops
 from ..errors import NnrtError, invalid
 from ..extensions import mediapipe as _mediapipe, tflite as _tflite_ext
 from ..model.builder import Model
+from ..model.graph import Operation
 from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
 from ..model.types import OperandType as T, OperationType as Op
 from ..ops.tflite_builtins import range_values
@@ -61,6 +63,31 @@ _PADDING = {0: 1, 1: 2}  # TFLite Padding SAME/VALID -> NNAPI PaddingScheme
 _FUSED_TANH = 4
 _FLOAT_TYPES = {np.dtype(np.float32): T.TENSOR_FLOAT32, np.dtype(np.float16): T.TENSOR_FLOAT16,
                 np.dtype(np.int32): T.TENSOR_INT32, np.dtype(np.bool_): T.TENSOR_BOOL8}
+
+
+class _Building:
+    """What an ``OpView`` reads of the model a :class:`Lowering` builds: its
+    operands by index and the values of its constants."""
+
+    def __init__(self, lowering: "Lowering"):
+        self._lowering = lowering
+        self._index: dict[int, int] = {}   # id(Operand) -> its index, as handed out
+        self.referenced = ()
+
+    def subgraph(self, index):
+        return self
+
+    @property
+    def operands(self):
+        return self
+
+    def __getitem__(self, i: int):
+        operand = self._lowering.model.operand(i)
+        self._index[id(operand)] = i
+        return operand
+
+    def constant_value(self, operand):
+        return self._lowering.constants.get(self._index.get(id(operand), -1))
 
 
 class Lowering:
@@ -75,8 +102,21 @@ class Lowering:
         self.is_main = is_main
         self.model = Model()
         self.operands: dict[int, int] = {}
+        # What is known of the model being built, for shape inference at
+        # import (see emit): the dimensions the registry infers for each
+        # operation's outputs, and the value of each constant operand.
+        self.known: dict[int, tuple[int, ...]] = {}
+        self.constants: dict[int, object] = {}
+        self._building = _Building(self)
         self.values: dict[int, np.ndarray] = {t.index: t.data for t in self.graph.tensors
                                               if t.data is not None}
+        # An empty constant (a shape [] given as a vector of 0 elements) has
+        # no buffer in the file: nothing writes it, so it is that empty value.
+        written = {t for op in self.graph.operators for t in op.outputs} | set(self.graph.inputs)
+        for t in self.graph.tensors:
+            if t.data is None and t.dtype is not None and t.shape and 0 in t.shape \
+                    and t.index not in written and -1 not in t.shape_signature:
+                self.values[t.index] = np.zeros(t.shape, t.dtype)
         self.state_inputs: list[tuple[int, int]] = []   # (tensor, operand)
         self.state_outputs: list[tuple[int, int]] = []  # (tensor of the state, operand)
         self._pending: list[tuple[Op, int, int]] = []   # activations split off an operation
@@ -113,7 +153,7 @@ class Lowering:
             return T.TENSOR_INT32, {}
         if dt in _FLOAT_TYPES:
             return _FLOAT_TYPES[dt], {}
-        if dt == np.complex64:  # (real, imaginary) as a last dimension of 2: see dims()
+        if dt == np.complex64:  # (real, imaginary) interleaved in the last dimension: see dims()
             return T.TENSOR_FLOAT32, {}
         raise self._refuse(op, f"{where} has a type NNAPI has no operand for")
 
@@ -122,24 +162,54 @@ class Lowering:
             return invalid(f"{self.file.name}: subgraph {self.graph.index}: {message}")
         return self.fail(op, message)
 
-    def static_shape(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` always has the shape the file records. In the
-        main graph an unknown batch (dimension 0) is fixed by the model input
-        shapes the file records, as LiteRT fixes it at allocate_tensors; any
-        other unknown dimension depends on data (a loop, a dynamic slice)."""
+    def _signature_static(self, tensor: Tensor) -> bool:
+        """Whether the file fixes ``tensor``'s shape: its signature has no
+        unknown size, or it is an input of the main graph whose only unknown
+        is the batch, which the input shapes the file records fix (as LiteRT
+        fixes it at allocate_tensors)."""
         unknown = [d for d, s in enumerate(tensor.shape_signature) if s < 0] \
             if len(tensor.shape_signature) == len(tensor.shape) else []
-        return not unknown or (self.is_main and unknown == [0])
+        return not unknown or (self.is_main and unknown == [0]
+                               and tensor.index in self.graph.inputs)
+
+    def static_shape(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s shape is known at import: fixed by the file,
+        or inferred from the operations that compute it. Where the signature
+        has an unknown size, the shape the file records is a placeholder
+        (LiteRT resizes such tensors when it prepares the graph), so it is
+        never trusted."""
+        if self._signature_static(tensor):
+            return True
+        known = self.known.get(self.operands.get(tensor.index, -1))
+        return known is not None and len(known) > 0 and 0 not in known
 
     def dims(self, tensor: Tensor) -> tuple[int, ...]:
-        """NNAPI dimensions: 0 where the size is only known at execution. A
-        complex64 tensor is float32 with a last dimension of 2 (real,
-        imaginary), the layout of the com.nnrt.tflite extension's RFFT2D."""
-        pair = (2,) if tensor.dtype == np.complex64 else ()
-        if self.static_shape(tensor):
-            return tensor.shape + pair
-        return tuple(0 if s < 0 else d
-                     for d, s in zip(tensor.shape, tensor.shape_signature)) + pair
+        """NNAPI dimensions: 0 where the size is only known at execution
+        (inferred at import where the operations that compute the tensor
+        allow it). A complex64 tensor is float32 with a last dimension of 2
+        (real, imaginary) interleaved along the last dimension, which is twice
+        as long: complex64's memory layout, and the com.nnrt.tflite extension's
+        RFFT2D's."""
+        known = self.known.get(self.operands.get(tensor.index, -1))
+        if known:
+            return known
+        if self._signature_static(tensor):
+            dims = tensor.shape
+        else:
+            dims = tuple(0 if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature))
+        if tensor.dtype == np.complex64 and dims:
+            dims = dims[:-1] + (2 * dims[-1],)
+        return dims
+
+    def shape(self, t: int | Tensor) -> tuple[int, ...]:
+        """The TFLite shape of tensor ``t`` as known at import (0 = unknown)."""
+        tensor = t if isinstance(t, Tensor) else self.tensor(t)
+        if tensor.index in self.values:
+            return self.values[tensor.index].shape
+        dims = self.dims(tensor)
+        if tensor.dtype == np.complex64 and dims:
+            return dims[:-1] + (dims[-1] // 2,)
+        return dims
 
     def operand(self, t: int, op: Operator | None = None) -> int:
         """The operand of tensor ``t`` (a constant operand when its value is known)."""
@@ -153,9 +223,11 @@ class Lowering:
         if value.dtype == np.int64:
             value = _to_int32(value, self._refuse(op, f"tensor {t} does not fit int32"))
         if value.dtype == np.complex64:
-            value = np.stack([value.real, value.imag], axis=-1)
+            value = np.ascontiguousarray(value).view(np.float32)  # interleaved pairs
         index = self.model.add_operand(kind, value.shape or (1,), **quant)
-        self.model.set_operand_value(index, np.ascontiguousarray(value).reshape(value.shape or (1,)))
+        value = np.ascontiguousarray(value).reshape(value.shape or (1,))
+        self.model.set_operand_value(index, value)
+        self.constants[index] = value
         self.operands[t] = index
         return index
 
@@ -178,6 +250,7 @@ class Lowering:
         value = np.asarray(value)
         index = self.model.add_operand(kind, value.shape if dims is None else dims, **quant)
         self.model.set_operand_value(index, value)
+        self.constants[index] = value if value.ndim else value.item()
         return index
 
     def i32(self, v: int) -> int:
@@ -200,6 +273,30 @@ class Lowering:
 
     def emit(self, kind: Op, inputs: list[int], outputs: list[int]) -> None:
         self.model.add_operation(kind, inputs, outputs)
+        self._infer(kind, inputs, outputs)
+
+    def _infer(self, kind: Op, inputs: list[int], outputs: list[int]) -> None:
+        """Infer the dimensions of an operation's outputs with the registry's
+        shape function (as validation will), so that a later SHAPE folds and
+        a handler sees real sizes where the file has placeholders. Control
+        flow and operations the registry does not define keep what they
+        declare; a malformed operation is reported when the model finishes."""
+        if kind in (Op.IF, Op.WHILE) or not ops.has_definition(kind):
+            return
+        view = ops.OpView(self._building, None, Operation(kind, tuple(inputs), tuple(outputs)),
+                          self.known)
+        try:
+            inferred = ops.definition(kind).shape(view)
+        except (NnrtError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError):
+            return
+        for o, shape in zip(outputs, inferred):
+            declared = self.model.operand(o).dimensions
+            shape = tuple(shape)
+            if declared and shape and len(declared) == len(shape):
+                shape = tuple(d or s for d, s in zip(declared, shape))
+            elif not shape:
+                shape = declared
+            self.known[o] = shape
 
     def fused(self, op: Operator, out: int, key: str = "FusedActivationFunction") -> tuple[int, int]:
         """(NNAPI fuse code, operand the operation should write) for ``op``'s
@@ -219,7 +316,7 @@ class Lowering:
         a model input and output, or a constant output)."""
         kind, quant = self.operand_type(tensor)
         dst = self.model.add_operand(kind, self.dims(tensor), **quant)
-        self.identity(src, dst, kind, tensor.shape)
+        self.identity(src, dst, kind, self.shape(tensor))
         return dst
 
     def identity(self, src: int, dst: int, kind: T, shape: tuple[int, ...]) -> None:
@@ -380,7 +477,7 @@ def _fold(c: Lowering, op: Operator) -> list[np.ndarray] | None:
         if not c.static_shape(tensor):
             return None
         dtype = np.int64 if op.options.get("OutType") == 4 else np.int32
-        return [np.asarray(tensor.shape, dtype)]
+        return [np.asarray(c.shape(tensor), dtype)]
     if name not in _FOLDERS:
         return None
     args = [c.value(t) for t in op.inputs]
@@ -563,9 +660,12 @@ def _fully_connected(c: Lowering, op: Operator) -> None:
     if x_kind in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16) and w_t.dtype != x_t.dtype:
         raise c.fail(op, "hybrid (float input, quantized weights) FULLY_CONNECTED is not supported")
     units, depth = w_t.shape
-    batch = int(np.prod(x_t.shape)) // depth if depth else 0
+    batch = int(np.prod(c.shape(x_t))) // depth if depth else 0
     flat_out = (batch, units)
-    needs_reshape = tuple(out_t.shape) != flat_out
+    # The output is [batch, units], or with KeepNumDims the input's leading
+    # dimensions and units.
+    out_shape = (c.shape(x_t)[:-1] + (units,)) if o.get("KeepNumDims") else flat_out
+    needs_reshape = out_shape != flat_out
     if w_kind == T.TENSOR_QUANT8_SYMM_PER_CHANNEL:
         # NNAPI's FULLY_CONNECTED has no per-channel weights; CONV_2D has:
         # [batch, depth] -> [batch, 1, 1, depth] (*) [units, 1, 1, depth].
@@ -580,14 +680,14 @@ def _fully_connected(c: Lowering, op: Operator) -> None:
         y4 = c.temp_like(op.outputs[0], (batch, 1, 1, units))
         c.emit(Op.CONV_2D, [x4, w4, _bias(c, op, b, x, w, units), c.i32(2), c.i32(1), c.i32(1),
                             c.i32(act)], [y4])
-        c.emit(Op.RESHAPE, [y4, c.i32_tensor(out_t.shape)], [out])
+        c.emit(Op.RESHAPE, [y4, c.i32_tensor(out_shape)], [out])
         return
     ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units)]
     act, out = c.fused(op, op.outputs[0])
     if needs_reshape:
         flat = c.temp_like(op.outputs[0], flat_out)
         c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [flat])
-        c.emit(Op.RESHAPE, [flat, c.i32_tensor(out_t.shape)], [out])
+        c.emit(Op.RESHAPE, [flat, c.i32_tensor(out_shape)], [out])
     else:
         c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [out])
 
@@ -845,7 +945,7 @@ def _strided_slice(c: Lowering, op: Operator) -> None:
             # TFLite takes one element at begin and ignores end; NNAPI reads end.
             b = int(begin[d])
             if b < 0 and d < len(x_t.shape):
-                b += x_t.shape[d]
+                b += c.shape(x_t)[d]
             begin[d], end[d] = b, b + 1
     c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin), c.i32_tensor(end),
                               c.i32_tensor(strides), c.i32(o.get("BeginMask", 0)),
@@ -948,7 +1048,9 @@ def _gather(c: Lowering, op: Operator) -> None:
     x, idx = op.inputs[0], op.inputs[1]
     axis = op.options.get("Axis", 0)
     indices = c.value(idx)
-    idx_operand = c.i32_tensor(indices) if indices is not None else _input(c, op, idx)
+    # Indices keep their rank (NNAPI's GATHER gives rank n + k - 1 as TFLite's).
+    idx_operand = c.const(np.asarray(indices, np.int32).reshape(indices.shape or (1,)),
+                          T.TENSOR_INT32) if indices is not None else _input(c, op, idx)
     ins = [_input(c, op, x), c.i32(axis), idx_operand]
     out_t = c.tensor(op.outputs[0])
     if not c.tensor(idx).shape:
@@ -1130,7 +1232,7 @@ def _split_v(c: Lowering, op: Operator) -> None:
     x_t = c.tensor(op.inputs[0])
     axis = int(_constant_input(c, op, 2, "axis").reshape(-1)[0]) % len(x_t.shape)
     if sizes.count(-1) == 1:
-        sizes[sizes.index(-1)] = x_t.shape[axis] - (sum(sizes) + 1)
+        sizes[sizes.index(-1)] = c.shape(x_t)[axis] - (sum(sizes) + 1)
     x = _input(c, op, op.inputs[0])
     start = 0
     for size, t in zip(sizes, op.outputs):
@@ -1199,18 +1301,19 @@ def _rfft2d(c: Lowering, op: Operator) -> None:
 
 
 def _complex_part(c: Lowering, op: Operator, part: int, target: int | None = None) -> int:
-    """Part 0 (real) or 1 (imaginary) of a complex tensor: a STRIDED_SLICE of
-    the last dimension that drops it (shrink mask); masks keep every other
-    dimension whole, so unknown sizes need not be known."""
-    x_t = c.tensor(op.inputs[0])
-    rank = len(x_t.shape) + 1
-    every = (1 << (rank - 1)) - 1
+    """Part 0 (real) or 1 (imaginary) of a complex tensor: every other value
+    of the last dimension from ``part`` on, a STRIDED_SLICE with stride 2;
+    masks keep the other dimensions whole and the last to its end, so sizes
+    unknown at import need not be known."""
+    rank = len(c.tensor(op.inputs[0]).shape)
+    if not rank:
+        raise c.fail(op, "a complex scalar has no NNAPI form")
     begin = [0] * (rank - 1) + [part]
-    end = [0] * (rank - 1) + [part + 1]
     out = c.output(op.outputs[0], op) if target is None else target
-    c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin), c.i32_tensor(end),
-                              c.i32_tensor([1] * rank), c.i32(every), c.i32(every),
-                              c.i32(1 << (rank - 1))], [out])
+    c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin),
+                              c.i32_tensor([0] * rank), c.i32_tensor([1] * (rank - 1) + [2]),
+                              c.i32((1 << (rank - 1)) - 1), c.i32((1 << rank) - 1), c.i32(0)],
+           [out])
     return out
 
 
@@ -1250,8 +1353,9 @@ def _cast_complex(c: Lowering, op: Operator) -> None:
 
 
 def _squeeze_any(c: Lowering, op: Operator) -> None:
-    """SQUEEZE; on a complex tensor the axes count from the front as in the
-    file, and a negative axis skips the (real, imaginary) dimension."""
+    """SQUEEZE; a complex tensor keeps its rank (pairs interleaved in the
+    last dimension), so the axes are the file's, but its last dimension
+    holds two values per element and cannot be squeezed."""
     x_t = c.tensor(op.inputs[0])
     if x_t.dtype != np.complex64:
         return _squeeze(c, op)
@@ -1260,13 +1364,16 @@ def _squeeze_any(c: Lowering, op: Operator) -> None:
     if not axes:
         if not c.static_shape(x_t):
             raise c.fail(op, "SQUEEZE of every dimension of 1 needs the input's shape at import")
-        axes = [d for d, n in enumerate(x_t.shape) if n == 1]
+        axes = [d for d, n in enumerate(c.shape(x_t)) if n == 1]
     axes = [int(a) % rank for a in axes]
+    if rank - 1 in axes:
+        raise c.fail(op, "SQUEEZE of the last dimension of a complex tensor: its values are "
+                         "interleaved (real, imaginary) pairs there")
     c.emit(Op.SQUEEZE, [_input(c, op, op.inputs[0]), c.i32_tensor(axes)],
            [c.output(op.outputs[0], op)])
 
 
-# Operators that take complex64 tensors (kept as a last dimension of 2).
+# Operators that take complex64 tensors (pairs interleaved in the last dimension).
 _COMPLEX_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "RFFT2D": _rfft2d,
     "REAL": _real,

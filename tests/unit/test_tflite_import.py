@@ -339,13 +339,13 @@ def _extension_ops(model: nnrt.Model) -> Counter:
 def test_rfft2d_and_range_are_operations_of_nnrts_tflite_extension():
     """RFFT2D, and RANGE whose ends are model inputs, become com.nnrt.tflite
     operations; the constant RANGE is folded; complex results are float32
-    with a last dimension of 2 that REAL/IMAG/CAST/COMPLEX_ABS read with
-    NNAPI operations."""
+    with (real, imaginary) interleaved in a last dimension twice as long,
+    which REAL/IMAG/CAST/COMPLEX_ABS read with NNAPI operations."""
     rfft = nnrt.tflite.load(DATA / "rfft2d.tflite")
     assert _extension_ops(rfft) == Counter({"com.nnrt.tflite:RFFT2D": 2})
     main = rfft.hal_model.main
     spectrum = next(op for op in main.operations if op.type.is_extension)
-    assert main.operands[spectrum.outputs[0]].dimensions[-1] == 2
+    assert main.operands[spectrum.outputs[0]].dimensions == (2, 4, 10)
     assert [o.shape for o in rfft.metadata.outputs] == [(2, 4, 5)] * 4 + [(3, 9)]
     ranges = nnrt.tflite.load(DATA / "range_dynamic.tflite")
     assert _extension_ops(ranges) == Counter({"com.nnrt.tflite:RANGE": 2})

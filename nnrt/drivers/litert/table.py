@@ -879,17 +879,21 @@ def _range(info: OpInfo) -> Lowered:
 
 
 def _rfft2d(info: OpInfo) -> tuple[Lowered, ...]:
-    """RFFT2D gives complex64; REAL and IMAG take its parts and PACK puts
-    them side by side on a new last axis: the extension's layout (exact)."""
+    """RFFT2D gives complex64; REAL and IMAG take its parts, PACK puts them
+    side by side on a new last axis and RESHAPE merges it into the one
+    before: the extension's interleaved layout (exact: values only move)."""
     out = info.out_dims()
+    parts = out[:-1] + (out[-1] // 2,)
     length = np.asarray(info.const(1), np.int32).reshape(-1)
-    spectrum = Temp(COMPLEX64, out[:-1])
-    real, imag = Temp(F32, out[:-1]), Temp(F32, out[:-1])
+    spectrum = Temp(COMPLEX64, parts)
+    real, imag, pairs = Temp(F32, parts), Temp(F32, parts), Temp(F32, parts + (2,))
     return (Lowered((info.op.inputs[0], Const(length)), (spectrum,), builtin="RFFT2D"),
             Lowered((spectrum,), (real,), builtin="REAL"),
             Lowered((spectrum,), (imag,), builtin="IMAG"),
-            Lowered((real, imag), info.op.outputs, "PackOptions",
-                    {"ValuesCount": 2, "Axis": len(out) - 1}, builtin="PACK"))
+            Lowered((real, imag), (pairs,), "PackOptions",
+                    {"ValuesCount": 2, "Axis": len(parts)}, builtin="PACK"),
+            Lowered((pairs, Const(np.asarray(out, np.int32))), info.op.outputs,
+                    builtin="RESHAPE"))
 
 
 # (extension, type within) -> rule; a model numbers its extensions itself.
