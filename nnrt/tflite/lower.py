@@ -31,6 +31,16 @@ operation(s) that compute the same thing:
   REVERSE_V2 becomes one NNAPI REVERSE per axis, each axis made non-negative
   (NNAPI's REVERSE takes exactly one axis in [0, rank)); its axes must be
   constant, distinct and at least one;
+* FLOOR_DIV is DIV on int32 (NNAPI's rounds toward negative infinity), DIV
+  then FLOOR on floats;
+* RANGE (unless its inputs are constant, then it folds) and RFFT2D, which
+  NNAPI has no exact form of, are operations of nnrt's own extension
+  ``com.nnrt.tflite`` (``nnrt/extensions/tflite.py``). A complex64 tensor is
+  float32 with (real, imaginary) interleaved in its last dimension, twice as
+  long (complex64's memory layout, and no extra rank: NNAPI's shape
+  operations stop at rank 4); REAL, IMAG and CAST to float (the real part)
+  are a STRIDED_SLICE of stride 2 there, COMPLEX_ABS adds SQRT of the
+  squares, SQUEEZE keeps its axes. Other operators refuse complex inputs;
 * WHILE and IF become NNAPI control flow whose condition, body and branches
   are referenced models (``set_operand_value_from_model``);
 * UNIDIRECTIONAL_SEQUENCE_LSTM reads its state from TFLite *variable*
@@ -38,6 +48,13 @@ operation(s) that compute the same thing:
   variable becomes a model input and the op's state output a model output,
   paired in the model's metadata; the runtime feeds one execution's state
   outputs to the next one's state inputs.
+
+Shapes: each emitted operation's output dimensions are inferred with the
+operation registry's shape functions (as validation will infer them), so a
+tensor whose signature has an unknown size gets its real size where the
+inputs fix it: the file's shape there is a placeholder that LiteRT replaces
+when it prepares the graph, never used. A SHAPE of such a tensor folds once
+its size is inferred.
 
 Rank-0 tensors: NNAPI has no rank-0 constant, so scalar constants become
 shape [1] and scalar temporaries have unknown rank; elementwise results are
