@@ -52,9 +52,12 @@ operation(s) that compute the same thing:
 Shapes: each emitted operation's output dimensions are inferred with the
 operation registry's shape functions (as validation will infer them), so a
 tensor whose signature has an unknown size gets its real size where the
-inputs fix it: the file's shape there is a placeholder that LiteRT replaces
-when it prepares the graph, never used. A SHAPE of such a tensor folds once
-its size is inferred.
+inputs fix it, and a SHAPE of it folds. Where only the batch is unknown the
+file's shape is declared, as converters write the batch there; where
+inference finds it was a placeholder (LiteRT resizes such tensors when it
+prepares the graph: BirdNET's frames), the graph is lowered again declaring
+the inferred sizes (:func:`lower_graph`; NNAPI operands keep the dimensions
+they are added with).
 
 Rank-0 tensors: NNAPI has no rank-0 constant, so scalar constants become
 shape [1] and scalar temporaries have unknown rank; elementwise results are
@@ -112,7 +115,7 @@ class Lowering:
     ``nnrt.Model`` whose inputs and outputs are the given tensors."""
 
     def __init__(self, file: TfliteFile, graph_index: int, referenced: dict[int, Model],
-                 *, is_main: bool = True):
+                 *, is_main: bool = True, hints: dict[int, tuple[int, ...]] | None = None):
         self.file = file
         self.graph: Graph = file.graphs[graph_index]
         self.referenced = referenced  # graph index -> finished Model (WHILE/IF bodies)
@@ -125,6 +128,12 @@ class Lowering:
         self.known: dict[int, tuple[int, ...]] = {}
         self.constants: dict[int, object] = {}
         self._building = _Building(self)
+        # Tensors whose file shape proved a placeholder: their inferred NNAPI
+        # dimensions, declared from the start when the import is redone
+        # (see lower_graph), and those found in this pass.
+        self.hints = dict(hints or {})
+        self.conflicts: dict[int, tuple[int, ...]] = {}
+        self._tensor_of: dict[int, int] = {}   # operand written by an operation -> its tensor
         self.values: dict[int, np.ndarray] = {t.index: t.data for t in self.graph.tensors
                                               if t.data is not None}
         # An empty constant (a shape [] given as a vector of 0 elements) has
@@ -180,25 +189,25 @@ class Lowering:
         return self.fail(op, message)
 
     def _signature_static(self, tensor: Tensor) -> bool:
-        """Whether the file fixes ``tensor``'s shape: its signature has no
-        unknown size, or it is an input of the main graph whose only unknown
-        is the batch, which the input shapes the file records fix (as LiteRT
-        fixes it at allocate_tensors)."""
+        """Whether the file gives ``tensor``'s shape: its signature has no
+        unknown size, or, in the main graph, only the batch is unknown, which
+        the input shapes the file records fix (as LiteRT fixes it at
+        allocate_tensors). The second is how converters write batch-size
+        models, but not a promise: a dimension 0 computed from data (frames
+        of a signal) has a placeholder there, which shape inference finds
+        out (see _infer)."""
         unknown = [d for d, s in enumerate(tensor.shape_signature) if s < 0] \
             if len(tensor.shape_signature) == len(tensor.shape) else []
-        return not unknown or (self.is_main and unknown == [0]
-                               and tensor.index in self.graph.inputs)
+        return not unknown or (self.is_main and unknown == [0])
 
     def static_shape(self, tensor: Tensor) -> bool:
-        """Whether ``tensor``'s shape is known at import: fixed by the file,
-        or inferred from the operations that compute it. Where the signature
-        has an unknown size, the shape the file records is a placeholder
-        (LiteRT resizes such tensors when it prepares the graph), so it is
-        never trusted."""
-        if self._signature_static(tensor):
-            return True
-        known = self.known.get(self.operands.get(tensor.index, -1))
-        return known is not None and len(known) > 0 and 0 not in known
+        """Whether ``tensor``'s shape is known at import: inferred from the
+        operations that compute it, or given by the file."""
+        known = self.known.get(self.operands.get(tensor.index, -1)) \
+            or self.hints.get(tensor.index)
+        if known:
+            return 0 not in known
+        return self._signature_static(tensor)
 
     def dims(self, tensor: Tensor) -> tuple[int, ...]:
         """NNAPI dimensions: 0 where the size is only known at execution
@@ -207,7 +216,8 @@ class Lowering:
         (real, imaginary) interleaved along the last dimension, which is twice
         as long: complex64's memory layout, and the com.nnrt.tflite extension's
         RFFT2D's."""
-        known = self.known.get(self.operands.get(tensor.index, -1))
+        known = self.known.get(self.operands.get(tensor.index, -1)) \
+            or self.hints.get(tensor.index)
         if known:
             return known
         if self._signature_static(tensor):
@@ -254,6 +264,7 @@ class Lowering:
         kind, quant = self.operand_type(tensor, op)
         index = self.model.add_operand(kind, self.dims(tensor), **quant)
         self.operands[t] = index
+        self._tensor_of[index] = t
         return index
 
     def temp_like(self, t: int, dims: tuple[int, ...] | None = None, kind: T | None = None,
@@ -309,7 +320,13 @@ class Lowering:
         for o, shape in zip(outputs, inferred):
             declared = self.model.operand(o).dimensions
             shape = tuple(shape)
-            if declared and shape and len(declared) == len(shape):
+            if declared and shape and (len(declared) != len(shape) or any(
+                    d and s and d != s for d, s in zip(declared, shape))):
+                # The file's shape was a placeholder: go on with the real
+                # one and declare it when the import is redone.
+                if o in self._tensor_of:
+                    self.conflicts[self._tensor_of[o]] = shape
+            elif declared and shape:
                 shape = tuple(d or s for d, s in zip(declared, shape))
             elif not shape:
                 shape = declared
@@ -378,6 +395,8 @@ class Lowering:
             if o in in_operands or o in out_operands or t in self.values:
                 o = self.copy(o, self.tensor(t))
             out_operands.append(o)
+        if self.conflicts:
+            raise _Placeholders(self.conflicts)
         self.model.identify_inputs_and_outputs(
             in_operands + [o for _, o in self.state_inputs],
             out_operands + [o for _, o in self.state_outputs])
@@ -451,14 +470,42 @@ class Lowering:
                                 f"body (the file has {len(self.file.graphs)})")
         if graph_index not in self.referenced:
             self.referenced[graph_index] = None  # a cycle would come back here
-            sub = Lowering(self.file, graph_index, self.referenced, is_main=False)
-            self.referenced[graph_index] = sub.lower()
+            self.referenced[graph_index] = lower_graph(self.file, graph_index, self.referenced,
+                                                       is_main=False)
         model = self.referenced[graph_index]
         if model is None:
             raise self.fail(op, f"subgraph {graph_index} refers to itself")
         index = self.model.add_operand(T.SUBGRAPH)
         self.model.set_operand_value_from_model(index, model)
         return index
+
+
+class _Placeholders(Exception):
+    """Tensors whose file shape is a placeholder, with their real NNAPI
+    dimensions: the import is redone declaring them (:func:`lower_graph`)."""
+
+    def __init__(self, dims: dict[int, tuple[int, ...]]):
+        super().__init__(dims)
+        self.dims = dims
+
+
+def lower_graph(file: TfliteFile, graph_index: int, referenced: dict[int, Model], *,
+                is_main: bool = True, ops: list[Operator] | None = None,
+                inputs: tuple[int, ...] | None = None,
+                outputs: tuple[int, ...] | None = None) -> Model:
+    """Lower graph ``graph_index`` (``Lowering.lower``). A model whose file
+    shapes are all true is lowered once; one with placeholders (BirdNET's
+    frames) a second time, declaring the sizes the first pass inferred:
+    NNAPI operands cannot change dimensions once added."""
+    hints: dict[int, tuple[int, ...]] = {}
+    for _ in range(3):
+        try:
+            return Lowering(file, graph_index, referenced, is_main=is_main,
+                            hints=hints).lower(ops, inputs, outputs)
+        except _Placeholders as e:
+            hints.update(e.dims)
+    raise invalid(f"{file.name}: subgraph {graph_index}: the shapes of its tensors do not "
+                  f"settle (placeholders left after three passes)")
 
 
 def _to_int32(value: np.ndarray, error) -> np.ndarray:
@@ -816,11 +863,16 @@ def _reshape(c: Lowering, op: Operator) -> None:
     if kind in (T.TENSOR_INT32, T.TENSOR_BOOL8):
         if not c.static_shape(out_t):
             raise c.fail(op, "an int32 or bool RESHAPE needs a static output shape")
-        c.identity(_input(c, op, op.inputs[0]), c.output(op.outputs[0], op), kind, out_t.shape)
+        c.identity(_input(c, op, op.inputs[0]), c.output(op.outputs[0], op), kind, c.shape(out_t))
         return
-    if c.static_shape(out_t) and out_t.shape:
-        shape = c.i32_tensor(out_t.shape)
-    elif len(op.inputs) > 1 and op.inputs[1] >= 0:
+    # The shape input, when known, decides (as in TFLite's kernel); the
+    # output's file shape may be a placeholder.
+    given = c.value(op.inputs[1]) if len(op.inputs) > 1 and op.inputs[1] >= 0 else None
+    if given is not None and given.size:
+        shape = c.i32_tensor(given)
+    elif c.static_shape(out_t) and out_t.shape:
+        shape = c.i32_tensor(c.shape(out_t))
+    elif len(op.inputs) > 1 and op.inputs[1] >= 0 and given is None:
         shape = _input(c, op, op.inputs[1])
     elif op.options.get("NewShape"):
         shape = c.i32_tensor(op.options["NewShape"])

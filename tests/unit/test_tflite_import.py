@@ -347,6 +347,8 @@ def test_rfft2d_and_range_are_operations_of_nnrts_tflite_extension():
     # SHAPE, FLOOR_DIV, RANGE and the index arithmetic fold; 7 frames of 4 bands.
     assert _extension_ops(framed) == Counter({"com.nnrt.tflite:RFFT2D": 1})
     assert framed.metadata.outputs[0].shape == (7, 4)
+    main = framed.hal_model.main   # declared so, not the file's placeholder (1, 4)
+    assert main.operands[main.output_indexes[0]].dimensions == (7, 4)
     main = rfft.hal_model.main
     spectrum = next(op for op in main.operations if op.type.is_extension)
     assert main.operands[spectrum.outputs[0]].dimensions == (2, 4, 10)
