@@ -307,3 +307,30 @@ async def test_the_extension_part_of_selfie_matches_xnnpack(allow_this_app):
         got = (await compiled.execute([x])).outputs[-1]
     expected = np.load(f"{SELFIE}.out0.npy")
     assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+
+async def test_nnrts_tflite_extension_runs_in_a_reference_service_for_any_app(tmp_path,
+                                                                            allow_nobody):
+    """com.nnrt.tflite over the socket: a reference service offers it, an app
+    no allowlist names compiles for it (the service checks too), and RANGE's
+    dynamic output shape comes back with the length of the run."""
+    data = ROOT / "tests" / "data" / "tflite"
+    model = nnrt.tflite.load(data / "range_dynamic.tflite")
+    inputs = [np.load(data / f"range_dynamic.case0.in{i}.npy") for i in range(3)]
+    expected = [np.load(data / f"range_dynamic.case0.out{i}.npy") for i in range(3)]
+    proc = start_service(tmp_path / "ref.sock", "reference", "ref",
+                         env=dict(os.environ, XDG_CONFIG_HOME=str(allow_nobody)))
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "ref.sock"))
+        try:
+            assert [e.name for e in dev.supported_extensions()] == ["com.nnrt.tflite"]
+            async with nnrt.Runtime(devices=[dev]) as rt:
+                compiled = await rt.compile(model)
+                result = await compiled.execute(inputs)
+            assert [tuple(s) for s in result.output_shapes] == [e.shape for e in expected]
+            for got, want in zip(result.outputs, expected):
+                np.testing.assert_array_equal(got, want)
+        finally:
+            dev.close()
+    finally:
+        stop(proc)
