@@ -57,5 +57,5 @@ def load_operators(file: TfliteFile, subgraph: int, operators: list[int]) -> Mod
                     and t not in inputs:
                 inputs.append(t)
     outputs = [t for op in chosen for t in op.outputs]
-    return lower_graph(file, subgraph, {}, ops=chosen, inputs=tuple(inputs),
+    return lower_graph(file, subgraph, {}, operators=chosen, inputs=tuple(inputs),
                        outputs=tuple(outputs))

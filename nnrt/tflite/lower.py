@@ -212,9 +212,9 @@ class Lowering:
     def dims(self, tensor: Tensor) -> tuple[int, ...]:
         """NNAPI dimensions: 0 where the size is only known at execution
         (inferred at import where the operations that compute the tensor
-        allow it). A complex64 tensor is float32 with a last dimension of 2
-        (real, imaginary) interleaved along the last dimension, which is twice
-        as long: complex64's memory layout, and the com.nnrt.tflite extension's
+        allow it). A complex64 tensor is float32 with (real, imaginary)
+        interleaved along its last dimension, which is twice as long:
+        complex64's memory layout, and the com.nnrt.tflite extension's
         RFFT2D's."""
         known = self.known.get(self.operands.get(tensor.index, -1)) \
             or self.hints.get(tensor.index)
@@ -382,8 +382,13 @@ class Lowering:
         for t in inputs:
             self.values.pop(t, None)
             in_operands.append(self.output(t))
-        for op in (g.operators if ops is None else ops):
-            self.lower_operator(op)
+        try:
+            for op in (g.operators if ops is None else ops):
+                self.lower_operator(op)
+        except NnrtError:
+            if self.conflicts:   # perhaps a placeholder's doing: redo with real sizes first
+                raise _Placeholders(self.conflicts) from None
+            raise
         out_operands = []
         for t in outputs:
             if t in self.values and t not in self.operands:
@@ -490,7 +495,7 @@ class _Placeholders(Exception):
 
 
 def lower_graph(file: TfliteFile, graph_index: int, referenced: dict[int, Model], *,
-                is_main: bool = True, ops: list[Operator] | None = None,
+                is_main: bool = True, operators: list[Operator] | None = None,
                 inputs: tuple[int, ...] | None = None,
                 outputs: tuple[int, ...] | None = None) -> Model:
     """Lower graph ``graph_index`` (``Lowering.lower``). A model whose file
@@ -501,7 +506,7 @@ def lower_graph(file: TfliteFile, graph_index: int, referenced: dict[int, Model]
     for _ in range(3):
         try:
             return Lowering(file, graph_index, referenced, is_main=is_main,
-                            hints=hints).lower(ops, inputs, outputs)
+                            hints=hints).lower(operators, inputs, outputs)
         except _Placeholders as e:
             hints.update(e.dims)
     raise invalid(f"{file.name}: subgraph {graph_index}: the shapes of its tensors do not "

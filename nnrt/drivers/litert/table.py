@@ -861,7 +861,8 @@ RULES: dict[Op, Rule] = {
 
 class _Complex64:
     """The type of a complex64 tensor between TFLite operators (NNAPI has
-    none: the extension's operands hold (real, imaginary) as a last dimension)."""
+    none: the extension's operands interleave (real, imaginary) in the last
+    dimension)."""
 
     name = "COMPLEX64"
     is_quantized = False
