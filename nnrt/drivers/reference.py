@@ -51,6 +51,11 @@ class ReferenceDevice(Device):
         one = PerformanceInfo(1.0, 1.0)
         return Capabilities(one, one, {t: one for t in OperandType}, one, one)
 
+    def supported_extensions(self):
+        # nnrt's own extensions whose operations the registry runs
+        # (com.nnrt.tflite: TFLite builtins without an NNAPI twin).
+        return ops.registered_extensions()
+
     def scheduling(self) -> Scheduling:
         # Stops between any two operations; one execution at a time (numpy
         # kernels mostly hold the GIL: a second slot would only interleave).

@@ -160,10 +160,13 @@ def _validate_subgraph(model: HalModel, index: int | None, where: str):
             written.add(i)
             defined.add(i)
         if op.type.is_extension or op.type.is_oem:
-            # The driver that claims it validates it; outputs keep their
-            # declared dimensions.
             version = max(version, HalVersion.V1_2)
-            continue
+            if not ops.has_definition(op.type):
+                # The driver that claims it validates it; outputs keep their
+                # declared dimensions.
+                continue
+            # One of nnrt's own extensions (nnrt.extensions) that the
+            # registry defines: checked and shaped like NNAPI's operations.
         opdef = ops.definition(op.type)
         view = ops.OpView(model, index, op, known)
         try:

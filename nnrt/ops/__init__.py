@@ -6,7 +6,8 @@ operations (see ``registry.py``).
 import importlib
 import pkgutil
 
-from .registry import Arg, Call, OperationDef, OpView, definition, register, registered
+from .registry import (Arg, Call, OperationDef, OpView, definition, has_definition, register,
+                       register_extension, registered, registered_extensions)
 
 _NOT_FAMILIES = {"registry", "common"}
 
@@ -14,4 +15,5 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name not in _NOT_FAMILIES and not _info.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["Arg", "Call", "OperationDef", "OpView", "definition", "register", "registered"]
+__all__ = ["Arg", "Call", "OperationDef", "OpView", "definition", "has_definition", "register",
+           "register_extension", "registered", "registered_extensions"]

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ErrorStatus, NnrtError, invalid
+from ..model.extensions import Extension
 from ..model.graph import ChannelQuant, HalModel, Operand, Operation
 from ..model.types import HalVersion, OperandLifeTime, OperandType, OperationType
 
@@ -193,6 +194,11 @@ class OperationDef:
 
 
 _REGISTRY: dict[OperationType, OperationDef] = {}
+# Operations of nnrt's own extensions the reference driver runs, by
+# (extension name, type within): a model numbers extensions itself, so the
+# 32-bit code of an extension operation differs from model to model.
+_EXTENSION_REGISTRY: dict[tuple[str, int], OperationDef] = {}
+_EXTENSIONS: dict[str, Extension] = {}
 
 
 def register(type: OperationType, *, validate: Validate, shape: Shape, kernel: Kernel) -> None:
@@ -201,11 +207,37 @@ def register(type: OperationType, *, validate: Validate, shape: Shape, kernel: K
     _REGISTRY[type] = OperationDef(type, validate, shape, kernel)
 
 
+def register_extension(extension: Extension, type_within: int, *, validate: Validate,
+                       shape: Shape, kernel: Kernel) -> None:
+    """Register operation ``type_within`` of ``extension`` (one of nnrt's own,
+    ``nnrt.extensions``): validated, shaped and run like NNAPI's own."""
+    key = (extension.name, type_within)
+    if key in _EXTENSION_REGISTRY:
+        raise RuntimeError(f"operation {extension.name}:{type_within} registered twice")
+    _EXTENSION_REGISTRY[key] = OperationDef(type_within, validate, shape, kernel)
+    _EXTENSIONS[extension.name] = extension
+
+
 def definition(type: OperationType) -> OperationDef:
     try:
+        if type.is_extension:
+            return _EXTENSION_REGISTRY[(type.extension, type.type_within)]
         return _REGISTRY[type]
     except KeyError:
         raise invalid(f"operation {type.name} is not supported") from None
+
+
+def has_definition(type: OperationType) -> bool:
+    """Whether :func:`definition` knows ``type`` (an extension operation's
+    semantics are otherwise the driver's)."""
+    if type.is_extension:
+        return (type.extension, type.type_within) in _EXTENSION_REGISTRY
+    return type in _REGISTRY
+
+
+def registered_extensions() -> list[Extension]:
+    """The extensions whose operations the registry runs."""
+    return list(_EXTENSIONS.values())
 
 
 def registered() -> dict[OperationType, OperationDef]:

@@ -124,7 +124,7 @@ class ScheduledDevice(Device):
     def capabilities(self) -> Capabilities:
         return self.device.capabilities()
 
-    def supported_extensions(self) -> list[str]:
+    def supported_extensions(self) -> list:
         return self.device.supported_extensions()
 
     def number_of_cache_files_needed(self) -> tuple[int, int]:

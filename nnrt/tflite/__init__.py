@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import invalid
 from ..model.builder import Model
-from .lower import Lowering
+from .lower import lower_graph
 from .reader import TfliteFile, read
 
 __all__ = ["load", "read"]
@@ -40,7 +40,7 @@ def load(source: str | os.PathLike | bytes | bytearray | memoryview, *, subgraph
     if not 0 <= subgraph < len(file.graphs):
         raise invalid(f"{name}: subgraph {subgraph} does not exist (the file has "
                       f"{len(file.graphs)})")
-    return Lowering(file, subgraph, {}).lower()
+    return lower_graph(file, subgraph, {})
 
 
 def load_operators(file: TfliteFile, subgraph: int, operators: list[int]) -> Model:
@@ -58,4 +58,5 @@ def load_operators(file: TfliteFile, subgraph: int, operators: list[int]) -> Mod
                     and t not in inputs:
                 inputs.append(t)
     outputs = [t for op in chosen for t in op.outputs]
-    return Lowering(file, subgraph, {}).lower(chosen, tuple(inputs), tuple(outputs))
+    return lower_graph(file, subgraph, {}, operators=chosen, inputs=tuple(inputs),
+                       outputs=tuple(outputs))

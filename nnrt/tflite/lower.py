@@ -37,6 +37,16 @@ operation(s) that compute the same thing:
   operations, their custom options (raw TfLiteTransposeConvParams, or a
   flexbuffer map read as mediapipe's parsers read it) NNAPI constants; the
   landmark ops only in version 2, the one mediapipe's resolvers register;
+* FLOOR_DIV is DIV on int32 (NNAPI's rounds toward negative infinity), DIV
+  then FLOOR on floats;
+* RANGE (unless its inputs are constant, then it folds) and RFFT2D, which
+  NNAPI has no exact form of, are operations of nnrt's own extension
+  ``com.nnrt.tflite`` (``nnrt/extensions/tflite.py``). A complex64 tensor is
+  float32 with (real, imaginary) interleaved in its last dimension, twice as
+  long (complex64's memory layout, and no extra rank: NNAPI's shape
+  operations stop at rank 4); REAL, IMAG and CAST to float (the real part)
+  are a STRIDED_SLICE of stride 2 there, COMPLEX_ABS adds SQRT of the
+  squares, SQUEEZE keeps its axes. Other operators refuse complex inputs;
 * WHILE and IF become NNAPI control flow whose condition, body and branches
   are referenced models (``set_operand_value_from_model``);
 * UNIDIRECTIONAL_SEQUENCE_LSTM reads its state from TFLite *variable*
@@ -56,6 +66,16 @@ operation(s) that compute the same thing:
   assigned value differs in type, shape or quantization from what is read,
   and init subgraphs that do not fold are refused.
 
+Shapes: each emitted operation's output dimensions are inferred with the
+operation registry's shape functions (as validation will infer them), so a
+tensor whose signature has an unknown size gets its real size where the
+inputs fix it, and a SHAPE of it folds. Where only the batch is unknown the
+file's shape is declared, as converters write the batch there; where
+inference finds it was a placeholder (LiteRT resizes such tensors when it
+prepares the graph: BirdNET's frames), the graph is lowered again declaring
+the inferred sizes (:func:`lower_graph`; NNAPI operands keep the dimensions
+they are added with).
+
 Rank-0 tensors: NNAPI has no rank-0 constant, so scalar constants become
 shape [1] and scalar temporaries have unknown rank; elementwise results are
 the same values, and GATHER with a scalar index is reshaped back.
@@ -69,11 +89,14 @@ from typing import Callable
 import numpy as np
 from flatbuffers import flexbuffers
 
+from .. import ops
 from ..errors import NnrtError, invalid
-from ..extensions import mediapipe as _mediapipe
+from ..extensions import mediapipe as _mediapipe, tflite as _tflite_ext
 from ..model.builder import Model
+from ..model.graph import Operation
 from ..model.metadata import ModelMetadata, Quantization as MetaQuant, TensorInfo
 from ..model.types import OperandType as T, OperationType as Op
+from ..ops.tflite_builtins import range_values
 from .reader import Graph, Operator, Tensor, TfliteFile
 
 _PADDING = {0: 1, 1: 2}  # TFLite Padding SAME/VALID -> NNAPI PaddingScheme
@@ -95,20 +118,64 @@ class _State:
     initial: np.ndarray | None = None  # the value it starts from; None: zeros
 
 
+class _Building:
+    """What an ``OpView`` reads of the model a :class:`Lowering` builds: its
+    operands by index and the values of its constants."""
+
+    def __init__(self, lowering: "Lowering"):
+        self._lowering = lowering
+        self._index: dict[int, int] = {}   # id(Operand) -> its index, as handed out
+        self.referenced = ()
+
+    def subgraph(self, index):
+        return self
+
+    @property
+    def operands(self):
+        return self
+
+    def __getitem__(self, i: int):
+        operand = self._lowering.model.operand(i)
+        self._index[id(operand)] = i
+        return operand
+
+    def constant_value(self, operand):
+        return self._lowering.constants.get(self._index.get(id(operand), -1))
+
+
 class Lowering:
     """Lowers the operators ``ops`` of graph ``graph_index`` into a new
     ``nnrt.Model`` whose inputs and outputs are the given tensors."""
 
     def __init__(self, file: TfliteFile, graph_index: int, referenced: dict[int, Model],
-                 *, is_main: bool = True):
+                 *, is_main: bool = True, hints: dict[int, tuple[int, ...]] | None = None):
         self.file = file
         self.graph: Graph = file.graphs[graph_index]
         self.referenced = referenced  # graph index -> finished Model (WHILE/IF bodies)
         self.is_main = is_main
         self.model = Model()
         self.operands: dict[int, int] = {}
+        # What is known of the model being built, for shape inference at
+        # import (see emit): the dimensions the registry infers for each
+        # operation's outputs, and the value of each constant operand.
+        self.known: dict[int, tuple[int, ...]] = {}
+        self.constants: dict[int, object] = {}
+        self._building = _Building(self)
+        # Tensors whose file shape proved a placeholder: their inferred NNAPI
+        # dimensions, declared from the start when the import is redone
+        # (see lower_graph), and those found in this pass.
+        self.hints = dict(hints or {})
+        self.conflicts: dict[int, tuple[int, ...]] = {}
+        self._tensor_of: dict[int, int] = {}   # operand written by an operation -> its tensor
         self.values: dict[int, np.ndarray] = {t.index: t.data for t in self.graph.tensors
                                               if t.data is not None}
+        # An empty constant (a shape [] given as a vector of 0 elements) has
+        # no buffer in the file: nothing writes it, so it is that empty value.
+        written = {t for op in self.graph.operators for t in op.outputs} | set(self.graph.inputs)
+        for t in self.graph.tensors:
+            if t.data is None and t.dtype is not None and t.shape and 0 in t.shape \
+                    and t.index not in written and -1 not in t.shape_signature:
+                self.values[t.index] = np.zeros(t.shape, t.dtype)
         self.states: list[_State] = []
         # Resource variables, keyed by (container, shared name): the handle
         # each VAR_HANDLE output stands for, the values CALL_ONCE init
@@ -154,6 +221,8 @@ class Lowering:
             return T.TENSOR_INT32, {}
         if dt in _FLOAT_TYPES:
             return _FLOAT_TYPES[dt], {}
+        if dt == np.complex64:  # (real, imaginary) interleaved in the last dimension: see dims()
+            return T.TENSOR_FLOAT32, {}
         raise self._refuse(op, f"{where} has a type NNAPI has no operand for")
 
     def _refuse(self, op: Operator | None, message: str):
@@ -161,20 +230,55 @@ class Lowering:
             return invalid(f"{self.file.name}: subgraph {self.graph.index}: {message}")
         return self.fail(op, message)
 
-    def static_shape(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` always has the shape the file records. In the
-        main graph an unknown batch (dimension 0) is fixed by the model input
-        shapes the file records, as LiteRT fixes it at allocate_tensors; any
-        other unknown dimension depends on data (a loop, a dynamic slice)."""
+    def _signature_static(self, tensor: Tensor) -> bool:
+        """Whether the file gives ``tensor``'s shape: its signature has no
+        unknown size, or, in the main graph, only the batch is unknown, which
+        the input shapes the file records fix (as LiteRT fixes it at
+        allocate_tensors). The second is how converters write batch-size
+        models, but not a promise: a dimension 0 computed from data (frames
+        of a signal) has a placeholder there, which shape inference finds
+        out (see _infer)."""
         unknown = [d for d, s in enumerate(tensor.shape_signature) if s < 0] \
             if len(tensor.shape_signature) == len(tensor.shape) else []
         return not unknown or (self.is_main and unknown == [0])
 
+    def static_shape(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s shape is known at import: inferred from the
+        operations that compute it, or given by the file."""
+        known = self.known.get(self.operands.get(tensor.index, -1)) \
+            or self.hints.get(tensor.index)
+        if known:
+            return 0 not in known
+        return self._signature_static(tensor)
+
     def dims(self, tensor: Tensor) -> tuple[int, ...]:
-        """NNAPI dimensions: 0 where the size is only known at execution."""
-        if self.static_shape(tensor):
-            return tensor.shape
-        return tuple(0 if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature))
+        """NNAPI dimensions: 0 where the size is only known at execution
+        (inferred at import where the operations that compute the tensor
+        allow it). A complex64 tensor is float32 with (real, imaginary)
+        interleaved along its last dimension, which is twice as long:
+        complex64's memory layout, and the com.nnrt.tflite extension's
+        RFFT2D's."""
+        known = self.known.get(self.operands.get(tensor.index, -1)) \
+            or self.hints.get(tensor.index)
+        if known:
+            return known
+        if self._signature_static(tensor):
+            dims = tensor.shape
+        else:
+            dims = tuple(0 if s < 0 else d for d, s in zip(tensor.shape, tensor.shape_signature))
+        if tensor.dtype == np.complex64 and dims:
+            dims = dims[:-1] + (2 * dims[-1],)
+        return dims
+
+    def shape(self, t: int | Tensor) -> tuple[int, ...]:
+        """The TFLite shape of tensor ``t`` as known at import (0 = unknown)."""
+        tensor = t if isinstance(t, Tensor) else self.tensor(t)
+        if tensor.index in self.values:
+            return self.values[tensor.index].shape
+        dims = self.dims(tensor)
+        if tensor.dtype == np.complex64 and dims:
+            return dims[:-1] + (dims[-1] // 2,)
+        return dims
 
     def operand(self, t: int, op: Operator | None = None) -> int:
         """The operand of tensor ``t`` (a constant operand when its value is known)."""
@@ -187,8 +291,12 @@ class Lowering:
         kind, quant = self.operand_type(tensor, op)
         if value.dtype == np.int64:
             value = _to_int32(value, self._refuse(op, f"tensor {t} does not fit int32"))
+        if value.dtype == np.complex64:
+            value = np.ascontiguousarray(value).view(np.float32)  # interleaved pairs
         index = self.model.add_operand(kind, value.shape or (1,), **quant)
-        self.model.set_operand_value(index, np.ascontiguousarray(value).reshape(value.shape or (1,)))
+        value = np.ascontiguousarray(value).reshape(value.shape or (1,))
+        self.model.set_operand_value(index, value)
+        self.constants[index] = value
         self.operands[t] = index
         return index
 
@@ -198,6 +306,7 @@ class Lowering:
         kind, quant = self.operand_type(tensor, op)
         index = self.model.add_operand(kind, self.dims(tensor), **quant)
         self.operands[t] = index
+        self._tensor_of[index] = t
         return index
 
     def temp_like(self, t: int, dims: tuple[int, ...] | None = None, kind: T | None = None,
@@ -211,6 +320,7 @@ class Lowering:
         value = np.asarray(value)
         index = self.model.add_operand(kind, value.shape if dims is None else dims, **quant)
         self.model.set_operand_value(index, value)
+        self.constants[index] = value if value.ndim else value.item()
         return index
 
     def i32(self, v: int) -> int:
@@ -233,6 +343,36 @@ class Lowering:
 
     def emit(self, kind: Op, inputs: list[int], outputs: list[int]) -> None:
         self.model.add_operation(kind, inputs, outputs)
+        self._infer(kind, inputs, outputs)
+
+    def _infer(self, kind: Op, inputs: list[int], outputs: list[int]) -> None:
+        """Infer the dimensions of an operation's outputs with the registry's
+        shape function (as validation will), so that a later SHAPE folds and
+        a handler sees real sizes where the file has placeholders. Control
+        flow and operations the registry does not define keep what they
+        declare; a malformed operation is reported when the model finishes."""
+        if kind in (Op.IF, Op.WHILE) or not ops.has_definition(kind):
+            return
+        view = ops.OpView(self._building, None, Operation(kind, tuple(inputs), tuple(outputs)),
+                          self.known)
+        try:
+            inferred = ops.definition(kind).shape(view)
+        except (NnrtError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError):
+            return
+        for o, shape in zip(outputs, inferred):
+            declared = self.model.operand(o).dimensions
+            shape = tuple(shape)
+            if declared and shape and (len(declared) != len(shape) or any(
+                    d and s and d != s for d, s in zip(declared, shape))):
+                # The file's shape was a placeholder: go on with the real
+                # one and declare it when the import is redone.
+                if o in self._tensor_of:
+                    self.conflicts[self._tensor_of[o]] = shape
+            elif declared and shape:
+                shape = tuple(d or s for d, s in zip(declared, shape))
+            elif not shape:
+                shape = declared
+            self.known[o] = shape
 
     def fused(self, op: Operator, out: int, key: str = "FusedActivationFunction") -> tuple[int, int]:
         """(NNAPI fuse code, operand the operation should write) for ``op``'s
@@ -252,7 +392,7 @@ class Lowering:
         a model input and output, or a constant output)."""
         kind, quant = self.operand_type(tensor)
         dst = self.model.add_operand(kind, self.dims(tensor), **quant)
-        self.identity(src, dst, kind, tensor.shape)
+        self.identity(src, dst, kind, self.shape(tensor))
         return dst
 
     def identity(self, src: int, dst: int, kind: T, shape: tuple[int, ...]) -> None:
@@ -286,8 +426,13 @@ class Lowering:
             in_operands.append(self.output(t))
         ops = g.operators if ops is None else ops
         self.assigned = _assigned_variables(ops)
-        for op in ops:
-            self.lower_operator(op)
+        try:
+            for op in ops:
+                self.lower_operator(op)
+        except NnrtError:
+            if self.conflicts:   # perhaps a placeholder's doing: redo with real sizes first
+                raise _Placeholders(self.conflicts) from None
+            raise
         out_operands = []
         state_in = {s.input for s in self.states}
         for t in outputs:
@@ -300,6 +445,8 @@ class Lowering:
             if o in in_operands or o in state_in or o in out_operands or t in self.values:
                 o = self.copy(o, self.tensor(t))
             out_operands.append(o)
+        if self.conflicts:
+            raise _Placeholders(self.conflicts)
         self.finish_variables(in_operands, out_operands)
         self.model.identify_inputs_and_outputs(
             in_operands + [s.input for s in self.states],
@@ -315,6 +462,10 @@ class Lowering:
                 self.values[t] = v
             return
         handler = _HANDLERS.get(op.name)
+        if op.name not in _COMPLEX_HANDLERS and any(
+                t >= 0 and self.tensor(t).dtype == np.complex64 for t in op.inputs):
+            raise self.fail(op, f"reads a complex64 tensor; the importer takes complex "
+                                f"tensors only into {', '.join(sorted(_COMPLEX_HANDLERS))}")
         if handler is None and op.name.startswith("CUSTOM:"):
             handler = _CUSTOM_HANDLERS.get(op.name[7:])
         if handler is None:
@@ -408,14 +559,42 @@ class Lowering:
                                 f"body (the file has {len(self.file.graphs)})")
         if graph_index not in self.referenced:
             self.referenced[graph_index] = None  # a cycle would come back here
-            sub = Lowering(self.file, graph_index, self.referenced, is_main=False)
-            self.referenced[graph_index] = sub.lower()
+            self.referenced[graph_index] = lower_graph(self.file, graph_index, self.referenced,
+                                                       is_main=False)
         model = self.referenced[graph_index]
         if model is None:
             raise self.fail(op, f"subgraph {graph_index} refers to itself")
         index = self.model.add_operand(T.SUBGRAPH)
         self.model.set_operand_value_from_model(index, model)
         return index
+
+
+class _Placeholders(Exception):
+    """Tensors whose file shape is a placeholder, with their real NNAPI
+    dimensions: the import is redone declaring them (:func:`lower_graph`)."""
+
+    def __init__(self, dims: dict[int, tuple[int, ...]]):
+        super().__init__(dims)
+        self.dims = dims
+
+
+def lower_graph(file: TfliteFile, graph_index: int, referenced: dict[int, Model], *,
+                is_main: bool = True, operators: list[Operator] | None = None,
+                inputs: tuple[int, ...] | None = None,
+                outputs: tuple[int, ...] | None = None) -> Model:
+    """Lower graph ``graph_index`` (``Lowering.lower``). A model whose file
+    shapes are all true is lowered once; one with placeholders (BirdNET's
+    frames) a second time, declaring the sizes the first pass inferred:
+    NNAPI operands cannot change dimensions once added."""
+    hints: dict[int, tuple[int, ...]] = {}
+    for _ in range(3):
+        try:
+            return Lowering(file, graph_index, referenced, is_main=is_main,
+                            hints=hints).lower(operators, inputs, outputs)
+        except _Placeholders as e:
+            hints.update(e.dims)
+    raise invalid(f"{file.name}: subgraph {graph_index}: the shapes of its tensors do not "
+                  f"settle (placeholders left after three passes)")
 
 
 def _to_int32(value: np.ndarray, error) -> np.ndarray:
@@ -451,7 +630,7 @@ def _fold(c: Lowering, op: Operator) -> list[np.ndarray] | None:
         if not c.static_shape(tensor):
             return None
         dtype = np.int64 if op.options.get("OutType") == 4 else np.int32
-        return [np.asarray(tensor.shape, dtype)]
+        return [np.asarray(c.shape(tensor), dtype)]
     if name not in _FOLDERS:
         return None
     args = [c.value(t) for t in op.inputs]
@@ -499,9 +678,38 @@ def _fold_strided_slice(c, op, args):
 
 def _fold_reshape(c, op, args):
     out = c.tensor(op.outputs[0])
+    if op.name == "RESHAPE" and len(args) > 1 and args[1] is not None:
+        # The shape input decides (the file's output shape may be a placeholder).
+        return [args[0].reshape([int(v) for v in args[1].reshape(-1)])]
+    if op.name == "EXPAND_DIMS":
+        return [np.expand_dims(args[0], int(args[1].reshape(-1)[0]))]
+    if op.name == "SQUEEZE":
+        axes = op.options.get("SqueezeDims") or None
+        return [np.squeeze(args[0], axis=tuple(axes) if axes else None)]
     if not c.static_shape(out):
         return None
     return [args[0].reshape(out.shape)]
+
+
+def _fold_split_v(c, op, args):
+    x, sizes, axis = args[0], [int(v) for v in args[1].reshape(-1)], int(args[2].reshape(-1)[0])
+    if sizes.count(-1) == 1:
+        sizes[sizes.index(-1)] = x.shape[axis] - (sum(sizes) + 1)
+    return np.split(x, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _fold_range(c, op, args):
+    dtype = np.int32 if args[0].dtype.kind in "iu" else np.float32
+    return [range_values(*args[:3], dtype, lambda m: c.fail(op, m))]
+
+
+def _fold_int_reduce(fn):
+    def fold(c, op, args):
+        if args[0].dtype.kind not in "iu":
+            return None
+        axes = tuple(int(a) for a in args[1].reshape(-1))
+        return [fn(args[0], axis=axes, keepdims=bool(op.options.get("KeepDims")))]
+    return fold
 
 
 _FOLDERS: dict[str, Callable] = {
@@ -523,6 +731,12 @@ _FOLDERS: dict[str, Callable] = {
     "SUB": _fold_int(np.subtract),
     "MUL": _fold_int(np.multiply),
     "FLOOR_DIV": _fold_int(np.floor_divide),
+    "MAXIMUM": _fold_int(np.maximum),
+    "MINIMUM": _fold_int(np.minimum),
+    "SPLIT_V": _fold_split_v,
+    "RANGE": _fold_range,
+    "REDUCE_PROD": _fold_int_reduce(np.prod),
+    "SUM": _fold_int_reduce(np.sum),
 }
 
 
@@ -599,9 +813,12 @@ def _fully_connected(c: Lowering, op: Operator) -> None:
     if x_kind in (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16) and w_t.dtype != x_t.dtype:
         raise c.fail(op, "hybrid (float input, quantized weights) FULLY_CONNECTED is not supported")
     units, depth = w_t.shape
-    batch = int(np.prod(x_t.shape)) // depth if depth else 0
+    batch = int(np.prod(c.shape(x_t))) // depth if depth else 0
     flat_out = (batch, units)
-    needs_reshape = tuple(out_t.shape) != flat_out
+    # The output is [batch, units], or with KeepNumDims the input's leading
+    # dimensions and units.
+    out_shape = (c.shape(x_t)[:-1] + (units,)) if o.get("KeepNumDims") else flat_out
+    needs_reshape = out_shape != flat_out
     if w_kind == T.TENSOR_QUANT8_SYMM_PER_CHANNEL:
         # NNAPI's FULLY_CONNECTED has no per-channel weights; CONV_2D has:
         # [batch, depth] -> [batch, 1, 1, depth] (*) [units, 1, 1, depth].
@@ -616,14 +833,14 @@ def _fully_connected(c: Lowering, op: Operator) -> None:
         y4 = c.temp_like(op.outputs[0], (batch, 1, 1, units))
         c.emit(Op.CONV_2D, [x4, w4, _bias(c, op, b, x, w, units), c.i32(2), c.i32(1), c.i32(1),
                             c.i32(act)], [y4])
-        c.emit(Op.RESHAPE, [y4, c.i32_tensor(out_t.shape)], [out])
+        c.emit(Op.RESHAPE, [y4, c.i32_tensor(out_shape)], [out])
         return
     ins = [_input(c, op, x), _input(c, op, w), _bias(c, op, b, x, w, units)]
     act, out = c.fused(op, op.outputs[0])
     if needs_reshape:
         flat = c.temp_like(op.outputs[0], flat_out)
         c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [flat])
-        c.emit(Op.RESHAPE, [flat, c.i32_tensor(out_t.shape)], [out])
+        c.emit(Op.RESHAPE, [flat, c.i32_tensor(out_shape)], [out])
     else:
         c.emit(Op.FULLY_CONNECTED, ins + [c.i32(act)], [out])
 
@@ -735,11 +952,16 @@ def _reshape(c: Lowering, op: Operator) -> None:
     if kind in (T.TENSOR_INT32, T.TENSOR_BOOL8):
         if not c.static_shape(out_t):
             raise c.fail(op, "an int32 or bool RESHAPE needs a static output shape")
-        c.identity(_input(c, op, op.inputs[0]), c.output(op.outputs[0], op), kind, out_t.shape)
+        c.identity(_input(c, op, op.inputs[0]), c.output(op.outputs[0], op), kind, c.shape(out_t))
         return
-    if c.static_shape(out_t) and out_t.shape:
-        shape = c.i32_tensor(out_t.shape)
-    elif len(op.inputs) > 1 and op.inputs[1] >= 0:
+    # The shape input, when known, decides (as in TFLite's kernel); the
+    # output's file shape may be a placeholder.
+    given = c.value(op.inputs[1]) if len(op.inputs) > 1 and op.inputs[1] >= 0 else None
+    if given is not None and given.size:
+        shape = c.i32_tensor(given)
+    elif c.static_shape(out_t) and out_t.shape:
+        shape = c.i32_tensor(c.shape(out_t))
+    elif len(op.inputs) > 1 and op.inputs[1] >= 0 and given is None:
         shape = _input(c, op, op.inputs[1])
     elif op.options.get("NewShape"):
         shape = c.i32_tensor(op.options["NewShape"])
@@ -881,7 +1103,7 @@ def _strided_slice(c: Lowering, op: Operator) -> None:
             # TFLite takes one element at begin and ignores end; NNAPI reads end.
             b = int(begin[d])
             if b < 0 and d < len(x_t.shape):
-                b += x_t.shape[d]
+                b += c.shape(x_t)[d]
             begin[d], end[d] = b, b + 1
     c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin), c.i32_tensor(end),
                               c.i32_tensor(strides), c.i32(o.get("BeginMask", 0)),
@@ -984,7 +1206,9 @@ def _gather(c: Lowering, op: Operator) -> None:
     x, idx = op.inputs[0], op.inputs[1]
     axis = op.options.get("Axis", 0)
     indices = c.value(idx)
-    idx_operand = c.i32_tensor(indices) if indices is not None else _input(c, op, idx)
+    # Indices keep their rank (NNAPI's GATHER gives rank n + k - 1 as TFLite's).
+    idx_operand = c.const(np.asarray(indices, np.int32).reshape(indices.shape or (1,)),
+                          T.TENSOR_INT32) if indices is not None else _input(c, op, idx)
     ins = [_input(c, op, x), c.i32(axis), idx_operand]
     out_t = c.tensor(op.outputs[0])
     if not c.tensor(idx).shape:
@@ -1379,7 +1603,7 @@ def _split_v(c: Lowering, op: Operator) -> None:
     x_t = c.tensor(op.inputs[0])
     axis = int(_constant_input(c, op, 2, "axis").reshape(-1)[0]) % len(x_t.shape)
     if sizes.count(-1) == 1:
-        sizes[sizes.index(-1)] = x_t.shape[axis] - (sum(sizes) + 1)
+        sizes[sizes.index(-1)] = c.shape(x_t)[axis] - (sum(sizes) + 1)
     x = _input(c, op, op.inputs[0])
     start = 0
     for size, t in zip(sizes, op.outputs):
@@ -1426,6 +1650,111 @@ def _tile(c: Lowering, op: Operator) -> None:
            [c.output(op.outputs[0], op)])
 
 
+# --- TFLite builtins without an NNAPI twin: the com.nnrt.tflite extension ------------
+
+def _extension_op(c: Lowering, within: int):
+    return c.model.get_extension_operation_type(_tflite_ext.NAME, within)
+
+
+def _range(c: Lowering, op: Operator) -> None:
+    """A RANGE whose ends are known only when it runs (a constant one is
+    folded): the extension's RANGE, its length a dynamic output shape."""
+    ins = [_input(c, op, t) for t in op.inputs[:3]]
+    c.emit(_extension_op(c, _tflite_ext.RANGE), ins, [c.output(op.outputs[0], op)])
+
+
+def _rfft2d(c: Lowering, op: Operator) -> None:
+    length = _constant_input(c, op, 1, "fft_length").reshape(-1)
+    if length.size != 2 or any(n < 1 or int(n) & (int(n) - 1) for n in length):
+        raise c.fail(op, f"fft_length {length.tolist()} must be two powers of two")
+    c.emit(_extension_op(c, _tflite_ext.RFFT2D),
+           [_input(c, op, op.inputs[0]), c.i32_tensor(length)], [c.output(op.outputs[0], op)])
+
+
+def _complex_part(c: Lowering, op: Operator, part: int, target: int | None = None) -> int:
+    """Part 0 (real) or 1 (imaginary) of a complex tensor: every other value
+    of the last dimension from ``part`` on, a STRIDED_SLICE with stride 2;
+    masks keep the other dimensions whole and the last to its end, so sizes
+    unknown at import need not be known."""
+    rank = len(c.tensor(op.inputs[0]).shape)
+    if not rank:
+        raise c.fail(op, "a complex scalar has no NNAPI form")
+    begin = [0] * (rank - 1) + [part]
+    out = c.output(op.outputs[0], op) if target is None else target
+    c.emit(Op.STRIDED_SLICE, [_input(c, op, op.inputs[0]), c.i32_tensor(begin),
+                              c.i32_tensor([0] * rank), c.i32_tensor([1] * (rank - 1) + [2]),
+                              c.i32((1 << (rank - 1)) - 1), c.i32((1 << rank) - 1), c.i32(0)],
+           [out])
+    return out
+
+
+def _real(c: Lowering, op: Operator) -> None:
+    _complex_part(c, op, 0)
+
+
+def _imag(c: Lowering, op: Operator) -> None:
+    _complex_part(c, op, 1)
+
+
+def _complex_abs(c: Lowering, op: Operator) -> None:
+    """|z| as sqrt(re * re + im * im) (TFLite calls std::abs, a hypot: the
+    two round differently in the last bit, and this one overflows past
+    1.8e19 where hypot does not)."""
+    parts = []
+    for part in (0, 1):
+        value = _complex_part(c, op, part, c.temp_like(op.outputs[0]))
+        square = c.temp_like(op.outputs[0])
+        c.emit(Op.MUL, [value, value, c.i32(0)], [square])
+        parts.append(square)
+    total = c.temp_like(op.outputs[0])
+    c.emit(Op.ADD, [*parts, c.i32(0)], [total])
+    c.emit(Op.SQRT, [total], [c.output(op.outputs[0], op)])
+
+
+def _cast_complex(c: Lowering, op: Operator) -> None:
+    """CAST of a complex64 tensor to float32 keeps the real part, as
+    TFLite's kernel does; other casts are NNAPI's CAST."""
+    x_t, out_t = c.tensor(op.inputs[0]), c.tensor(op.outputs[0])
+    if x_t.dtype != np.complex64:
+        return _cast(c, op)
+    if out_t.dtype != np.float32:
+        raise c.fail(op, f"CAST from complex64 to {out_t.type_name}: only to FLOAT32 (the "
+                         f"real part)")
+    _complex_part(c, op, 0)
+
+
+def _squeeze_any(c: Lowering, op: Operator) -> None:
+    """SQUEEZE; a complex tensor keeps its rank (pairs interleaved in the
+    last dimension), so the axes are the file's, but its last dimension
+    holds two values per element and cannot be squeezed."""
+    x_t = c.tensor(op.inputs[0])
+    if x_t.dtype != np.complex64:
+        return _squeeze(c, op)
+    rank = len(x_t.shape)
+    axes = op.options.get("SqueezeDims") or []
+    if not axes:
+        if not c.static_shape(x_t):
+            raise c.fail(op, "SQUEEZE of every dimension of 1 needs the input's shape at import")
+        axes = [d for d, n in enumerate(c.shape(x_t)) if n == 1]
+    axes = [int(a) % rank for a in axes]
+    if rank - 1 in axes:
+        raise c.fail(op, "SQUEEZE of the last dimension of a complex tensor: its values are "
+                         "interleaved (real, imaginary) pairs there")
+    c.emit(Op.SQUEEZE, [_input(c, op, op.inputs[0]), c.i32_tensor(axes)],
+           [c.output(op.outputs[0], op)])
+
+
+# Operators that take complex64 tensors (pairs interleaved in the last dimension).
+_COMPLEX_HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
+    "RFFT2D": _rfft2d,
+    "REAL": _real,
+    "IMAG": _imag,
+    "COMPLEX_ABS": _complex_abs,
+    "CAST": _cast_complex,
+    "SQUEEZE": _squeeze_any,
+}
+
+
 _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "ADD": _binary_with_activation(Op.ADD),
     "SUB": _binary_with_activation(Op.SUB),
@@ -1470,7 +1799,6 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "SPACE_TO_DEPTH": _block(Op.SPACE_TO_DEPTH),
     "DEQUANTIZE": _dequantize,
     "QUANTIZE": _quantize,
-    "CAST": _cast,
     "STRIDED_SLICE": _strided_slice,
     "SLICE": _slice,
     "SPLIT": _split,
@@ -1478,10 +1806,11 @@ _HANDLERS: dict[str, Callable[[Lowering, Operator], None]] = {
     "PACK": _pack,
     "BATCH_MATMUL": _batch_matmul,
     "GATHER": _gather,
-    "SQUEEZE": _squeeze,
     "EXPAND_DIMS": _expand_dims,
     "TRANSPOSE": _transpose,
     "UNIDIRECTIONAL_SEQUENCE_LSTM": _lstm,
+    "RANGE": _range,
+    **_COMPLEX_HANDLERS,
     "WHILE": _while,
     "IF": _if,
     "VAR_HANDLE": _var_handle,

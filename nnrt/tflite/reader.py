@@ -29,6 +29,7 @@ _DTYPES = {
     tflite.TensorType.INT16: np.dtype(np.int16),
     tflite.TensorType.INT8: np.dtype(np.int8),
     tflite.TensorType.FLOAT64: np.dtype(np.float64),
+    tflite.TensorType.COMPLEX64: np.dtype(np.complex64),
 }
 _TYPE_NAMES = {v: k for k, v in vars(tflite.TensorType).items() if not k.startswith("_")}
 OPERATOR_NAMES = {v: k for k, v in vars(tflite.BuiltinOperator).items() if not k.startswith("_")}

@@ -401,3 +401,30 @@ async def test_face_landmark_with_attention_on_a_mediapipe_service():
     assert names == ["nnrt-reference", "mp", "nnrt-reference", "mp", "nnrt-reference"]
     for got, want in zip(served, in_process):
         np.testing.assert_array_equal(got, want)
+
+
+async def test_nnrts_tflite_extension_runs_in_a_reference_service_for_any_app(tmp_path,
+                                                                            allow_nobody):
+    """com.nnrt.tflite over the socket: a reference service offers it, an app
+    no allowlist names compiles for it (the service checks too), and RANGE's
+    dynamic output shape comes back with the length of the run."""
+    data = ROOT / "tests" / "data" / "tflite"
+    model = nnrt.tflite.load(data / "range_dynamic.tflite")
+    inputs = [np.load(data / f"range_dynamic.case0.in{i}.npy") for i in range(3)]
+    expected = [np.load(data / f"range_dynamic.case0.out{i}.npy") for i in range(3)]
+    proc = start_service(tmp_path / "ref.sock", "reference", "ref",
+                         env=dict(os.environ, XDG_CONFIG_HOME=str(allow_nobody)))
+    try:
+        dev = await ServiceDevice.connect(str(tmp_path / "ref.sock"))
+        try:
+            assert [e.name for e in dev.supported_extensions()] == ["com.nnrt.tflite"]
+            async with nnrt.Runtime(devices=[dev]) as rt:
+                compiled = await rt.compile(model)
+                result = await compiled.execute(inputs)
+            assert [tuple(s) for s in result.output_shapes] == [e.shape for e in expected]
+            for got, want in zip(result.outputs, expected):
+                np.testing.assert_array_equal(got, want)
+        finally:
+            dev.close()
+    finally:
+        stop(proc)

@@ -50,7 +50,8 @@ def _run_on_reference(model: nnrt.Model, inputs) -> list:
 
 
 @pytest.mark.parametrize("stem", ["if_add_or_mul", "float_chain", "int8_chain", "more_float_ops", "lrn",
-                                  "batch_matmul_float", "batch_matmul_int8"])
+                                  "batch_matmul_float", "batch_matmul_int8", "rfft2d",
+                                  "range_dynamic", "framed_spectrum"])
 def test_generated_models_match_litert_reference_kernels(stem):
     model = nnrt.tflite.load(DATA / f"{stem}.tflite")
     cases = list(_cases(stem))
@@ -326,3 +327,105 @@ def test_floor_div_is_nnapi_div_and_floor_and_matches_litert(dtype, ops):
     (got,) = _run_on_reference(model, [x])
     np.testing.assert_array_equal(got, _litert(data, x))
     np.testing.assert_array_equal(got, np.floor_divide(x, y))
+
+
+# --- TFLite builtins without an NNAPI twin: the com.nnrt.tflite extension ----------
+
+def _extension_ops(model: nnrt.Model) -> Counter:
+    return Counter(op.type.name for op in model.hal_model.main.operations
+                   if op.type.is_extension)
+
+
+def test_rfft2d_and_range_are_operations_of_nnrts_tflite_extension():
+    """RFFT2D, and RANGE whose ends are model inputs, become com.nnrt.tflite
+    operations; the constant RANGE is folded; complex results are float32
+    with (real, imaginary) interleaved in a last dimension twice as long,
+    which REAL/IMAG/CAST/COMPLEX_ABS read with NNAPI operations."""
+    rfft = nnrt.tflite.load(DATA / "rfft2d.tflite")
+    assert _extension_ops(rfft) == Counter({"com.nnrt.tflite:RFFT2D": 2})
+    framed = nnrt.tflite.load(DATA / "framed_spectrum.tflite")
+    # SHAPE, FLOOR_DIV, RANGE and the index arithmetic fold; 7 frames of 4 bands.
+    assert _extension_ops(framed) == Counter({"com.nnrt.tflite:RFFT2D": 1})
+    assert framed.metadata.outputs[0].shape == (7, 4)
+    main = framed.hal_model.main   # declared so, not the file's placeholder (1, 4)
+    assert main.operands[main.output_indexes[0]].dimensions == (7, 4)
+    main = rfft.hal_model.main
+    spectrum = next(op for op in main.operations if op.type.is_extension)
+    assert main.operands[spectrum.outputs[0]].dimensions == (2, 4, 10)
+    assert [o.shape for o in rfft.metadata.outputs] == [(2, 4, 5)] * 4 + [(3, 9)]
+    ranges = nnrt.tflite.load(DATA / "range_dynamic.tflite")
+    assert _extension_ops(ranges) == Counter({"com.nnrt.tflite:RANGE": 2})
+    assert [o.shape for o in ranges.metadata.outputs] == [(None,), (None,), (4,)]
+
+
+@pytest.mark.parametrize("stem", ["rfft2d", "range_dynamic", "framed_spectrum"])
+def test_extension_models_on_litert_match_litert_with_dynamic_shapes(stem):
+    """On the litert device with the reference device beside it: RFFT2D runs
+    on litert (RFFT2D, REAL, IMAG, PACK, RESHAPE in TFLite); a RANGE of
+    run-time ends has no static shape, so it stays on the reference device,
+    and its output comes back with the length of each case (the cases
+    differ). framed_spectrum's shapes, placeholders in the file, are all
+    inferred at import: every operation runs on litert."""
+    pytest.importorskip("ai_edge_litert.interpreter")
+    from nnrt.drivers.litert import LiteRTDevice
+    from nnrt.drivers.reference import ReferenceDevice
+
+    model = nnrt.tflite.load(DATA / f"{stem}.tflite")
+    litert, reference = LiteRTDevice(), ReferenceDevice()
+    flags = anyio.run(litert.supported_operations, model.hal_model)
+    on_litert = Counter(op.type.name for op, ok in zip(model.hal_model.main.operations, flags)
+                        if ok and op.type.is_extension)
+    rfft2d = {"rfft2d": 2, "range_dynamic": 0, "framed_spectrum": 1}[stem]
+    assert on_litert == Counter({"com.nnrt.tflite:RFFT2D": rfft2d} if rfft2d else {})
+    assert all(flags) == (stem != "range_dynamic")
+
+    async def run(inputs):
+        async with nnrt.Runtime(devices=[litert, reference]) as rt:
+            compiled = await rt.compile(model)
+            result = await compiled.execute(inputs)
+            return result.outputs, result.output_shapes
+    lengths = set()
+    for inputs, expected in _cases(stem):
+        outputs, shapes = anyio.run(run, inputs)
+        for got, shape, want in zip(outputs, shapes, expected):
+            assert got.shape == want.shape == tuple(shape) and got.dtype == want.dtype
+            bound = 1e-4 * max(float(np.abs(want).max()), 1e-30) if want.dtype.kind == "f" else 0
+            assert np.abs(got.astype(np.float64) - want).max() <= bound
+        lengths.add(outputs[0].shape)
+    assert len(lengths) == (3 if stem == "range_dynamic" else 1)
+
+
+def test_a_range_that_moves_away_from_its_limit_fails_the_execution():
+    """LiteRT fails such a RANGE when it runs; so does the extension's."""
+    model = nnrt.tflite.load(DATA / "range_dynamic.tflite")
+    x = np.zeros(4, np.int32)
+    with pytest.raises(nnrt.NnrtError) as info:
+        _run_on_reference(model, [np.array(-4, np.int32), np.array(0.5, np.float32), x])
+    assert "RANGE" in info.value.message and "moves away from limit" in info.value.message
+
+
+def test_the_extension_needs_no_allowlist_entry(allow_nobody):
+    """com.nnrt.tflite is nnrt's own: an app that no allowlist names runs it."""
+    model = nnrt.tflite.load(DATA / "rfft2d.tflite")
+    (inputs, expected), = _cases("rfft2d")
+    outputs = _run_on_reference(model, inputs)
+    assert np.abs(outputs[0] - expected[0]).max() <= 1e-4 * np.abs(expected[0]).max()
+
+
+def _spectrum_model(consumer: str, fft_length) -> bytes:
+    from scripts.make_test_models import Graph, Op, T
+    from scripts.make_test_models import build as build_tflite
+    tensors = [T("x", (2, 8)), T("fft_length", (2,), "int32", np.array(fft_length)),
+               T("spectrum", (2, 5), "complex64"), T("y", (10,), "complex64"),
+               T("shape", (1,), "int32", np.array([10]))]
+    ops = [Op("RFFT2D", [0, 1], [2]), Op(consumer, [2, 4], [3])]
+    return build_tflite([Graph(tensors, ops, [0], [3])])
+
+
+@pytest.mark.parametrize("consumer,fft_length,reason", [
+    ("RESHAPE", [2, 8], "reads a complex64 tensor"),
+    ("RESHAPE", [2, 6], "must be two powers of two")])
+def test_what_the_complex_lowering_cannot_take_is_refused_naming_it(consumer, fft_length, reason):
+    with pytest.raises(nnrt.NnrtError) as info:
+        nnrt.tflite.load(_spectrum_model(consumer, fft_length))
+    assert info.value.status == ErrorStatus.INVALID_ARGUMENT and reason in info.value.message

@@ -34,7 +34,7 @@ from ...model.types import HalVersion, OperandType
 from ...vlog import vlog
 from .. import cached
 from . import segments as seg
-from .table import OpInfo, Unsupported, lower
+from .table import EXTENSIONS, OpInfo, Unsupported, lower
 
 DEFAULT_SEGMENT_TIME = 0.002   # seconds: a HIGH job waits at most about this long behind
                                # a run that began with jobs waiting (segmented)
@@ -83,6 +83,10 @@ class LiteRTDevice(Device):
     def capabilities(self) -> Capabilities:
         return Capabilities(_FAST, _FAST, {t: (_FAST if t in _TYPES_RUN else _NOT_RUN)
                                            for t in OperandType}, _NOT_RUN, _NOT_RUN)
+
+    def supported_extensions(self):
+        # nnrt's com.nnrt.tflite: its operations are TFLite builtins (table.py).
+        return list(EXTENSIONS)
 
     def scheduling(self) -> Scheduling:
         # Stops between segments; one execution at a time (the scheduler, not

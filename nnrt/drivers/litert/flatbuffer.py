@@ -14,7 +14,7 @@ import numpy as np
 import tflite
 
 from ...model.types import OperandLifeTime as L, OperandType as T
-from .table import Const, Lowered, Temp
+from .table import COMPLEX64, Const, Lowered, Temp
 
 _TENSOR_TYPES = {
     T.TENSOR_FLOAT32: tflite.TensorType.FLOAT32,
@@ -25,6 +25,7 @@ _TENSOR_TYPES = {
     T.TENSOR_QUANT8_SYMM: tflite.TensorType.INT8,
     T.TENSOR_QUANT8_SYMM_PER_CHANNEL: tflite.TensorType.INT8,
     T.TENSOR_BOOL8: tflite.TensorType.BOOL,
+    COMPLEX64: tflite.TensorType.COMPLEX64,   # only between operators (table.COMPLEX64)
 }
 _NUMPY_TYPES = {np.dtype(np.int32): T.TENSOR_INT32, np.dtype(np.float32): T.TENSOR_FLOAT32}
 _CONSTANT = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE)

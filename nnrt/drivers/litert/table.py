@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from ...extensions import tflite as tflite_ext
 from ...model.types import OperandLifeTime as L, OperandType as T, OperationType as Op
 
 F32, F16, I32, U8, S8, BOOL8 = (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_INT32,
@@ -856,9 +857,60 @@ RULES: dict[Op, Rule] = {
 }
 
 
+# --- nnrt's com.nnrt.tflite extension: TFLite builtins without an NNAPI twin ------
+
+class _Complex64:
+    """The type of a complex64 tensor between TFLite operators (NNAPI has
+    none: the extension's operands interleave (real, imaginary) in the last
+    dimension)."""
+
+    name = "COMPLEX64"
+    is_quantized = False
+
+
+COMPLEX64 = _Complex64()
+
+
+def _range(info: OpInfo) -> Lowered:
+    """TFLite's RANGE takes three scalars; its length must be known here
+    (constant inputs) for the static shapes the TFLite model is built with."""
+    dtype = np.int32 if info.t(0) == I32 else np.float32
+    ends = tuple(Const(np.asarray(info.const(k), dtype).reshape(())) for k in range(3))
+    return Lowered(ends, info.op.outputs)
+
+
+def _rfft2d(info: OpInfo) -> tuple[Lowered, ...]:
+    """RFFT2D gives complex64; REAL and IMAG take its parts, PACK puts them
+    side by side on a new last axis and RESHAPE merges it into the one
+    before: the extension's interleaved layout (exact: values only move)."""
+    out = info.out_dims()
+    parts = out[:-1] + (out[-1] // 2,)
+    length = np.asarray(info.const(1), np.int32).reshape(-1)
+    spectrum = Temp(COMPLEX64, parts)
+    real, imag, pairs = Temp(F32, parts), Temp(F32, parts), Temp(F32, parts + (2,))
+    return (Lowered((info.op.inputs[0], Const(length)), (spectrum,), builtin="RFFT2D"),
+            Lowered((spectrum,), (real,), builtin="REAL"),
+            Lowered((spectrum,), (imag,), builtin="IMAG"),
+            Lowered((real, imag), (pairs,), "PackOptions",
+                    {"ValuesCount": 2, "Axis": len(parts)}, builtin="PACK"),
+            Lowered((pairs, Const(np.asarray(out, np.int32))), info.op.outputs,
+                    builtin="RESHAPE"))
+
+
+# (extension, type within) -> rule; a model numbers its extensions itself.
+EXTENSION_RULES: dict[tuple[str, int], Rule] = {
+    (tflite_ext.NAME, tflite_ext.RANGE): Rule("RANGE", frozenset({I32, F32}), _range),
+    (tflite_ext.NAME, tflite_ext.RFFT2D): Rule("RFFT2D", frozenset({F32}), _rfft2d),
+}
+EXTENSIONS = (tflite_ext.EXTENSION,)
+
+
 def lower(info: OpInfo) -> tuple[Lowered, ...]:
     """The TFLite operators running ``info``; Unsupported when there are none."""
-    rule = RULES.get(info.type)
+    if info.type.is_extension:
+        rule = EXTENSION_RULES.get((info.type.extension, info.type.type_within))
+    else:
+        rule = RULES.get(info.type)
     if rule is None:
         raise Unsupported(f"no TFLite lowering for {info.type.name}")
     operands = info.model.main.operands
