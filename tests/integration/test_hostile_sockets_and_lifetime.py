@@ -385,28 +385,16 @@ async def test_a_client_that_never_answers_the_services_call_costs_only_its_own_
     frame failed on its result ring, and the service's burst thread is free
     again (the next frame, with no slots, is served)."""
     from nnrt.burst import wire
-    from nnrt.fmq import Ring
-    from .test_hostile_bursts_and_memory import HostileApp
+    from .test_hostile_bursts_and_memory import HostileApp, read_results
     path, proc = spawn_service("reference", "--limit", "client_answer_ms=300")
     app = HostileApp(path)
     try:
-        model_id = app.prepare()
-        with Ring.create(1 << 16, native=False) as requests, \
-                Ring.create(1 << 18, native=False) as results:
-            reply = app.configure_burst(model_id, requests.fds() + results.fds())
-            assert reply.status == ErrorStatus.NONE, reply.message
+        with app.raw_burst(app.prepare()) as (requests, results, _):
             arg = wire.BurstArgument(False, 0, 0, 16, ())   # in slot 7
             requests.write_nowait(wire.encode_request(wire.BurstRequest(1, (arg, arg), (arg,),
                                                                         (7,))))
             requests.write_nowait(wire.encode_request(wire.BurstRequest(2, (), (), ())))
-            got = []
-            with anyio.fail_after(30):                 # a guard, not a timing
-                while len(got) < 2:
-                    try:
-                        got.append(wire.decode_result(results.read_nowait()))
-                    except anyio.WouldBlock:
-                        await anyio.sleep(0.01)
-            first, second = got
+            first, second = await read_results(results, 2)
             assert first.serial == 1 and first.status == ErrorStatus.GENERAL_FAILURE
             assert "did not answer within 0.3 s (limit client_answer_ms)" in first.message, \
                 first.message
