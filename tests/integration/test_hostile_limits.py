@@ -550,6 +550,40 @@ async def test_the_bytes_an_app_makes_a_service_map_are_bounded_for_that_app(tmp
         proc.wait(10)
 
 
+async def test_an_app_hammering_a_limit_is_read_ever_more_slowly_and_others_are_not(tmp_path):
+    """Issue 39: one app sent refused 1 GiB requests as fast as the service
+    answered (2,125 in a few seconds), and another app's execute p99 went
+    4.6x up: refusing costs the service's loop too. After each refusal in a
+    row the service reads nothing more from that connection for 10 ms,
+    doubling (at most 1 s), and a success starts again at 10 ms. So six
+    refusals in a row take at least 10 + 20 + 40 + 80 + 160 ms from the
+    first call to the last answer (sleeps never end early: load only adds),
+    while a second app is answered at once all along."""
+    path = tmp_path / "npu.sock"
+    proc = start_service(path, "reference", "npu", "--limit", f"mapped_bytes_per_app={1 << 20}")
+    try:
+        hammer = await ServiceDevice.connect(str(path))
+        other = await ServiceDevice.connect(str(path))
+        try:
+            prepared = await hammer.prepare_model(add_model())
+            witness = await other.prepare_model(add_model())
+            with Memory.create(2 << 20) as huge, Memory.create(48) as small:
+                start = anyio.current_time()
+                for _ in range(6):
+                    result = await prepared.execute(memory_request(huge))
+                    assert result.status == ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT
+                    assert (await witness.execute(memory_request(small))).status == \
+                        ErrorStatus.NONE
+                assert anyio.current_time() - start >= 0.31
+                assert (await prepared.execute(memory_request(small))).status == ErrorStatus.NONE
+        finally:
+            hammer.close()
+            other.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 async def test_an_app_caching_many_memories_in_a_service_stops_at_its_limit(tmp_path):
     """Issue 39: one connection cached ~10,000 request pools (an fd and a
     mapping each) until the service ran out of fds for every app. An app's

@@ -107,6 +107,13 @@ _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
 # A connection that made us buffer this much gives it back to the kernel as
 # it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
 _GIVE_BACK_BYTES = 1 << 20
+# After a call refused for a limit (RESOURCE_EXHAUSTED_*), the service reads
+# nothing more from that connection for a while, doubling with each refusal
+# in a row up to a second: refusing costs the service's loop what serving
+# costs, so an app hammering a limit (a flood of 1 GiB requests refused,
+# thousands a second) would otherwise take loop time from every other app.
+_REFUSED_PAUSE = 0.01
+_REFUSED_PAUSE_MOST = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,6 +454,8 @@ class ServiceConnection:
         self._alive = True
         self._in_flight = 0
         self._most_bytes_held = 0   # of unfinished frames, at any time
+        self._refused_in_a_row = 0
+        self._read_after = 0.0      # monotonic time before which nothing is read
         self._tg = None  # the connection's task group, home of fenced executions and bursts
 
     @property
@@ -504,6 +513,9 @@ class ServiceConnection:
     async def _read_loop(self, tg) -> None:
         self._tg = tg
         while True:
+            pause = self._read_after - anyio.current_time()
+            if pause > 0:
+                await anyio.sleep(pause)
             await anyio.wait_readable(self.sock)
             trace.instant("service: readable")
             try:
@@ -574,6 +586,9 @@ class ServiceConnection:
                 event.call_id, event.method, ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
                 f"more than {MAX_CALLS_IN_FLIGHT} calls in flight on one connection"))
         else:
+            pause = self._read_after - anyio.current_time()
+            if pause > 0:   # frames that came in one read with a refused call wait too
+                await anyio.sleep(pause)
             self.service._calls += 1
             self._in_flight += 1
             tg.start_soon(self._handle, event)
@@ -619,7 +634,17 @@ class ServiceConnection:
             self.proto.finished(call.call_id)
             for fd in p.fds_of(call):
                 os.close(fd)
+        self._count_refusal(reply.status)
         await self._reply(reply)
+
+    def _count_refusal(self, status: ErrorStatus) -> None:
+        if status in (ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT,
+                      ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT):
+            pause = min(_REFUSED_PAUSE * 2 ** self._refused_in_a_row, _REFUSED_PAUSE_MOST)
+            self._refused_in_a_row += 1
+            self._read_after = anyio.current_time() + pause
+        elif status == ErrorStatus.NONE:
+            self._refused_in_a_row = 0
 
     # -- handlers: one per method the service serves -----------------------------
 
