@@ -62,6 +62,7 @@ def _devices(args) -> int:
 
 
 def _driver_serve(args) -> int:
+    from .drivers.heap import give_back_soon
     from .drivers.sample import DRIVERS, make_driver
     from .drivers.service.server import ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
@@ -115,6 +116,7 @@ def _driver_serve(args) -> int:
                     if signum == signal.SIGHUP:    # re-read --policy, keep serving
                         if args.policy:
                             print(await reload_policy(device, args.policy), flush=True)
+                            give_back_soon()   # what reading the file took
                         continue
                     tg.cancel_scope.cancel()
                     break

@@ -19,7 +19,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 
+from ..handoff import run_soon
 from ..vlog import vlog
 
 M_TRIM_THRESHOLD = -1
@@ -29,6 +31,10 @@ TRIM_THRESHOLD = 256 << 20  # free heap top kept before giving memory back
 
 _lock = threading.Lock()
 _applied: bool | None = None
+# give_back_soon: a trim is waiting to run; when the last one ran.
+GIVE_BACK_INTERVAL = 0.5    # seconds at least between two trims
+_give_back_pending = False
+_given_back_at = 0.0
 
 
 def keep_freed_memory() -> bool:
@@ -70,3 +76,28 @@ def give_back_freed_memory() -> None:
         return
     trim.argtypes = (ctypes.c_size_t,)
     trim(0)
+
+
+def give_back_soon() -> None:
+    """:func:`give_back_freed_memory` on a worker thread, soon, for what a
+    departed peer held (its connection's buffers, its prepared models, a
+    policy file read): calls while one is pending make one trim, and trims
+    run at least ``GIVE_BACK_INTERVAL`` apart, so peers that connect and
+    leave in a loop cost one trim every half second, not one each."""
+    global _give_back_pending
+    with _lock:
+        if _give_back_pending:
+            return
+        _give_back_pending = True
+    run_soon(_give_back_later)
+
+
+def _give_back_later() -> None:
+    global _give_back_pending, _given_back_at
+    wait = _given_back_at + GIVE_BACK_INTERVAL - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+    with _lock:
+        _give_back_pending = False
+    give_back_freed_memory()
+    _given_back_at = time.monotonic()

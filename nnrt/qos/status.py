@@ -4,10 +4,9 @@ reload of a service's policy file (``nnrt driver serve --policy``).
 Formatting only; the CLI does the I/O."""
 from __future__ import annotations
 
-import anyio
-
 from typing import Hashable, Iterable
 
+from ..handoff import run_in_worker
 from .policy import Policy
 from .scheduler import JobRecord, SchedulerStatistics
 
@@ -84,7 +83,7 @@ async def reload_policy(device, path: str) -> str:
     applied on the caller's loop. A file that does not load leaves the old
     policy in place (an operator's typo must not take the service down)."""
     try:
-        policy = await anyio.to_thread.run_sync(Policy.load, path)
+        policy = await run_in_worker(Policy.load, path)
     except Exception as e:   # NnrtError from the parser, OSError: keep the old one
         return f"policy {path} not reloaded, keeping the previous one: {e}"
     device.set_policy(policy)

@@ -71,11 +71,10 @@ from dataclasses import dataclass, fields, replace
 import anyio
 
 from ...burst.server import REQUEST_SPIN, BurstCounters, BurstServer
-from ..heap import give_back_freed_memory
+from ..heap import give_back_soon
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...fence.sync_fence import SyncFence
 from ...fmq import Ring, RingError
-from ...handoff import run_soon
 from ...memory import DeviceToken, Memory
 from ...memory.shared import PROT_READ, PROT_RW
 from ...model.extensions import uses_extensions
@@ -104,9 +103,6 @@ MAX_EXECUTIONS_PER_CONNECTION = 1024   # reusable executions alive
 # holds an fd and a mapping, and the fds are every app's (RLIMIT_NOFILE).
 MAX_EXECUTION_POOLS_PER_CONNECTION = 256
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
-# A connection that made us buffer this much gives it back to the kernel as
-# it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
-_GIVE_BACK_BYTES = 1 << 20
 # After a call refused for a limit (RESOURCE_EXHAUSTED_*), the service reads
 # nothing more from that connection for a while, doubling with each refusal
 # in a row up to a second: refusing costs the service's loop what serving
@@ -453,7 +449,6 @@ class ServiceConnection:
         self._send_lock = anyio.Lock()
         self._alive = True
         self._in_flight = 0
-        self._most_bytes_held = 0   # of unfinished frames, at any time
         self._refused_in_a_row = 0
         self._read_after = 0.0      # monotonic time before which nothing is read
         self._tg = None  # the connection's task group, home of fenced executions and bursts
@@ -481,7 +476,6 @@ class ServiceConnection:
             for bound in self.executions.values():
                 bound.close()
             self.executions.clear()
-            made_models = bool(self.models)
             for model_id, entry in self.models.items():
                 entry.close()
                 for m in self.proto.drop_model(model_id):
@@ -494,12 +488,11 @@ class ServiceConnection:
             self.bursts.clear()
             self.sock.close()
             self.proto.drop_buffer()
-            if self._most_bytes_held >= _GIVE_BACK_BYTES or made_models:
-                # The heap keeps freed memory otherwise (nnrt.drivers.heap):
-                # what a departed app's models and frames held goes back to
-                # the kernel, on a worker thread (a trim of a big heap takes
-                # milliseconds the loop owes other apps).
-                run_soon(give_back_freed_memory)
+            # The heap keeps freed memory otherwise (nnrt.drivers.heap):
+            # what a departed app's frames, models and connection held goes
+            # back to the kernel, on a worker thread (a trim of a big heap
+            # takes milliseconds the loop owes other apps).
+            give_back_soon()
             vlog("driver", "%s: connection from pid %d closed", self.service.info.name,
                  self.peer.pid)
 
@@ -550,7 +543,6 @@ class ServiceConnection:
                     break
                 await self._on_event(event, tg)
             held_fds, held_bytes = self.proto.held
-            self._most_bytes_held = max(self._most_bytes_held, held_bytes)
             over = self.service.hold(self, held_fds, held_bytes)
             if over is not None:
                 vlog("driver", "%s: closing the connection of pid %d: %s",
