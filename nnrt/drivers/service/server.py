@@ -103,6 +103,9 @@ MAX_EXECUTIONS_PER_CONNECTION = 1024   # reusable executions alive
 # holds an fd and a mapping, and the fds are every app's (RLIMIT_NOFILE).
 MAX_EXECUTION_POOLS_PER_CONNECTION = 256
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
+# Seconds without a call or a burst frame after which a service gives its
+# freed heap back (DriverService.give_back_when_idle).
+IDLE_GIVE_BACK = 5.0
 # After a call refused for a limit (RESOURCE_EXHAUSTED_*), the service reads
 # nothing more from that connection for a while, doubling with each refusal
 # in a row up to a second: refusing costs the service's loop what serving
@@ -357,6 +360,21 @@ class DriverService:
             return (f"the service holds {total_bytes} bytes of unfinished frames, over its "
                     f"limit (frame_bytes={self.limits.frame_bytes})")
         return None
+
+    async def give_back_when_idle(self, interval: float = IDLE_GIVE_BACK) -> None:
+        """Forever: after ``interval`` seconds in which no call and no burst
+        frame came, give the heap's freed memory back to the kernel, once per
+        idle spell. The allocator keeps freed memory for the next run
+        (nnrt.drivers.heap): right while apps work, but an idle service
+        should shrink back to its idle footprint."""
+        seen = given = None
+        while True:
+            await anyio.sleep(interval)
+            work = (self._calls, self.burst_counters.executions)
+            if work == seen and work != given:
+                give_back_soon()
+                given = work
+            seen = work
 
     def statistics(self) -> ServiceStatistics:
         return ServiceStatistics(len(self.connections), self._connections_total, self._calls,
@@ -1392,6 +1410,7 @@ async def serve(device: Device, socket_path: str, *, app_key: str = "pid",
     try:
         async with anyio.create_task_group() as tg:
             task_status.started(service)
+            tg.start_soon(service.give_back_when_idle)
             while True:
                 await anyio.wait_readable(listener)
                 try:
