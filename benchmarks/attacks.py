@@ -25,13 +25,15 @@ Attacks, each the issue's scenario at the service's default limits:
   reload), while the victim runs; blocks with the good file between them
   are the "alone" figures.
 
-Holding attacks are measured alone just before the attacker starts, then
-attacked once it has taken all it can. For each: the victim's p99 under
+Holding attacks alternate in three blocks: the victim alone, then an
+attacker started and measured against once it has taken all it can, then
+told to leave. For each: the victim's p99 under
 attack over its p99 alone (the goal: at
 most 2x), whether every victim call succeeded, what refused the attacker
 (the service's own message), and, --settle seconds after the attacker has
 gone, the service's open fds, threads and RSS over the idle footprint
-measured before the first attack (the goal: within 10 %).
+measured just before it came (the goal: within 10 %); file pages (library
+code mapped on first use, kept) and anonymous memory (the heap) apart.
 """
 from __future__ import annotations
 
@@ -186,7 +188,11 @@ def footprint(pid: int) -> dict[str, int]:
         status = dict(line.split(":", 1) for line in f)
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": int(status["Threads"]),
-            "rss_kib": int(status["VmRSS"].split()[0])}
+            "rss_kib": int(status["VmRSS"].split()[0]),
+            # of which: anonymous (the heap, stacks) and file pages (code of
+            # the libraries, mapped once on first use and kept)
+            "anon_kib": int(status["RssAnon"].split()[0]),
+            "file_kib": int(status["RssFile"].split()[0])}
 
 
 def pct(values, q):
@@ -249,6 +255,7 @@ async def run_attack(kind, args, victim, service, path, policy):
     good file block by block, the others hold from ready to the end."""
     alone = {"execute": [], "burst": [], "compile": []}
     attacked = {"execute": [], "burst": [], "compile": []}
+    before = footprint(service.pid)
 
     async def into(phase):
         for what, values in (await victim.measure(per_block)).items():
@@ -264,18 +271,20 @@ async def run_attack(kind, args, victim, service, path, policy):
             await into(alone)
         took = attack.told
     else:
-        per_block = args.rounds
-        await into(alone)
-        procs = start_attackers(kind, path)
-        took = [attacker_ready(p) for p in procs]
-        await into(attacked)
-        for p in procs:
-            p.stdin.close()
-            if kind == "bytes":        # it says how many it sent once told to stop
-                took = [p.stdout.readline().strip().removeprefix("ready ")]
-            p.wait(30)
+        blocks = 3
+        per_block = max(args.rounds // blocks, 1)
+        for _ in range(blocks):
+            await into(alone)
+            procs = start_attackers(kind, path)
+            took = [attacker_ready(p) for p in procs]
+            await into(attacked)
+            for p in procs:
+                p.stdin.close()
+                if kind == "bytes":        # it says how many it sent once told to stop
+                    took = [p.stdout.readline().strip().removeprefix("ready ")]
+                p.wait(30)
     await anyio.sleep(args.settle)
-    return alone, attacked, took, footprint(service.pid)
+    return alone, attacked, took, before, footprint(service.pid)
 
 
 async def main(args) -> dict:
@@ -305,9 +314,9 @@ async def main(args) -> dict:
             print(f"service idle: {idle}", flush=True)
             for kind in args.attacks:
                 victim.failures = []
-                alone, attacked, took, after = await run_attack(kind, args, victim, service,
-                                                                path, policy)
-                report["attacks"][kind] = _print(kind, alone, attacked, took, after, idle,
+                alone, attacked, took, before, after = await run_attack(
+                    kind, args, victim, service, path, policy)
+                report["attacks"][kind] = _print(kind, alone, attacked, took, before, after,
                                                  victim.failures, args.settle)
             compiled.close()
     finally:
@@ -317,8 +326,9 @@ async def main(args) -> dict:
     return report
 
 
-def _print(kind, alone, attacked, took, after, idle, failures, settle) -> dict:
-    row = {"attacker": took, "failed": len(failures), "failures": failures[:5], "after": after}
+def _print(kind, alone, attacked, took, before, after, failures, settle) -> dict:
+    row = {"attacker": took, "failed": len(failures), "failures": failures[:5],
+           "before": before, "after": after}
     if kind == "policy":
         print(f"\n{kind}: files {', '.join(took)}")
     else:
@@ -340,9 +350,9 @@ def _print(kind, alone, attacked, took, after, idle, failures, settle) -> dict:
               f"{'ok' if ratio <= 2 else 'OVER 2x'}")
     print(f"  victim calls failed: {len(failures)}"
           + (f" (first: {failures[0]})" if failures else ""))
-    print("  service " + ", ".join(f"{k} {idle[k]} -> {after[k]} ({after[k] / idle[k] - 1:+.0%})"
-                                   for k in idle) + f", {settle:g} s after the attacker left",
-          flush=True)
+    print("  service " + ", ".join(
+        f"{k} {before[k]} -> {after[k]} ({after[k] / before[k] - 1:+.0%})" for k in before)
+        + f": before the attack, and {settle:g} s after the attacker left", flush=True)
     return row
 
 
