@@ -63,7 +63,7 @@ def _devices(args) -> int:
 
 def _driver_serve(args) -> int:
     from .drivers.sample import DRIVERS, make_driver
-    from .drivers.service.server import ServiceLimits, default_socket_path, serve
+    from .service.server import ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
@@ -179,8 +179,8 @@ def _fifo_priority(text: str) -> int:
 
 def _driver_status(args) -> int:
     import glob
-    from .drivers.service.client import ServiceDevice
-    from .drivers.service.server import default_socket_path
+    from .service.client import ServiceDevice
+    from .service.server import default_socket_path
     from .qos.status import render
 
     if args.socket or args.name:
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="also let members of this group connect (socket 0660 and its "
                             "folder 0710, both given to the group; default: only this user, "
                             "socket 0600 in a 0700 folder). See docs/operators/security.md")
-    from .drivers.service.server import STATISTICS_SCOPES, ServiceLimits
+    from .service.server import STATISTICS_SCOPES, ServiceLimits
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=N",
                        help="a resource limit (repeatable): " + ", ".join(
                            f"{f.name}={f.default}" for f in dataclasses.fields(ServiceLimits))

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import anyio
 
-from ..drivers.service.client import CALL_TIMEOUT, CONNECT_TIMEOUT, ServiceDevice
+from ..service.client import CALL_TIMEOUT, CONNECT_TIMEOUT, ServiceDevice
 from ..errors import ErrorStatus, NnrtError
 from ..hal import AppDeclaration
 from ..vlog import vlog

@@ -13,8 +13,8 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (AppDeclaration, BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.protocol import codecs
+from nnrt.service import protocol as p
+from nnrt.service.protocol import codecs
 from nnrt.qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
@@ -635,7 +635,7 @@ def test_who_sees_every_apps_statistics(scope, admins, sees):
     """The service's own user and root see every app by default, with no
     flag; any other uid its own app, unless an --admin-uid."""
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service.server import DriverService, PeerCredentials
+    from nnrt.service.server import DriverService, PeerCredentials
     service = DriverService(ReferenceDevice(), statistics=scope, admin_uids=admins)
     owner = os.getuid()
     other = next(u for u in range(1000, 70000) if u not in (owner, 4242))

@@ -70,24 +70,24 @@ from dataclasses import dataclass, fields, replace
 
 import anyio
 
-from ...burst.server import REQUEST_SPIN, BurstCounters, BurstServer
-from ..heap import give_back_freed_memory
-from ...errors import ErrorStatus, NnrtError, invalid
-from ...fence.sync_fence import SyncFence
-from ...fmq import Ring, RingError
-from ...handoff import run_soon
-from ...memory import DeviceToken, Memory
-from ...memory.shared import PROT_READ, PROT_RW
-from ...model.extensions import uses_extensions
-from ...model.graph import HalModel
-from ...vlog import vlog
-from ... import trace
-from ...hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
-from ...hal.allowlist import check_peer
-from ...hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
-from ...hal.cache import CacheFiles, CacheReject, CacheRejected
-from ...qos import ScheduledDevice
-from ...qos.scheduler import DEFAULT_SETTINGS, AppSettings
+from ..burst.server import REQUEST_SPIN, BurstCounters, BurstServer
+from ..memory.heap import give_back_freed_memory
+from ..errors import ErrorStatus, NnrtError, invalid
+from ..fence.sync_fence import SyncFence
+from ..fmq import Ring, RingError
+from ..handoff import run_soon
+from ..memory import DeviceToken, Memory
+from ..memory.shared import PROT_READ, PROT_RW
+from ..model.extensions import uses_extensions
+from ..model.graph import HalModel
+from ..vlog import vlog
+from .. import trace
+from ..hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
+from ..hal.allowlist import check_peer
+from ..hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
+from ..hal.cache import CacheFiles, CacheReject, CacheRejected
+from ..qos import ScheduledDevice
+from ..qos.scheduler import DEFAULT_SETTINGS, AppSettings
 from . import protocol as p
 from .mirror import MirrorWriter
 from .scm import received_fds, rights
@@ -105,7 +105,7 @@ MAX_EXECUTIONS_PER_CONNECTION = 1024   # reusable executions alive
 MAX_EXECUTION_POOLS_PER_CONNECTION = 256
 _CMSG_SPACE = socket.CMSG_SPACE(p.MAX_FDS * 4)
 # A connection that made us buffer this much gives it back to the kernel as
-# it closes (nnrt.drivers.heap keeps freed memory in the process otherwise).
+# it closes (nnrt.memory.heap keeps freed memory in the process otherwise).
 _GIVE_BACK_BYTES = 1 << 20
 
 
@@ -486,7 +486,7 @@ class ServiceConnection:
             self.sock.close()
             self.proto.drop_buffer()
             if self._most_bytes_held >= _GIVE_BACK_BYTES or made_models:
-                # The heap keeps freed memory otherwise (nnrt.drivers.heap):
+                # The heap keeps freed memory otherwise (nnrt.memory.heap):
                 # what a departed app's models and frames held goes back to
                 # the kernel, on a worker thread (a trim of a big heap takes
                 # milliseconds the loop owes other apps).

@@ -10,11 +10,11 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....errors import ErrorStatus, NnrtError
-from ....hal import DeviceType, ExecutionPreference, ExecutionResult, RequestArgument, Timing
-from ....hal.cache import CacheReject
-from ....hal.types import AppDeclaration, BufferRole, Priority
-from ....model.graph import HalModel
+from ...errors import ErrorStatus, NnrtError
+from ...hal import DeviceType, ExecutionPreference, ExecutionResult, RequestArgument, Timing
+from ...hal.cache import CacheReject
+from ...hal.types import AppDeclaration, BufferRole, Priority
+from ...model.graph import HalModel
 
 # 5: HELLO carries the app's declaration (its name and script: AppDeclaration).
 # 4: reusable executions (CREATE_EXECUTION, COMPUTE, RELEASE_EXECUTION), the
@@ -375,7 +375,7 @@ class Allocated:
     of fully known size, its mirror — a sealed memfd of ``mirror_size``
     bytes (its fd travels with the reply; the client owns it) where the
     service keeps the buffer's last written contents, for the client to
-    read after the service died (see nnrt.drivers.service.mirror)."""
+    read after the service died (see nnrt.service.mirror)."""
 
     token: int
     mirror_fd: int | None = None

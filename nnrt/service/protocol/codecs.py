@@ -10,19 +10,19 @@ import struct
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
-from ....errors import ErrorStatus, NnrtError
-from ....hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from ...errors import ErrorStatus, NnrtError
+from ...hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                      OutputShape, PerformanceInfo, RequestArgument, Timing)
-from ....hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
-from ....hal.types import AppDeclaration, BufferRole, Priority
-from ....memory import as_buffer
-from ....model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
+from ...hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
+from ...hal.types import AppDeclaration, BufferRole, Priority
+from ...memory import as_buffer
+from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                              Operation, Subgraph)
-from ....model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
+from ...model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
                                   operand_type, operation_type)
-from ....model.types import OperandLifeTime, OperandType, OperationType
-from ....qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
-from ....wirecodec import Reader, Writer
+from ...model.types import OperandLifeTime, OperandType, OperationType
+from ...qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
+from ...wirecodec import Reader, Writer
 from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_FRAME,
                        MAX_JOB_RECORDS, MAX_STRING, PROTOCOL_VERSION, Allocate, Allocated, BurstEnded, Cancel,
                        Compute, ConfigureBurst, CopyBuffer, CreateExecution, DeviceInfo, Execute,
