@@ -340,6 +340,37 @@ def decode_model(data) -> HalModel:
     return model
 
 
+def encode_capabilities(capabilities: Capabilities) -> bytes:
+    """``capabilities`` as CAPABILITIES' reply carries them (the remote
+    transport sends these bytes: :func:`decode_capabilities` reads them)."""
+    w = _Writer(b"")
+    _put_capabilities(w, capabilities)
+    return w.value()
+
+
+def decode_capabilities(data) -> Capabilities:
+    """What :func:`encode_capabilities` wrote; ProtocolError for other bytes."""
+    r = _Reader(data, ())
+    value = _get_capabilities(r, ErrorStatus.NONE, "")
+    r.finish("capabilities")
+    return value
+
+
+def encode_extensions(extensions) -> bytes:
+    """``extensions`` as SUPPORTED_EXTENSIONS' reply carries them."""
+    w = _Writer(b"")
+    _put_extensions(w, extensions)
+    return w.value()
+
+
+def decode_extensions(data) -> list[Extension]:
+    """What :func:`encode_extensions` wrote; ProtocolError for other bytes."""
+    r = _Reader(data, ())
+    value = _get_extensions(r, ErrorStatus.NONE, "")
+    r.finish("extensions")
+    return value
+
+
 def _enum(cls, v: int, what: str):
     try:
         return cls(v)
@@ -1136,5 +1167,6 @@ def _decode_reply(r: _Reader, method: Method, call_id: int, codec: Codec) -> Rep
     return Reply(call_id, method, status, message, value)
 
 
-__all__ = ["CODECS", "Codec", "decode_body", "decode_model", "encode", "encode_model",
+__all__ = ["CODECS", "Codec", "decode_body", "decode_capabilities", "decode_extensions",
+           "decode_model", "encode", "encode_capabilities", "encode_extensions", "encode_model",
            "error_reply", "fds_of", "reply_fds_of", "reply_for", "with_pools"]
