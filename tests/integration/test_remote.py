@@ -20,9 +20,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
 
 import nnrt
 from nnrt.service.client import ServiceDevice
+from nnrt.service.remote import nnrt_remote_v1_pb2 as pb
+from nnrt.service.remote import nnrt_remote_v1_pb2_grpc as pb_grpc
+from nnrt.service.remote import wire
 from nnrt.service.remote.client import ClientTls, RemoteDevice, RemoteRefused
 
 from ..conftest import MODELS, start_remote_service, stop
@@ -164,22 +169,48 @@ async def test_models_run_on_a_remote_device_as_in_process(remote_service):
         device.close()
 
 
-async def test_health_service_answers_serving_and_nnrt_is_reflected(remote_service):
+async def test_health_reflection_and_messages_that_are_refused(remote_service):
     _, target = remote_service("--insecure")
     with grpc.insecure_channel(target.removeprefix("grpc://")) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "nnrt.remote.v1.Remote"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=BOUND)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert "nnrt.remote.v1.Remote" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+        remote = pb_grpc.RemoteStub(channel)
+        session_call = remote.Session(pb.SessionRequest())
+        session = next(session_call).session
+        # Model bytes that do not decode, a model id never made, a message
+        # over the size bound: each refused, the server serves on.
+        with pytest.raises(grpc.RpcError) as e:
+            remote.PrepareModel(pb.PrepareModelRequest(session=session, model=b"\x07" * 40,
+                                                       priority=100), timeout=BOUND)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not decode" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            remote.Execute(pb.ExecuteRequest(session=session, model_id=12345), timeout=BOUND)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as e:
+            remote.SupportedOperations(pb.ModelBytes(session=session,
+                                                     model=bytes(wire.MAX_MESSAGE + (2 << 20))),
+                                       timeout=BOUND)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as e:
+            remote.ReleaseModel(pb.ModelRef(session=session + 1000, model_id=1), timeout=BOUND)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert remote.GetInfo(pb.GetInfoRequest(), timeout=BOUND).name == "far"
+        session_call.cancel()
 
 
-async def test_runtime_remote_lists_the_device_and_reruns_on_the_cpu_when_it_dies(
+async def test_a_configured_remote_device_is_listed_and_the_cpu_reruns_when_it_dies(
         remote_service, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    monkeypatch.delenv("NNRT_DRIVERS", raising=False)
     proc, target = remote_service("--insecure")
-    async with nnrt.Runtime(remote=[target], litert=False) as rt:
-        assert [str(s) for s in rt.services] == [f"{target}: up (far)"]
+    monkeypatch.setenv("NNRT_DRIVERS", f"/nowhere/a.sock,{target}")
+    async with nnrt.Runtime(litert=False) as rt:
+        unreachable, up = rt.services
+        assert unreachable.state == "unreachable" and str(up) == f"{target}: up (far)"
         compiled = await rt.compile(add_model())
         assert [d.name for d in compiled.devices] == ["far"]
         x = np.random.default_rng(0).random((1, 4), dtype=np.float32)
@@ -190,7 +221,7 @@ async def test_runtime_remote_lists_the_device_and_reruns_on_the_cpu_when_it_die
             rerun = await compiled.execute([x, x])
         np.testing.assert_array_equal(rerun.outputs[0], expected)
         assert [d.name for d in compiled.devices] == ["nnrt-reference"]
-        assert rt.services[0].state == "unreachable"
+        assert rt.services[1].state == "unreachable"
 
 
 # -- failures ------------------------------------------------------------------------
@@ -286,8 +317,8 @@ async def test_mutual_tls_names_the_app_by_its_certificate(remote_service, pki, 
         local.close()
 
 
-async def test_a_wrong_token_is_refused_and_a_right_one_names_the_app(remote_service, pki,
-                                                                      tmp_path):
+async def test_a_wrong_token_is_refused_and_a_right_one_is_served(remote_service, pki,
+                                                                   tmp_path, monkeypatch):
     tokens = tmp_path / "tokens"
     tokens.write_text("camera 0123456789abcdef0123\nbatch fedcba9876543210fedc\n")
     tokens.chmod(0o600)
@@ -297,14 +328,20 @@ async def test_a_wrong_token_is_refused_and_a_right_one_names_the_app(remote_ser
         await RemoteDevice.connect(target, tls=_tls(pki), token="0123456789abcdef0124")
     with pytest.raises(RemoteRefused):
         await RemoteDevice.connect(target, tls=_tls(pki))
-    device = await RemoteDevice.connect(target, tls=_tls(pki), token="fedcba9876543210fedc")
-    try:
-        async with nnrt.Runtime(devices=[device], strict=True) as rt:
-            compiled = await rt.compile(add_model())
-            x = np.ones((1, 4), np.float32)
-            np.testing.assert_array_equal((await compiled.execute([x, x])).outputs[0], 2 * x)
-    finally:
-        device.close()
+    # What an app configures: the CA and its token, in files the environment names.
+    token = tmp_path / "token"
+    token.write_text("fedcba9876543210fedc\n")
+    monkeypatch.setenv("NNRT_REMOTE_CA", str(pki["ca"]))
+    monkeypatch.setenv("NNRT_REMOTE_TOKEN_FILE", str(token))
+    async with nnrt.Runtime(remote=[target], discover=False, litert=False, strict=True) as rt:
+        assert [s.state for s in rt.services] == ["up"]
+        compiled = await rt.compile(add_model())
+        assert [d.name for d in compiled.devices] == ["far"]
+        x = np.ones((1, 4), np.float32)
+        np.testing.assert_array_equal((await compiled.execute([x, x])).outputs[0], 2 * x)
+    token.write_text("fedcba9876543210fedd\n")
+    async with nnrt.Runtime(remote=[target], discover=False, litert=False) as rt:
+        assert [s.state for s in rt.services] == ["refused"]
 
 
 def test_plaintext_is_refused_off_loopback_and_a_readable_token_file(tmp_path):
