@@ -100,3 +100,22 @@ def test_the_checked_in_modules_are_what_the_proto_generates(tmp_path):
         generated = tmp_path / "nnrt" / "service" / "remote" / name
         assert generated.read_text() == (REMOTE / name).read_text(), \
             f"{name} is stale: run scripts/generate-remote-proto"
+
+
+@pytest.mark.parametrize("location, why", [
+    (DataLocation(1, 0, 4), "input 0 is in pool 1 of 1"),
+    (DataLocation(0, 14, 4), "bytes [14, 18) of pool 0, which has 16"),
+])
+def test_a_region_outside_the_pools_is_invalid_before_anything_is_sent(location, why):
+    request = Request((RequestArgument(False, location),), (), (bytearray(16),))
+    for check in (wire.check_request, wire.input_data):
+        with pytest.raises(NnrtError) as e:
+            check(request)
+        assert e.value.status == ErrorStatus.INVALID_ARGUMENT and why in e.value.message
+
+
+def test_a_deadline_that_is_no_time_is_invalid():
+    with pytest.raises(NnrtError) as e:
+        wire.remaining(float("nan"))
+    assert e.value.status == ErrorStatus.INVALID_ARGUMENT
+    assert wire.remaining(float("inf")) is None

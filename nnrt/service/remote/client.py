@@ -36,6 +36,7 @@ runtime falls back to shared memory, as for any driver that declines
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -119,6 +120,9 @@ def _channel_options(keepalive: float) -> list:
         ("grpc.http2.ping_timeout_ms", half),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # A stream's receive window (the default is 64 KiB): outputs of a
+        # frame arrive without a WINDOW_UPDATE round trip.
+        ("grpc.http2.lookahead_bytes", 4 << 20),
         # Fail fast instead of reconnecting behind the caller's back: a dead
         # device is replaced by a new one (the runtime reconnects).
         ("grpc.enable_retries", 0),
@@ -385,6 +389,7 @@ class RemotePreparedModel(PreparedModel):
         self._released = False
 
     def _execute_request(self, request: Request, measure, deadline, loop_timeout):
+        wire.check_request(request)
         return pb.ExecuteRequest(
             session=self.device._session_id, model_id=self.model_id,
             inputs=wire.arguments(request.inputs), outputs=wire.arguments(request.outputs),
@@ -469,7 +474,7 @@ def _forget(device: RemoteDevice):
 def _execution_timeout(deadline: float | None) -> float | None:
     """An execution has no transport timeout of its own (a hung host is
     keepalive's to find); with a deadline, the gRPC deadline follows it."""
-    if deadline is None:
+    if deadline is None or not math.isfinite(deadline):
         return None
     return max(0.001, deadline - time.monotonic() + _DEADLINE_SLACK)
 
@@ -489,6 +494,7 @@ class RemoteExecution(Execution):
 
     def __init__(self, prepared: RemotePreparedModel, request: Request, measure: bool,
                  loop_timeout: float | None):
+        wire.check_request(request)
         self.prepared = prepared
         self.request = request
         self.measure = bool(measure)
@@ -634,22 +640,27 @@ class RemoteBurst(BurstSession):
                 waiter.deliver(None)
 
     def _frame(self, request: Request, measure, deadline, loop_timeout) -> pb.BurstFrame:
+        """The next frame; INVALID_ARGUMENT (before any state changes) for
+        a request whose regions lie outside its pools or a bad deadline."""
         device = self._device
+        wire.check_request(request)
+        data = wire.input_data(request)
+        left = wire.remaining(deadline)
         layout = pb.Layout(inputs=wire.arguments(request.inputs),
                            outputs=wire.arguments(request.outputs), measure=bool(measure),
                            loop_timeout=loop_timeout or 0.0)
         key = layout.SerializeToString(deterministic=True)
         known = self._layouts.get(key)
         frame = pb.BurstFrame(session=device._session_id, model_id=self.prepared.model_id,
-                              deadline=wire.remaining(deadline))
+                              deadline=left)
         if known is None:
             known = self._layouts[key] = (len(self._layouts) + 1, [None] * len(request.inputs))
             frame.layout.CopyFrom(layout)
         frame.layout_id, last = known
-        for k, data in enumerate(wire.input_data(request)):
-            if data != last[k] and not request.inputs[k].has_no_value:
-                frame.changed.append(pb.ChangedInput(index=k, data=data))
-                last[k] = data
+        for k, blob in enumerate(data):
+            if blob != last[k] and not request.inputs[k].has_no_value:
+                frame.changed.append(pb.ChangedInput(index=k, data=blob))
+                last[k] = blob
         return frame
 
     async def execute(self, request: Request, measure: bool = False,
@@ -704,6 +715,7 @@ class _RemoteBurstExecution(BurstExecution):
 
     def __init__(self, burst: RemoteBurst, request: Request, measure: bool,
                  loop_timeout: float | None):
+        wire.check_request(request)
         self.burst = burst
         self.request = request
         self.measure = measure

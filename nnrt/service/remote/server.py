@@ -74,9 +74,13 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", wire.MAX_MESSAGE + (1 << 20)),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),   # see the client's options
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A stream's receive window: a camera frame (150 KB) arrives without
+    # waiting for a WINDOW_UPDATE round trip (the default window is 64 KiB).
+    ("grpc.http2.lookahead_bytes", 4 << 20),
 ]
 
 

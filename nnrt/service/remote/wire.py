@@ -17,7 +17,7 @@ import time
 
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...hal import ExecutionResult, RequestArgument, Timing
-from ...hal.types import OutputShape
+from ...hal.types import OutputShape, check_deadline
 from ...memory.shared import pool_view
 from ...model.graph import DataLocation
 from . import nnrt_remote_v1_pb2 as pb
@@ -32,9 +32,12 @@ MAX_DIMENSIONS = 64         # of one argument
 
 def remaining(deadline: float | None, now: float | None = None) -> pb.Deadline | None:
     """``deadline`` (absolute ``time.monotonic()`` seconds, or None) as the
-    nanoseconds left now."""
+    nanoseconds left now; INVALID_ARGUMENT for anything else (NaN)."""
+    deadline = check_deadline(deadline)
     if deadline is None:
         return None
+    if math.isinf(deadline):
+        return None if deadline > 0 else pb.Deadline(remaining_ns=-(1 << 62))
     now = time.monotonic() if now is None else now
     return pb.Deadline(remaining_ns=int((deadline - now) * 1e9))
 
@@ -52,7 +55,7 @@ def timeout_of(deadline: float | None, floor: float) -> float:
     """The gRPC timeout (seconds) of a call: the time to ``deadline``, but
     at least ``floor`` (a missed deadline is the server's answer to give,
     with its status, not a transport timeout)."""
-    if deadline is None:
+    if deadline is None or not math.isfinite(deadline):
         return floor
     return max(floor, deadline - time.monotonic())
 
@@ -63,17 +66,35 @@ def arguments(args) -> list[pb.Argument]:
                         length=0 if a.has_no_value else a.location.length) for a in args]
 
 
+def _region(request, a: RequestArgument, what: str) -> memoryview:
+    """The bytes of a request argument's region; INVALID_ARGUMENT for a
+    location outside the request's pools."""
+    loc = a.location
+    if loc is None or not 0 <= loc.pool_index < len(request.pools):
+        raise invalid(f"{what} is in pool {None if loc is None else loc.pool_index} of "
+                      f"{len(request.pools)}")
+    view = pool_view(request.pools[loc.pool_index], loc.pool_index)
+    if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > len(view):
+        raise invalid(f"{what}: bytes [{loc.offset}, {loc.offset + loc.length}) of pool "
+                      f"{loc.pool_index}, which has {len(view)}")
+    return view[loc.offset:loc.offset + loc.length]
+
+
+def check_request(request) -> None:
+    """INVALID_ARGUMENT unless every region of ``request`` lies in its pools."""
+    for k, a in enumerate(request.inputs):
+        if not a.has_no_value:
+            _region(request, a, f"input {k}")
+    for k, a in enumerate(request.outputs):
+        if not a.has_no_value:
+            _region(request, a, f"output {k}")
+
+
 def input_data(request) -> list[bytes]:
-    """The bytes of each input region of a HAL request (empty: no value)."""
-    data = []
-    for a in request.inputs:
-        if a.has_no_value:
-            data.append(b"")
-            continue
-        loc = a.location
-        view = pool_view(request.pools[loc.pool_index], loc.pool_index)
-        data.append(bytes(view[loc.offset:loc.offset + loc.length]))
-    return data
+    """The bytes of each input region of a HAL request (empty: no value);
+    INVALID_ARGUMENT for a region outside its pools."""
+    return [b"" if a.has_no_value else bytes(_region(request, a, f"input {k}"))
+            for k, a in enumerate(request.inputs)]
 
 
 def copy_outputs(request, data) -> None:
@@ -85,13 +106,11 @@ def copy_outputs(request, data) -> None:
     for k, (a, blob) in enumerate(zip(request.outputs, data)):
         if a.has_no_value:
             continue
-        loc = a.location
-        if len(blob) != loc.length:
+        if len(blob) != a.location.length:
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
                             f"the remote device sent {len(blob)} bytes for output {k} of "
-                            f"{loc.length}")
-        view = pool_view(request.pools[loc.pool_index], loc.pool_index)
-        view[loc.offset:loc.offset + loc.length] = blob
+                            f"{a.location.length}")
+        _region(request, a, f"output {k}")[:] = blob
 
 
 def layout(inputs, outputs) -> tuple[tuple[RequestArgument, ...], tuple[RequestArgument, ...],
