@@ -28,7 +28,8 @@ from nnrt.service.client import ServiceDevice
 from nnrt.service.remote import nnrt_remote_v1_pb2 as pb
 from nnrt.service.remote import nnrt_remote_v1_pb2_grpc as pb_grpc
 from nnrt.service.remote import wire
-from nnrt.service.remote.client import ClientTls, RemoteDevice, RemoteRefused
+from nnrt.service.remote.client import (ClientTls, RemoteDevice, RemoteRefused,
+                                        RemoteStatistics)
 
 from ..conftest import MODELS, start_remote_service, stop
 
@@ -276,6 +277,36 @@ async def test_a_hung_server_is_found_dead_by_keepalive(remote_service):
         outcomes = await _pending_call_outcomes(device, proc, lambda: None)
         assert outcomes == [nnrt.ErrorStatus.DEAD_OBJECT] * 2
         assert not device.alive
+    finally:
+        device.close()
+
+
+async def test_calls_over_the_in_flight_cap_wait_on_the_client(remote_service):
+    proc, target = remote_service("--insecure")
+    device = await RemoteDevice.connect(target, max_in_flight=2, keepalive=30)
+    try:
+        async with nnrt.Runtime(devices=[device], strict=True) as rt:
+            compiled = await rt.compile(add_model())
+            x = np.ones((1, 4), np.float32)
+            await compiled.execute([x, x])
+            results = []
+
+            async def run(k):
+                y = np.full((1, 4), k, np.float32)
+                results.append((k, (await compiled.execute([y, y])).outputs[0]))
+
+            proc.send_signal(signal.SIGSTOP)    # nothing finishes meanwhile
+            with anyio.fail_after(BOUND):
+                async with anyio.create_task_group() as tg:
+                    for k in range(5):
+                        tg.start_soon(run, k)
+                    await anyio.sleep(0.2)
+                    assert device.remote_statistics() == RemoteStatistics(2, 3, 2)
+                    proc.send_signal(signal.SIGCONT)
+            assert sorted(k for k, _ in results) == list(range(5))
+            for k, out in results:
+                np.testing.assert_array_equal(out, np.full((1, 4), 2 * k, np.float32))
+            assert device.remote_statistics() == RemoteStatistics(0, 0, 2)
     finally:
         device.close()
 

@@ -119,3 +119,34 @@ def test_a_deadline_that_is_no_time_is_invalid():
         wire.remaining(float("nan"))
     assert e.value.status == ErrorStatus.INVALID_ARGUMENT
     assert wire.remaining(float("inf")) is None
+
+
+async def test_in_flight_places_go_in_order_and_a_cancelled_waiter_keeps_none():
+    import anyio
+    from nnrt.service.remote.client import RemoteStatistics, _Places
+    places = _Places(1)
+    await places.take()
+    order = []
+
+    async def one(k):
+        await places.take()
+        order.append(k)
+        places.give()
+
+    cancelled = anyio.CancelScope()
+
+    async def gives_up():
+        with cancelled:
+            await places.take()
+            order.append("never")
+
+    async with anyio.create_task_group() as tg:
+        for task in (lambda: one(1), gives_up, lambda: one(3)):
+            tg.start_soon(task)
+            await anyio.wait_all_tasks_blocked()
+        assert places.statistics() == RemoteStatistics(1, 3, 1)
+        cancelled.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert places.statistics() == RemoteStatistics(1, 2, 1)
+        places.give()
+    assert order == [1, 3] and places.statistics() == RemoteStatistics(0, 0, 1)

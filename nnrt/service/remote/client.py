@@ -36,6 +36,7 @@ runtime falls back to shared memory, as for any driver that declines
 """
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import threading
@@ -59,6 +60,9 @@ from . import wire
 CONNECT_TIMEOUT = 5.0    # seconds for the connection, GetInfo and the session
 CALL_TIMEOUT = 60.0      # seconds any control call waits (a later deadline extends it)
 KEEPALIVE = 2.0          # seconds: a host that answers no ping that long is dead
+# Calls one RemoteDevice has on the network at once; more wait here, in
+# order, so a runaway app queues on its own host, not on the serving one.
+MAX_IN_FLIGHT = 32
 # The gRPC deadline of an execution with a deadline is this much later than
 # the deadline itself: the server's MISSED_DEADLINE comes back first.
 _DEADLINE_SLACK = 0.5
@@ -95,6 +99,70 @@ def parse_target(target: str) -> tuple[str, bool]:
     if not sep or not host or not port.isdigit():
         raise invalid(f"remote device {target!r} is not [grpc://|grpcs://]HOST:PORT")
     return address, tls
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStatistics:
+    """A remote device's calls: on the network now, and waiting here for
+    one of its ``max_in_flight`` places (``RemoteDevice.remote_statistics()``)."""
+
+    in_flight: int
+    waiting: int
+    max_in_flight: int
+
+
+class _Places:
+    """At most ``limit`` calls at once; the others wait in arrival order,
+    each on a :class:`~nnrt.handoff.Waiter` (a task of any loop, or a
+    thread), and a call that ends hands its place to the first waiting."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.taken = 0
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[Waiter] = collections.deque()
+
+    def _take_or_queue(self, blocking: bool) -> Waiter | None:
+        with self._lock:
+            if self.taken < self.limit and not self._waiting:
+                self.taken += 1
+                return None
+            waiter = Waiter(blocking=blocking)
+            self._waiting.append(waiter)
+            return waiter
+
+    async def take(self) -> None:
+        waiter = self._take_or_queue(False)
+        if waiter is None:
+            return
+        try:
+            await waiter.wait()
+        except BaseException:
+            with self._lock:
+                handed = waiter.delivered
+                if not handed:
+                    self._waiting.remove(waiter)
+            if handed:      # the place came with the cancellation: pass it on
+                self.give()
+            raise
+
+    def take_blocking(self) -> None:
+        waiter = self._take_or_queue(True)
+        if waiter is not None:
+            waiter.wait_blocking()
+
+    def give(self) -> None:
+        # Delivered under the lock (delivering only posts a wake-up), so a
+        # waiter cancelled meanwhile sees at once whether it got the place.
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().deliver(True)   # the place goes to it: taken stays
+            else:
+                self.taken -= 1
+
+    def statistics(self) -> RemoteStatistics:
+        with self._lock:
+            return RemoteStatistics(self.taken, len(self._waiting), self.limit)
 
 
 class RemoteRefused(NnrtError):
@@ -157,7 +225,7 @@ class RemoteDevice(Device):
 
     def __init__(self, channel: grpc.Channel, stub: pb_grpc.RemoteStub, info: pb.DeviceInfo,
                  capabilities: Capabilities, extensions: list, target: str, metadata: tuple,
-                 call_timeout: float):
+                 call_timeout: float, max_in_flight: int = MAX_IN_FLIGHT):
         self._channel = channel
         self._stub = stub
         self.name = info.name
@@ -173,23 +241,30 @@ class RemoteDevice(Device):
         self._session_call = None
         self._lock = threading.Lock()
         self._pending: set = set()      # futures of the calls in flight
+        self._places = _Places(max_in_flight)
         self.dead: NnrtError | None = None
 
     @classmethod
     async def connect(cls, target: str, *, tls: ClientTls | None = None,
                       token: str | None = None, timeout: float = CONNECT_TIMEOUT,
                       call_timeout: float = CALL_TIMEOUT,
-                      keepalive: float = KEEPALIVE) -> "RemoteDevice":
+                      keepalive: float = KEEPALIVE,
+                      max_in_flight: int = MAX_IN_FLIGHT) -> "RemoteDevice":
         """Connect to the remote service at ``target``
         (``[grpc://|grpcs://]HOST:PORT``; ``grpcs`` and a bare address use
         TLS, with ``tls``'s CA and client certificate, else the system's
         roots), presenting ``token`` if given. DEVICE_UNAVAILABLE when
         nobody answers within ``timeout`` seconds, or the service refuses us
-        (a certificate or token it does not take)."""
+        (a certificate or token it does not take). At most ``max_in_flight``
+        calls go out at once (executions, computations, control calls; a
+        burst's frames go one at a time on their stream); more wait here."""
         for what, value in (("timeout", timeout), ("call_timeout", call_timeout),
                             ("keepalive", keepalive)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise invalid(f"{what} {value!r} is not a positive number of seconds")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) \
+                or max_in_flight < 1:
+            raise invalid(f"max_in_flight {max_in_flight!r} is not a positive count")
         address, use_tls = parse_target(target)
         if tls is not None and not use_tls:
             raise invalid(f"{target}: TLS settings for a plaintext (grpc://) target")
@@ -200,7 +275,7 @@ class RemoteDevice(Device):
         stub = pb_grpc.RemoteStub(channel)
         try:
             device = await run_in_worker(lambda: cls._open(channel, stub, target, metadata, timeout,
-                                                   call_timeout))
+                                                           call_timeout, max_in_flight))
         except BaseException:
             channel.close()
             raise
@@ -208,7 +283,8 @@ class RemoteDevice(Device):
         return device
 
     @classmethod
-    def _open(cls, channel, stub, target, metadata, timeout, call_timeout) -> "RemoteDevice":
+    def _open(cls, channel, stub, target, metadata, timeout, call_timeout,
+              max_in_flight) -> "RemoteDevice":
         """The blocking part of :meth:`connect` (on a worker thread)."""
         try:
             info = stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=metadata)
@@ -226,7 +302,7 @@ class RemoteDevice(Device):
                             f"the remote driver service at {target} sent queries that do not "
                             f"decode: {e.message}") from None
         device = cls(channel, stub, info, capabilities, extensions, target, metadata,
-                     call_timeout)
+                     call_timeout, max_in_flight)
         device._open_session(timeout)
         return device
 
@@ -314,27 +390,40 @@ class RemoteDevice(Device):
                             "the call was cancelled") from None
 
     async def call(self, rpc, request, timeout: float | None):
-        """Await ``rpc(request)``: its reply, or the NnrtError it failed with.
-        A cancelled caller cancels the call."""
-        future = self._start(rpc, request, timeout)
-        waiter = Waiter()
-        future.add_done_callback(waiter.deliver)
+        """Await ``rpc(request)``: its reply, or the NnrtError it failed with,
+        once one of the device's in-flight places is free. A cancelled
+        caller cancels the call."""
+        await self._places.take()
         try:
-            await waiter.wait()
-        except BaseException:
-            future.cancel()
-            with self._lock:
-                self._pending.discard(future)
-            raise
-        return self._finish(future)
+            future = self._start(rpc, request, timeout)
+            waiter = Waiter()
+            future.add_done_callback(waiter.deliver)
+            try:
+                await waiter.wait()
+            except BaseException:
+                future.cancel()
+                with self._lock:
+                    self._pending.discard(future)
+                raise
+            return self._finish(future)
+        finally:
+            self._places.give()
 
     def call_blocking(self, rpc, request, timeout: float | None):
-        future = self._start(rpc, request, timeout)
+        self._places.take_blocking()
         try:
-            future.exception()      # waits; a cancelled future raises here
-        except grpc.FutureCancelledError:
-            pass
-        return self._finish(future)
+            future = self._start(rpc, request, timeout)
+            try:
+                future.exception()      # waits; a cancelled future raises here
+            except grpc.FutureCancelledError:
+                pass
+            return self._finish(future)
+        finally:
+            self._places.give()
+
+    def remote_statistics(self) -> RemoteStatistics:
+        """Calls on the network now and calls waiting here for a place."""
+        return self._places.statistics()
 
     def _control_timeout(self, deadline: float | None = None) -> float:
         return wire.timeout_of(deadline, self._call_timeout)
