@@ -204,7 +204,7 @@ async def test_health_reflection_and_messages_that_are_refused(remote_service):
         session_call.cancel()
 
 
-async def test_a_configured_remote_device_is_listed_and_the_cpu_reruns_when_it_dies(
+async def test_a_configured_remote_device_is_listed_the_cpu_reruns_when_it_dies_and_it_returns(
         remote_service, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     proc, target = remote_service("--insecure")
@@ -223,6 +223,16 @@ async def test_a_configured_remote_device_is_listed_and_the_cpu_reruns_when_it_d
         np.testing.assert_array_equal(rerun.outputs[0], expected)
         assert [d.name for d in compiled.devices] == ["nnrt-reference"]
         assert rt.services[1].state == "unreachable"
+        # The host comes back on its address: the model moves back to it.
+        remote_service("--insecure", listen=target.removeprefix("grpc://"))
+        for _ in range(50):
+            await anyio.sleep(0.2)
+            np.testing.assert_array_equal((await compiled.execute([x, x])).outputs[0],
+                                          expected)
+            if [d.name for d in compiled.devices] == ["far"]:
+                break
+        assert [d.name for d in compiled.devices] == ["far"]
+        assert rt.services[1].state == "up"
 
 
 # -- failures ------------------------------------------------------------------------

@@ -42,13 +42,13 @@ def remaining(deadline: float | None, now: float | None = None) -> pb.Deadline |
     return pb.Deadline(remaining_ns=int((deadline - now) * 1e9))
 
 
-def deadline_of(message, field: str = "deadline", now: float | None = None) -> float | None:
-    """The absolute deadline on this host's monotonic clock of a message's
-    ``field`` (a :class:`pb.Deadline`), None when it has none."""
-    if not message.HasField(field):
+def deadline_of(message, now: float | None = None) -> float | None:
+    """The absolute deadline, on this host's monotonic clock, of a message's
+    ``deadline`` (a :class:`pb.Deadline`); None when it has none."""
+    if not message.HasField("deadline"):
         return None
     now = time.monotonic() if now is None else now
-    return now + getattr(message, field).remaining_ns / 1e9
+    return now + message.deadline.remaining_ns / 1e9
 
 
 def timeout_of(deadline: float | None, floor: float) -> float:
