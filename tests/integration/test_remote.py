@@ -342,6 +342,7 @@ async def test_mutual_tls_names_the_app_by_its_certificate(remote_service, pki, 
             # The server's own accounting: the app is the certificate's name,
             # matched by the policy's rule.
             apps = {a.who: a for a in (await local.statistics()).apps}
+            assert apps["remote camera"].app == ("remote", "camera")
             assert apps["remote camera"].rule == "cameras"
             assert apps["remote camera"].weight == 3
         # A certificate of another CA, or none: refused; the server serves on.

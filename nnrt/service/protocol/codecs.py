@@ -436,20 +436,30 @@ def _get_shapes_and_timings(r: _Reader, timings):
 
 
 def _put_app(w: _Writer, app) -> None:
-    # Service app keys are ("uid", n) or ("pid", n); anything else travels as text.
+    # Service app keys are ("uid", n) or ("pid", n), a remote app's
+    # ("remote", name); anything else travels as text.
     if isinstance(app, tuple) and len(app) == 2 and isinstance(app[0], str) \
-            and isinstance(app[1], int) and app[1] >= 0:
+            and isinstance(app[1], int) and not isinstance(app[1], bool) and app[1] >= 0:
         w.u8(1)
         w.str_(app[0])
         w.u64(app[1])
+    elif isinstance(app, tuple) and len(app) == 2 and all(isinstance(x, str) for x in app):
+        w.u8(2)
+        w.str_(app[0])
+        w.str_(app[1])
     else:
         w.u8(0)
         w.str_(str(app))
 
 
 def _get_app(r: _Reader):
-    if r.flag("app key form"):
+    form = r.u8("app key form")
+    if form == 1:
         return (r.str_("app key kind"), r.u64("app key id"))
+    if form == 2:
+        return (r.str_("app key kind"), r.str_("app key name"))
+    if form:
+        raise ProtocolError(f"app key form {form} is none of 0, 1, 2")
     return r.str_("app key")
 
 

@@ -16,6 +16,8 @@ from ...hal.cache import CacheReject
 from ...hal.types import AppDeclaration, BufferRole, Priority
 from ...model.graph import HalModel
 
+# 6: an app key of two strings (a remote app: ("remote", name), issue 42)
+# crosses in STATISTICS as itself, not as its text.
 # 5: HELLO carries the app's declaration (its name and script: AppDeclaration).
 # 4: reusable executions (CREATE_EXECUTION, COMPUTE, RELEASE_EXECUTION), the
 # scheduler's own records in STATISTICS, with each app's rule, weight and cap.
@@ -23,7 +25,7 @@ from ...model.graph import HalModel
 # of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
 # PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
 # client and a service of different versions refuse each other at HELLO.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
