@@ -57,7 +57,7 @@ sys.path.insert(0, ROOT)
 import nnrt  # noqa: E402
 import nnrt.tflite  # noqa: E402
 from nnrt import ErrorStatus, NnrtError  # noqa: E402
-from nnrt.drivers.service.client import ServiceDevice  # noqa: E402
+from nnrt.service.client import ServiceDevice  # noqa: E402
 from nnrt.hal import Request, RequestArgument  # noqa: E402
 from nnrt.memory import Memory  # noqa: E402
 from nnrt.model.graph import DataLocation  # noqa: E402

@@ -58,7 +58,7 @@ import nnrt  # noqa: E402
 from nnrt import OperandType as T, OperationType as Op  # noqa: E402
 from nnrt.hal import Request, RequestArgument  # noqa: E402
 from nnrt.drivers.reference import ReferenceDevice  # noqa: E402
-from nnrt.drivers.service.client import ServiceDevice  # noqa: E402
+from nnrt.service.client import ServiceDevice  # noqa: E402
 from nnrt.memory import Memory  # noqa: E402
 from nnrt.model.graph import DataLocation  # noqa: E402
 

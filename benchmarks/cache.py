@@ -50,7 +50,7 @@ def child(args) -> None:
     import numpy as np
     import nnrt
     import nnrt.tflite
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
 
     async def main():
         model = nnrt.tflite.load(args.model)

@@ -26,7 +26,7 @@ import numpy as np
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt.fence.sync_fence import SyncFence
 from nnrt.hal import Request, RequestArgument
 from nnrt.memory import Memory

@@ -1,4 +1,4 @@
-"""What keeping freed memory in the process (``nnrt/drivers/heap.py``) is
+"""What keeping freed memory in the process (``nnrt/memory/heap.py``) is
 worth: a chain of ``--ops`` ADD/MUL operations on a ``--size`` x ``--size``
 float32 tensor through the reference device's ``execute_synchronously``,
 on the main thread and on another thread, in two child processes: one with
@@ -31,7 +31,7 @@ def child(ops: int, size: int, runs: int) -> dict:
 
     from nnrt.hal import Request, RequestArgument
     from nnrt.model.graph import DataLocation
-    from nnrt.drivers.heap import keep_freed_memory
+    from nnrt.memory.heap import keep_freed_memory
     from nnrt.drivers.reference import ReferenceDevice
 
     import anyio

@@ -32,7 +32,7 @@ import nnrt
 from nnrt import OperandType as T, OperationType as Op
 from nnrt.hal import ErrorStatus, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 

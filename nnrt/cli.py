@@ -62,9 +62,9 @@ def _devices(args) -> int:
 
 
 def _driver_serve(args) -> int:
-    from .drivers.heap import give_back_soon
+    from .memory.heap import give_back_soon
     from .drivers.sample import DRIVERS, make_driver
-    from .drivers.service.server import ServiceLimits, default_socket_path, serve
+    from .service.server import ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
@@ -77,6 +77,7 @@ def _driver_serve(args) -> int:
     try:
         policy = Policy.load(args.policy) if args.policy else None
         limits = ServiceLimits.parse(args.limit)
+        listener = _listener(args)
         driver = make_driver(kind, args.name, **settings)
     except nnrt.NnrtError as e:
         print(f"nnrt driver serve: {e.message}", file=sys.stderr)
@@ -85,7 +86,8 @@ def _driver_serve(args) -> int:
     # no app's work itself (an inline run would).
     device = ScheduledDevice(driver, slots=args.slots, queue_limit=args.queue_limit,
                              memory_limit=args.memory_limit, policy=policy, inline_bound=0)
-    path = args.socket or default_socket_path(args.name)
+    # --listen alone serves on gRPC only; with --socket, on both.
+    path = args.socket or (None if listener else default_socket_path(args.name))
     if args.realtime is not None:
         try:
             _realtime_loop(args.realtime)
@@ -106,12 +108,21 @@ def _driver_serve(args) -> int:
             async with anyio.create_task_group() as tg:
                 if parent is not None:
                     tg.start_soon(_stop_when_readable, parent, tg.cancel_scope)
-                await tg.start(partial(serve, device, path, app_key=args.app_key,
-                                       group=args.group, limits=limits,
-                                       statistics=args.statistics,
-                                       admin_uids=args.admin_uid))
+                if path is not None:
+                    await tg.start(partial(serve, device, path, app_key=args.app_key,
+                                           group=args.group, limits=limits,
+                                           statistics=args.statistics,
+                                           admin_uids=args.admin_uid))
+                if listener is not None:
+                    from .service.remote.server import serve_remote, split_address
+                    port = await tg.start(partial(serve_remote, device, listener))
+                    host, _ = split_address(listener.address)
                 _freeze_heap(device.name)
-                print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
+                if path is not None:
+                    print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
+                if listener is not None:
+                    print(f"nnrt driver {device.name} ({kind}) listening on "
+                          f"{'grpcs' if listener.cert else 'grpc'}://{host}:{port}", flush=True)
                 async for signum in signals:
                     if signum == signal.SIGHUP:    # re-read --policy, keep serving
                         if args.policy:
@@ -124,7 +135,7 @@ def _driver_serve(args) -> int:
             # its app's folder, still under the handlers: the parent-death
             # SIGTERM can come twice (per thread of the app), and a second
             # one must not end the process by default halfway.
-            if parent is not None:
+            if parent is not None and path is not None:
                 _remove_spawn_folder(path)
 
     try:
@@ -140,6 +151,34 @@ def _driver_serve(args) -> int:
             print(f"nnrt driver serve: {e.message}", file=sys.stderr)
         failed = True
     return 1 if failed else 0
+
+
+def _listener(args):
+    """The gRPC listener ``--listen`` and its TLS or token options ask for,
+    or None; INVALID_ARGUMENT for options that do not go together."""
+    remote_options = [o for o, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                     ("--client-ca", args.client_ca),
+                                     ("--token-file", args.token_file),
+                                     ("--insecure", args.insecure)) if v]
+    if args.listen is None:
+        if remote_options:
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"{', '.join(remote_options)} go with --listen")
+        return None
+    from .service.remote.server import Listener, load_tokens
+
+    def pem(path):
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read(1 << 20)
+        except OSError as e:
+            raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
+                                 f"cannot read {path}: {e.strerror}") from None
+
+    return Listener(args.listen, pem(args.tls_cert), pem(args.tls_key), pem(args.client_ca),
+                    load_tokens(args.token_file) if args.token_file else {}, args.insecure)
 
 
 def _remove_spawn_folder(socket_path: str) -> None:
@@ -181,8 +220,8 @@ def _fifo_priority(text: str) -> int:
 
 def _driver_status(args) -> int:
     import glob
-    from .drivers.service.client import ServiceDevice
-    from .drivers.service.server import default_socket_path
+    from .service.client import ServiceDevice
+    from .service.server import default_socket_path
     from .qos.status import render
 
     if args.socket or args.name:
@@ -526,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="also let members of this group connect (socket 0660 and its "
                             "folder 0710, both given to the group; default: only this user, "
                             "socket 0600 in a 0700 folder). See docs/operators/security.md")
-    from .drivers.service.server import STATISTICS_SCOPES, ServiceLimits
+    from .service.server import STATISTICS_SCOPES, ServiceLimits
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=N",
                        help="a resource limit (repeatable): " + ", ".join(
                            f"{f.name}={f.default}" for f in dataclasses.fields(ServiceLimits))
@@ -550,6 +589,21 @@ def main(argv: list[str] | None = None) -> int:
                             "work) at SCHED_FIFO PRIORITY (default 1), so requests are read "
                             "and answered without waiting for a CPU behind busy clients; "
                             "needs root or CAP_SYS_NICE (docs/operators/security.md)")
+    serve.add_argument("--listen", metavar="HOST:PORT",
+                       help="also serve on gRPC at HOST:PORT for apps on other hosts (only "
+                            "there when --socket is not given; port 0: any free port); needs "
+                            "--tls-cert and --tls-key, or --insecure on a loopback address. "
+                            "See docs/operators/remote.md")
+    serve.add_argument("--tls-cert", metavar="PEM", help="--listen: the server's certificate")
+    serve.add_argument("--tls-key", metavar="PEM", help="--listen: the server's private key")
+    serve.add_argument("--client-ca", metavar="PEM",
+                       help="--listen: require client certificates signed by this CA (mutual "
+                            "TLS); a client is the app its certificate's common name names")
+    serve.add_argument("--token-file", metavar="FILE",
+                       help="--listen: accept callers presenting one of these tokens (lines "
+                            "NAME TOKEN, mode 0600); a caller is the app NAME")
+    serve.add_argument("--insecure", action="store_true",
+                       help="--listen: plaintext, refused on any address but loopback")
     serve.set_defaults(func=_driver_serve)
     status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
                                "and misses of driver services, refreshed live")

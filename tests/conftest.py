@@ -55,9 +55,24 @@ def start_service(path, kind="reference", name=None, *extra, env=None) -> subpro
     """``nnrt driver serve`` as its own process, once it says it listens. Its
     stderr goes to an unnamed file (a pipe nobody reads would stop a service
     that logs a lot), read back if it fails to start."""
+    return _serve(name or kind, "--socket", str(path), "--driver", kind, *extra, env=env)[0]
+
+
+def start_remote_service(listen, kind="reference", name=None, *extra, env=None):
+    """``nnrt driver serve --listen LISTEN`` (gRPC only, no socket) as its
+    own process, once it listens: ``(process, "grpc[s]://HOST:PORT")``, the
+    port the one it bound (LISTEN may give port 0)."""
+    proc, line = _serve(name or kind, "--listen", listen, "--driver", kind, *extra, env=env)
+    if "--socket" in extra:   # its socket's line came first; the gRPC one is next
+        line = proc.stdout.readline().decode()
+    assert "grpc" in line, line
+    return proc, line.split()[-1]
+
+
+def _serve(*argv, env=None) -> tuple[subprocess.Popen, str]:
+    """``nnrt driver serve ARGV...`` and the line where it says it listens."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", name or kind,
-                             "--socket", str(path), "--driver", kind, *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "nnrt", "driver", "serve", *argv],
                             stdout=subprocess.PIPE, stderr=log, env=env)
     with log:                                   # the child keeps its own descriptor
         ready, _, _ = select.select([proc.stdout], [], [], 60)
@@ -66,9 +81,9 @@ def start_service(path, kind="reference", name=None, *extra, env=None) -> subpro
             proc.kill()
             proc.wait()
             log.seek(0)
-            raise RuntimeError(f"service {name or kind} did not start: {line!r} "
+            raise RuntimeError(f"service {argv[0]} did not start: {line!r} "
                                f"{log.read()[-2000:]!r}")
-    return proc
+    return proc, line.decode().strip()
 
 
 def stop(proc: subprocess.Popen) -> None:

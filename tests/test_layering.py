@@ -22,7 +22,8 @@ RANKS = [
     {"hal"},                                 # the seam: value types, interfaces, validation
     {"burst", "tflite"},                     # the burst wire and its two ends; model import
     {"qos"},                                 # the scheduler that wraps any hal.Device
-    {"drivers"},                             # reference, samples, litert, services
+    {"service"},                             # transports that host any hal.Device: local, remote
+    {"drivers"},                             # reference, samples, litert
     {"runtime"},                             # discovery, compilation, executions
     {"nnrt"},                                # the facade: the public API
     {"bench"},                               # nnrt bench: runner, stress, report, machine info

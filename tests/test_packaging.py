@@ -68,7 +68,7 @@ def test_a_driver_service_does_not_load_the_runtime():
     """The runtime's names are loaded on first use: a driver service (and
     any process that imports a part of nnrt without running apps) starts
     without it -- about 0.2 s of every service's start."""
-    code = ("import sys, nnrt.cli, nnrt.drivers.service.server\n"
+    code = ("import sys, nnrt.cli, nnrt.service.server\n"
             "assert 'nnrt.runtime' not in sys.modules, sorted(m for m in sys.modules\n"
             "    if m.startswith('nnrt.runtime'))\n"
             "import nnrt\n"

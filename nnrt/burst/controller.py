@@ -103,7 +103,7 @@ class MemoryGrant:
 
 class BurstLink(abc.ABC):
     """What a controller needs of the control connection it was configured
-    over. The connection (``nnrt.drivers.service.client``) owns the control
+    over. The connection (``nnrt.service.client``) owns the control
     messages; the controller never builds one."""
 
     @abc.abstractmethod

@@ -1,1 +1,5 @@
-"""Drivers: the HAL, the reference CPU driver and (later) driver services."""
+"""Drivers: the reference CPU driver, LiteRT, samples and extension drivers.
+
+Services, which host a driver in a process of its own, are transport, not
+drivers: :mod:`nnrt.service`.
+"""

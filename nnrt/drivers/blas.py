@@ -20,7 +20,7 @@ driver service is its own process), so its kernels use one BLAS thread.
 BLAS libraries keep that setting per process (OpenBLAS's pthreads build
 ignores ``openblas_set_num_threads_local``'s "local": measured, a setting
 made on one thread applied to every thread), so this changes the BLAS of
-the whole process, as ``nnrt/drivers/heap.py`` changes its allocator: an
+the whole process, as ``nnrt/memory/heap.py`` changes its allocator: an
 app's own numpy products run on one thread too once a reference device
 exists. ``NNRT_BLAS_THREADS=N`` picks another count; ``NNRT_BLAS_THREADS=0``
 leaves the BLAS alone.

@@ -21,7 +21,7 @@ from ..hal.cache import (CacheFiles, CacheReject, CacheRejected, dims_meta, read
                          read_parts, validated_of, write_file)
 from ..model.graph import HalModel
 from ..vlog import vlog
-from .service.protocol import decode_model, encode_model
+from ..service.protocol import decode_model, encode_model
 
 _U64 = struct.Struct("<Q")
 

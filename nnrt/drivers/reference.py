@@ -29,7 +29,7 @@ from ..vlog import vlog
 from . import cached
 from .executor import Binding, ExecutionContext, Executor, RequestPlan
 from .blas import limit_blas_threads
-from .heap import keep_freed_memory
+from ..memory.heap import keep_freed_memory
 
 _PLAN = "reference-plan"   # the one model cache file: the model and its inferred dimensions
 
@@ -42,7 +42,7 @@ class ReferenceDevice(Device):
     version_string = f"nnrt-reference-{__version__}"
 
     def __init__(self, name: str = "nnrt-reference"):
-        keep_freed_memory()   # a fresh array per operation: see nnrt/drivers/heap.py
+        keep_freed_memory()   # a fresh array per operation: see nnrt/memory/heap.py
         limit_blas_threads()  # the slots are its parallelism: see nnrt/drivers/blas.py
         self.name = name
         self.buffers = BufferRegistry()   # memory domains: buffers kept in this process

@@ -11,7 +11,7 @@ docs/vendors/adding-a-driver.md). It does not schedule: the QoS front
 every driver service, and calls ``execute_synchronously`` on a thread it
 owns, passing a ``checkpoint`` the driver calls at the boundaries it
 declared in :meth:`Device.scheduling`. The front and the proxy of a driver
-service (``nnrt.drivers.service.client.ServiceDevice``) implement the
+service (``nnrt.service.client.ServiceDevice``) implement the
 asynchronous executions (``execute``, bursts, fenced) the runtime uses.
 
 Status conventions: preparation and queries raise :class:`NnrtError`
@@ -389,7 +389,7 @@ class Buffer(abc.ABC):
         the complete contents the buffer held last, for the runtime to
         rerun on the CPU with; None when they died with the driver — the
         default (a driver service mirrors buffers of known size: see
-        nnrt.drivers.service.mirror). Never contents of a live driver."""
+        nnrt.service.mirror). Never contents of a live driver."""
         return None
 
 

@@ -8,7 +8,9 @@ reports for the peer pid, ``/proc/PID/exe``), ``cgroup`` (its control group,
 that group and every group below it), and what the app declares when it
 connects (:class:`~nnrt.hal.AppDeclaration`): ``script`` (the file its
 Python runs) and ``app`` (the name it gives, ``Runtime(app=...)`` or
-``NNRT_APP_NAME``). Every key a rule gives must match; ``name`` is the
+``NNRT_APP_NAME``); and an app on another host by ``remote``, the name its
+gRPC transport verified (its TLS client certificate's common name, or its
+token's name: ``nnrt driver serve --listen``). Every key a rule gives must match; ``name`` is the
 rule's own name (status shows it). The first matching rule gives the app's
 :class:`~nnrt.qos.scheduler.AppSettings`; keys it leaves out come from
 ``[default]``, and what that leaves out from the device (its queue and
@@ -75,7 +77,11 @@ _SETTING_KEYS = {"weight", "max_priority", "queue_limit", "memory_limit", "deadl
                  "when_full", "connections", "models", "bursts"}
 _KERNEL_KEYS = ("uid", "user", "exe", "cgroup")
 _DECLARED_KEYS = ("script", "app")
-_MATCH_KEYS = {*_KERNEL_KEYS, *_DECLARED_KEYS}
+# What a remote transport verified: the TLS client certificate's common name
+# or the token's name (nnrt/service/remote). Like the kernel's keys, the app
+# cannot choose it.
+_TRANSPORT_KEYS = ("remote",)
+_MATCH_KEYS = {*_KERNEL_KEYS, *_DECLARED_KEYS, *_TRANSPORT_KEYS}
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,13 @@ class AppIdentity:
     cgroup: str | None = None
     script: str | None = None
     name: str | None = None
+    remote: str | None = None     # a remote app's verified name (certificate or token)
 
     def describe(self) -> str:
         """How ``nnrt driver status`` names the app: its declared name, the
-        script or executable, the pid (or uid)."""
+        script or executable, the pid (or uid); a remote app by its name."""
+        if self.remote is not None:
+            return f"remote {self.remote}"
         what = self.script or self.exe
         parts = [p for p in (self.name, what and os.path.basename(what),
                              f"pid {self.pid}" if self.pid is not None
@@ -135,6 +144,9 @@ def identify(key: Hashable, declaration: AppDeclaration | None = None) -> AppIde
             return identify_uid(key[1])
     if isinstance(key, int) and not isinstance(key, bool):
         return identify_pid(key, declaration)
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "remote" \
+            and isinstance(key[1], str):
+        return AppIdentity(remote=key[1])
     return AppIdentity()
 
 
@@ -174,6 +186,7 @@ class Rule:
     cgroup: str | None = None
     script: str | None = None
     app: str | None = None        # the name the app declared
+    remote: str | None = None     # a remote app's certificate or token name
     settings: dict = field(default_factory=dict)   # the keys this rule sets
 
     def matches(self, who: AppIdentity) -> bool:
@@ -185,7 +198,8 @@ class Rule:
                                              and _under(who.cgroup, self.cgroup)))
                 and (self.script is None or (who.script is not None
                                              and os.path.realpath(self.script) == who.script))
-                and (self.app is None or self.app == who.name))
+                and (self.app is None or self.app == who.name)
+                and (self.remote is None or self.remote == who.remote))
 
 
 @dataclass(frozen=True)
@@ -223,12 +237,12 @@ class Policy:
                 raise invalid(f"{what}: unknown key(s) {sorted(unknown)}")
             match = {k: entry[k] for k in _MATCH_KEYS if k in entry}
             if not match:
-                raise invalid(f"{what} matches nothing: give uid, user, exe, cgroup, script "
-                              f"or app")
+                raise invalid(f"{what} matches nothing: give uid, user, exe, cgroup, script, "
+                              f"app or remote")
             if "uid" in match and (isinstance(match["uid"], bool)
                                    or not isinstance(match["uid"], int)):
                 raise invalid(f"{what}: uid must be an integer")
-            for k in ("user", "exe", "cgroup", "script", "app"):
+            for k in ("user", "exe", "cgroup", "script", "app", "remote"):
                 if k in match and not isinstance(match[k], str):
                     raise invalid(f"{what}: {k} must be a string")
             declared = [k for k in _DECLARED_KEYS if k in match]

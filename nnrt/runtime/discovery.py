@@ -45,9 +45,9 @@ from pathlib import Path
 
 import anyio
 
-from ..drivers.service.client import CALL_TIMEOUT, CONNECT_TIMEOUT, ServiceDevice
-from ..errors import ErrorStatus, NnrtError
-from ..hal import AppDeclaration
+from ..service.client import CALL_TIMEOUT, CONNECT_TIMEOUT, ServiceDevice
+from ..errors import ErrorStatus, NnrtError, invalid
+from ..hal import AppDeclaration, Device
 from ..vlog import vlog
 
 _log = logging.getLogger("nnrt.manager")
@@ -60,11 +60,36 @@ def config_file(environ=os.environ) -> Path:
     return Path(base) / "nnrt" / "drivers.conf"
 
 
+def _remote():
+    """The remote client module, loaded (with gRPC) only when a remote
+    service is configured or asked for."""
+    from ..service.remote import client
+    return client
+
+
+def is_remote(entry: str) -> bool:
+    """Whether a configured entry names a remote service (``grpc://``,
+    ``grpcs://``) rather than a socket path."""
+    return entry.startswith(("grpc://", "grpcs://"))
+
+
+def _split_drivers(value: str) -> list[str]:
+    """NNRT_DRIVERS' entries: separated by ``,``, and socket paths also by
+    ``:`` (a remote entry keeps its own ``:``s)."""
+    entries = []
+    for piece in value.split(","):
+        piece = piece.strip()
+        entries += [piece] if is_remote(piece) else [p for p in piece.split(":") if p.strip()]
+    return entries
+
+
 def configured_sockets(environ=os.environ) -> list[str]:
-    """Socket paths from NNRT_DRIVERS (separated by ``:`` or ``,``), then
-    from the config file, without repeats. Entries that cannot be socket
-    paths (relative, not text) are left out with a WARNING naming them."""
-    paths = [p for p in re.split(r"[:,]", environ.get("NNRT_DRIVERS", "")) if p.strip()]
+    """Socket paths and remote services (``grpc://HOST:PORT``,
+    ``grpcs://HOST:PORT``) from NNRT_DRIVERS (separated by ``,``; paths also
+    by ``:``), then from the config file, without repeats. Entries that
+    cannot be either (a relative path, not text) are left out with a
+    WARNING naming them."""
+    paths = _split_drivers(environ.get("NNRT_DRIVERS", ""))
     conf = config_file(environ)
     if conf.exists():
         try:
@@ -84,7 +109,13 @@ def configured_sockets(environ=os.environ) -> list[str]:
     seen, unique = set(), []
     for p in paths:
         p = p.strip()
-        if not os.path.isabs(p):
+        if is_remote(p):
+            try:
+                _remote().parse_target(p)
+            except NnrtError as e:
+                _log.warning("driver service %r: %s: left out", p, e.message)
+                continue
+        elif not os.path.isabs(p):
             _log.warning("driver service %r is not an absolute socket path: left out", p)
             continue
         if p not in seen:
@@ -174,6 +205,47 @@ async def connect(path: str, environ=os.environ, timeout: float | None = None,
         app=AppDeclaration.for_process(None, environ) if app is None else app)
 
 
+def remote_credentials(target: str, environ=os.environ) -> dict:
+    """What this process presents to a remote service: for a ``grpcs://``
+    target the CA (``NNRT_REMOTE_CA``; default the system's roots) and
+    client certificate and key (``NNRT_REMOTE_CERT``, ``NNRT_REMOTE_KEY``)
+    files; for any target the token in ``NNRT_REMOTE_TOKEN_FILE``.
+    DEVICE_UNAVAILABLE when a named file cannot be read."""
+    def read(name: str) -> bytes | None:
+        path = environ.get(name)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read(1 << 20)
+        except OSError as e:
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"{name}={path}: {e.strerror}") from None
+
+    token = read("NNRT_REMOTE_TOKEN_FILE")
+    token = token.decode("utf-8", "replace").strip() if token else None
+    _, tls = _remote().parse_target(target)
+    if not tls:
+        return {"token": token}
+    return {"token": token, "tls": _remote().ClientTls(read("NNRT_REMOTE_CA"), read("NNRT_REMOTE_CERT"),
+                                             read("NNRT_REMOTE_KEY"))}
+
+
+async def connect_remote(target: str, environ=os.environ,
+                         timeout: float | None = None) -> Device:
+    """A ``RemoteDevice`` of the service at ``target``, with this
+    process's credentials (:func:`remote_credentials`); Refused when the
+    service does not take them, DEVICE_UNAVAILABLE when nobody answers
+    within ``timeout`` seconds (default ``NNRT_CONNECT_TIMEOUT``)."""
+    remote = _remote()
+    try:
+        return await remote.RemoteDevice.connect(
+            target, timeout=connect_timeout(environ) if timeout is None else timeout,
+            call_timeout=call_timeout(environ), **remote_credentials(target, environ))
+    except remote.RemoteRefused as e:
+        raise Refused(e.status, e.message) from None
+
+
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:
     return await Reconnector(environ).connect_all()
 
@@ -220,10 +292,21 @@ class Reconnector:
     made us wait for the connect timeout only when its file changes, so a
     silent socket never stalls compilations twice."""
 
-    def __init__(self, environ=os.environ, app: AppDeclaration | None = None):
+    def __init__(self, environ=os.environ, app: AppDeclaration | None = None,
+                 remote=(), configured: bool = True):
+        """``remote``: remote services (``[grpc://|grpcs://]HOST:PORT``) to
+        connect to besides the configured ones (``configured=False``: only
+        these)."""
         self._environ = environ
         self._app = app
-        self._paths = configured_sockets(environ)
+        self._paths = configured_sockets(environ) if configured else []
+        for target in remote:
+            if not isinstance(target, str):
+                raise invalid(f"a remote device is a 'HOST:PORT' string, not {target!r}")
+            _remote().parse_target(target)
+            entry = target if is_remote(target) else f"grpcs://{target}"
+            if entry not in self._paths:
+                self._paths.append(entry)
         self._states: dict[str, ServiceState] = {}
         self._devices: dict[str, ServiceDevice] = {}
         self._seen: dict[str, object] = {}     # path -> socket identity at the last attempt
@@ -241,15 +324,21 @@ class Reconnector:
                                                   f"the service {device.name} died")
         return [self._states[p] for p in self._paths]
 
-    async def _try(self, path: str) -> ServiceDevice | None:
+    async def _try(self, path: str) -> Device | None:
         self._seen[path] = _identity(path)
         start = time.monotonic()
         try:
-            device = await connect(path, self._environ, app=self._app)
+            device = await (connect_remote(path, self._environ) if is_remote(path)
+                            else connect(path, self._environ, app=self._app))
         except NnrtError as e:
             kind = "refused" if isinstance(e, Refused) else "unreachable"
             self._states[path] = ServiceState(path, kind, e.message)
-            if time.monotonic() - start < RETRY_INTERVAL / 2:
+            took = time.monotonic() - start
+            if is_remote(path):
+                # No file tells when a host is back: try again after a while,
+                # longer after an attempt that had to wait (a silent host).
+                self._retry_at[path] = time.monotonic() + max(RETRY_INTERVAL, 4 * took)
+            elif took < RETRY_INTERVAL / 2:
                 self._retry_at[path] = time.monotonic() + RETRY_INTERVAL
             else:
                 self._retry_at.pop(path, None)
@@ -269,6 +358,16 @@ class Reconnector:
         for path in self._paths:
             device = self._devices.get(path)
             if device is not None and device.alive:
+                continue
+            if is_remote(path):
+                if time.monotonic() < self._retry_at.get(path, 0.0):
+                    continue
+                if device is not None:
+                    device.close()
+                    del self._devices[path]
+                new = await self._try(path)
+                if new is not None:
+                    added.append(new)
                 continue
             identity = _identity(path)
             if identity is None:

@@ -50,7 +50,7 @@ class Runtime:
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
                  discover: bool = True, litert: bool = True, strict: bool = False,
-                 policy=None, app: str | None = None):
+                 policy=None, app: str | None = None, remote: Sequence[str] = ()):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
@@ -68,13 +68,20 @@ class Runtime:
 
         ``app`` names this app to the schedulers (default ``NNRT_APP_NAME``):
         a service's policy can give it its own rule (``app = "camera"``),
-        and ``nnrt driver status`` shows the name. Letters, digits, ``._-``."""
+        and ``nnrt driver status`` shows the name. Letters, digits, ``._-``.
+
+        ``remote`` lists driver services on other hosts (``grpcs://HOST:PORT``,
+        ``grpc://HOST:PORT`` for plaintext; a bare ``HOST:PORT`` is TLS), used
+        besides the configured ones (even with ``discover=False``), with the
+        credentials of ``NNRT_REMOTE_*`` (docs/operators/remote.md); one that
+        does not answer is left out and tried again, as a configured service is."""
         self.app = AppDeclaration.for_process(app)
         self._litert = litert
         self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
         self._spawn = list(spawn)
         self._discover = discover
+        self._remote = [remote] if isinstance(remote, str) else list(remote)
         self._policy = policy
         self._devices: list[Device] | None = None
         self._cpu: Device | None = None
@@ -151,10 +158,11 @@ class Runtime:
         else:
             found: list[Device] = []
             in_process = in_process_devices(litert=self._litert)
-            if self._discover or self._spawn:
+            if self._discover or self._spawn or self._remote:
                 from . import discovery  # the service client needs only be loaded when used
-                if self._discover:
-                    self._reconnector = discovery.Reconnector(app=self.app)
+                if self._discover or self._remote:
+                    self._reconnector = discovery.Reconnector(
+                        app=self.app, remote=self._remote, configured=self._discover)
                     found += await self._reconnector.connect_all()
                     if self._reconnector.configured:
                         self._task_group.start_soon(self._watch_services, discovery.RETRY_INTERVAL)

@@ -25,9 +25,9 @@ with atheris.instrument_imports(include=["nnrt"]):
 
     from nnrt.burst import wire
     from nnrt.drivers.sample import make_driver
-    from nnrt.drivers.service import protocol as p
-    from nnrt.drivers.service.protocol import codecs
-    from nnrt.drivers.service.server import DriverService, ServiceLimits
+    from nnrt.service import protocol as p
+    from nnrt.service.protocol import codecs
+    from nnrt.service.server import DriverService, ServiceLimits
 
 FAKE_FDS = (1000, 1001, 1002, 1003, 1004, 1005)   # numbers only: decoders never use them
 

@@ -34,8 +34,8 @@ import numpy as np
 import nnrt
 from nnrt import ErrorStatus, ExecutionPreference, OperandType as T, OperationType as Op, Priority
 from nnrt.burst import wire
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service import protocol as p
+from nnrt.service.client import ServiceDevice
 from nnrt.fmq import Ring
 from nnrt.fmq.ring import HEADER_SIZE, READ_OFFSET, WRITE_OFFSET
 from nnrt.hal import Request, RequestArgument

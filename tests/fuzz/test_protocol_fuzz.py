@@ -10,7 +10,7 @@ import nnrt
 from nnrt import ErrorStatus, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                       OutputShape, PerformanceInfo, RequestArgument, Timing)
-from nnrt.drivers.service import protocol as p
+from nnrt.service import protocol as p
 from nnrt.qos.scheduler import ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.hal.cache import CacheReject
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo

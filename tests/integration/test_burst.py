@@ -15,8 +15,8 @@ from nnrt import ErrorStatus
 from nnrt.burst import wire
 from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service.client import ServiceDevice
-from nnrt.drivers.service.server import serve
+from nnrt.service.client import ServiceDevice
+from nnrt.service.server import serve
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 
@@ -168,7 +168,7 @@ async def test_closing_the_session_ends_the_server_task_and_unmaps(service):
 
 APP = textwrap.dedent("""
     import sys, anyio, numpy as np
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from nnrt.memory import Memory
     from tests.integration.test_burst import memory_request
     from tests.integration.test_service import add_model

@@ -16,7 +16,7 @@ import nnrt.tflite
 from nnrt import ErrorStatus, NnrtError
 from nnrt.drivers.mediapipe import MediapipeDevice
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt.extensions import mediapipe as mp
 from tests.conftest import start_service, stop
 from tests.unit.test_extension_mediapipe import mediapipe_model, transpose_conv_bias_f64
@@ -76,7 +76,7 @@ from functools import partial
 import anyio
 sys.path.insert(0, {root!r})
 from tests.unit.test_extensions import ExampleDevice
-from nnrt.drivers.service.server import serve
+from nnrt.service.server import serve
 async def main():
     async with anyio.create_task_group() as tg:
         await tg.start(partial(serve, ExampleDevice(), {path!r}))

@@ -14,7 +14,7 @@ import nnrt
 from nnrt import ErrorStatus, FenceState, NnrtError, OperandType as T, OperationType as Op
 from nnrt.hal import Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service.client import ServiceDevice, ServicePreparedModel
+from nnrt.service.client import ServiceDevice, ServicePreparedModel
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 from nnrt.runtime.fenced import execute_fenced

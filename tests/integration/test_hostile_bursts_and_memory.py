@@ -20,8 +20,8 @@ import pytest
 
 from nnrt import ErrorStatus
 from nnrt.burst import wire
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service import protocol as p
+from nnrt.service.client import ServiceDevice
 from nnrt.fmq import Ring
 from nnrt.fmq.ring import READ_OFFSET
 from nnrt.hal import Request, RequestArgument

@@ -19,8 +19,8 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service import protocol as p
+from nnrt.service.client import ServiceDevice
 from nnrt.fmq import Ring
 from nnrt.memory import Memory
 
@@ -196,7 +196,7 @@ async def test_huge_unfinished_frames_are_refused_and_their_memory_returns(servi
 CONNECTOR = textwrap.dedent("""
     import json, socket, struct, sys
     sys.path.insert(0, {root!r})
-    from nnrt.drivers.service import protocol as p
+    from nnrt.service import protocol as p
     socks, answers = [], []
     for _ in range({n}):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -304,7 +304,7 @@ STATS_APP = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {root!r})
     import anyio, numpy as np
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from nnrt.memory import Memory
     from tests.integration.test_service import add_model
     from tests.integration.test_hostile_bursts_and_memory import memory_request
@@ -390,7 +390,7 @@ MODELS_APP = textwrap.dedent("""
     import sys
     import anyio
     sys.path.insert(0, {root!r})
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from tests.integration.test_service import add_model
     async def main():
         devs = [await ServiceDevice.connect({path!r}) for _ in range(2)]
@@ -458,7 +458,7 @@ def test_one_users_apps_leave_the_reserve_of_a_service_wide_limit():
     it (the decision; these machines have no second user to show another
     user connecting, see the note of issue 39)."""
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service.server import DriverService, PeerCredentials, ServiceLimits
+    from nnrt.service.server import DriverService, PeerCredentials, ServiceLimits
     service = DriverService(ReferenceDevice(), limits=ServiceLimits(
         connections=8, connections_per_app=3, reserve_percent=50))
     class Connection:            # what the decision reads of a connection

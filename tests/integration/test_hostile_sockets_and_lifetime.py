@@ -24,7 +24,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError
-from nnrt.drivers.service import protocol as p
+from nnrt.service import protocol as p
 from nnrt.runtime import discovery
 
 from tests.conftest import start_service, stop
@@ -330,7 +330,7 @@ async def test_connecting_to_a_socket_that_never_answers_hello_gives_up(tmp_path
     """A socket that accepts and stays silent: ServiceDevice.connect itself
     (not only discovery) gives DEVICE_UNAVAILABLE after its timeout, and
     closes its end."""
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     path = str(tmp_path / "silent.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -356,7 +356,7 @@ async def test_a_service_that_stops_answering_fails_the_apps_control_calls_after
     as a wedged or paused process) costs a control call its bound
     (``call_timeout``, NNRT_CALL_TIMEOUT), not the app's life: the call and
     everything pending on the connection fail with DEAD_OBJECT."""
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from .test_service import add_model
     path, proc = spawn_service("reference")
     dev = await ServiceDevice.connect(str(path), call_timeout=0.3)

@@ -13,7 +13,7 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt.hal import BufferDesc, BufferRole, Request, RequestArgument
 from nnrt.memory import DeviceToken, Memory
 from nnrt.model.graph import DataLocation
@@ -160,7 +160,7 @@ async def test_a_buffer_of_unknown_dimensions_is_resized(service):
 CHILD = textwrap.dedent("""
     import sys, anyio
     import nnrt
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from nnrt.hal import Request, RequestArgument
     from nnrt.memory import DeviceToken, Memory
     from nnrt.model.graph import DataLocation
@@ -315,8 +315,8 @@ async def test_a_copy_from_an_unsealed_memfd_is_refused_and_the_service_goes_on(
         _buffer, token = await device.allocate(BufferDesc(), [prepared], [BufferRole(0, 0)], [])
         fd = _os.memfd_create("unsealed")
         _os.ftruncate(fd, 16)
-        from nnrt.drivers.service import protocol as p
-        from nnrt.drivers.service.client import _value
+        from nnrt.service import protocol as p
+        from nnrt.service.client import _value
         wire = p.WirePool(0, fd, True, 0, 16, 0, 16)
         reply = await device._channel.call(
             lambda cid: p.CopyBuffer(cid, p.Method.COPY_FROM, token, wire, (4,)))
@@ -425,7 +425,7 @@ async def test_each_allocation_gets_its_own_sealed_mirror_that_a_client_cannot_h
     two buffers or two connections), sealed so its holder cannot resize it;
     a client scribbling over it changes nothing the service computes with
     and hurts only its own recovery copy."""
-    from nnrt.drivers.service.mirror import read_mirror
+    from nnrt.service.mirror import read_mirror
     one = await ServiceDevice.connect(str(service))
     two = await ServiceDevice.connect(str(service))
     try:

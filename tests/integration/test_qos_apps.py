@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import nnrt
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt import ErrorStatus, Priority
 
 from .test_qos_inprocess import DIMS, chain_model

@@ -21,8 +21,8 @@ from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
 from nnrt.hal import DeviceType, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.drivers.sample import make_driver
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service import protocol as p
+from nnrt.service.client import ServiceDevice
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation
 from tests.conftest import start_service, stop
@@ -278,7 +278,7 @@ OTHER_CLIENT = textwrap.dedent("""
     import asyncio, sys
     import numpy as np
     from nnrt.hal import Request, RequestArgument
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     from nnrt.model.graph import DataLocation
 
     async def main(path, model_id):
@@ -472,7 +472,7 @@ def test_the_client_works_on_trio(reference_service):
 
 
 async def test_peer_credentials_and_cleanup_when_a_client_goes(tmp_path):
-    from nnrt.drivers.service.server import serve
+    from nnrt.service.server import serve
     path = str(tmp_path / "inproc.sock")
     async with anyio.create_task_group() as tg:
         service = await tg.start(serve, ReferenceDevice("inproc"), path)
@@ -497,7 +497,7 @@ async def test_replies_to_a_client_that_stops_reading_wait_whole_and_block_nobod
     nothing blocks on it (another client's execution still runs on the one
     slot), its replies wait for its socket, and when the client reads, every
     reply is there, whole, once."""
-    from nnrt.drivers.service.server import serve
+    from nnrt.service.server import serve
     from nnrt.qos.front import ScheduledDevice
     from .test_hostile_bursts_and_memory import HostileApp, memory_request
     path = str(tmp_path / "inproc.sock")
@@ -611,7 +611,7 @@ def test_a_frame_larger_than_the_socket_buffer_does_not_block_the_sender():
     """The client writes what the socket takes at once and leaves the rest
     (with its own copies of the fds) to a worker thread: the caller returns
     before the service has read anything, and frames keep their order."""
-    from nnrt.drivers.service.client import _Channel
+    from nnrt.service.client import _Channel
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channel = _Channel(ours, "a test peer")
     big = bytes(range(256)) * (16 << 12)        # 16 MiB, far more than the socket buffer
@@ -652,7 +652,7 @@ async def test_a_compiled_model_collected_under_its_channels_send_lock_is_releas
     # inside the channel's send lock: releasing there would wait for itself.
     import gc
     import weakref
-    from nnrt.drivers.service.client import ServicePreparedModel
+    from nnrt.service.client import ServicePreparedModel
     dev = await ServiceDevice.connect(str(reference_service))
     try:
         async with nnrt.Runtime(devices=[dev]) as rt:
@@ -714,7 +714,7 @@ async def test_an_app_that_leaves_leaves_the_statistics(tmp_path):
     """When an app's last connection closes, its rows go from STATISTICS
     (nnrt driver status) once its last job ends; its finished jobs stay in
     the recent history."""
-    from nnrt.drivers.service.server import serve
+    from nnrt.service.server import serve
     path = str(tmp_path / "leaving.sock")
     async with anyio.create_task_group() as tg:
         service = await tg.start(serve, ReferenceDevice("leaving"), path)

@@ -13,9 +13,9 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.client import ServiceDevice, ServiceExecution
-from nnrt.drivers.service.server import serve
+from nnrt.service import protocol as p
+from nnrt.service.client import ServiceDevice, ServiceExecution
+from nnrt.service.server import serve
 from nnrt.memory import Memory
 
 from .test_burst import memory_request, wait_until
@@ -180,7 +180,7 @@ async def test_the_pools_a_connections_executions_map_are_bounded(tmp_path, monk
     """Each reusable execution maps its pools (an fd and a mapping each): a
     connection creating execution after execution is refused past the
     bound, RESOURCE_EXHAUSTED for it alone, and another connection is served."""
-    from nnrt.drivers.service import server
+    from nnrt.service import server
     monkeypatch.setattr(server, "MAX_EXECUTION_POOLS_PER_CONNECTION", 6)
     path = str(tmp_path / "executions.sock")
     async with anyio.create_task_group() as tg:

@@ -131,7 +131,7 @@ async def test_given_a_cpu_service_and_a_local_cpu_the_local_one_is_the_fallback
     the service, so it is the fallback; after a SIGKILL of the service the
     execution reruns there instead of failing with DEAD_OBJECT."""
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service.client import ServiceDevice
+    from nnrt.service.client import ServiceDevice
     path, proc = spawn_service("reference", name="cpu-service")
     service = await ServiceDevice.connect(str(path))
     async with nnrt.Runtime(devices=[service, ReferenceDevice()]) as rt:

@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
-from nnrt.drivers.service.client import ServiceDevice
+from nnrt.service.client import ServiceDevice
 from nnrt.hal import Request
 
 from tests.conftest import start_service, stop

@@ -15,7 +15,7 @@ from nnrt.burst import wire
 from nnrt.burst.server import BurstServer
 from nnrt.hal import BurstSession, Request, RequestArgument
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service import protocol as p
+from nnrt.service import protocol as p
 from nnrt.fmq import Ring
 from nnrt.memory import Memory
 from nnrt.model.graph import DataLocation

@@ -12,7 +12,7 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.drivers.service import protocol as p
+from nnrt.service import protocol as p
 from nnrt.hal import (Capabilities, Device, DeviceType, ExecutionPreference, ExecutionResult,
                       PerformanceInfo, PreparedModel, output_shapes, read_inputs, write_outputs)
 from nnrt.hal.allowlist import Allowlist, check_current_app, check_peer

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nnrt.hal import ExecutionResult, OutputShape, RequestArgument, Timing
-from nnrt.drivers.service import protocol as p
+from nnrt.service import protocol as p
 from nnrt.errors import ErrorStatus
 from nnrt.model.graph import DataLocation
 

@@ -311,8 +311,8 @@ async def test_a_driver_service_runs_no_apps_work_on_its_event_loop(tmp_path, mo
     often an app's executions run, reusable (COMPUTE) or one-shot, its job
     runs on a worker thread, never on the loop every app shares."""
     from nnrt.drivers.reference import ReferenceExecution
-    from nnrt.drivers.service.client import ServiceDevice
-    from nnrt.drivers.service.server import serve
+    from nnrt.service.client import ServiceDevice
+    from nnrt.service.server import serve
     from tests.integration.test_service import add_model, numpy_request
     threads = []
     run = ReferenceExecution.execute_synchronously

@@ -1,5 +1,5 @@
 """The thread/loop hand-off primitives of nnrt/drivers/handoff.py and the
-allocator settings of nnrt/drivers/heap.py."""
+allocator settings of nnrt/memory/heap.py."""
 import os
 import subprocess
 import sys
@@ -128,7 +128,7 @@ def test_a_raising_callable_does_not_kill_the_worker():
     assert len(idents) == 2
 
 
-HEAP_PROBE = ("from nnrt.drivers.heap import keep_freed_memory; "
+HEAP_PROBE = ("from nnrt.memory.heap import keep_freed_memory; "
               "print(keep_freed_memory(), keep_freed_memory())")
 
 

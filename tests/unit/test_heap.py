@@ -3,7 +3,7 @@ while one is pending make one trim, and trims keep their interval however
 often peers come and go (a connect/close loop must not buy a trim each)."""
 import time
 
-from nnrt.drivers import heap
+from nnrt.memory import heap
 
 
 def test_give_back_soon_coalesces_and_keeps_its_interval(monkeypatch):
@@ -29,7 +29,7 @@ def test_give_back_soon_coalesces_and_keeps_its_interval(monkeypatch):
 async def test_an_idle_service_gives_freed_memory_back_once_per_idle_spell(monkeypatch):
     import anyio
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service import server
+    from nnrt.service import server
     from nnrt.qos import ScheduledDevice
 
     given = []

@@ -1,4 +1,4 @@
-"""A service buffer's mirror (nnrt.drivers.service.mirror): a writer
+"""A service buffer's mirror (nnrt.service.mirror): a writer
 SIGKILLed at any moment leaves the previous complete contents readable; the
 memfd is sealed so a client holding it cannot resize it under the service;
 a mirror the client scribbled on reads as "nothing to recover"."""
@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
-from nnrt.drivers.service.mirror import HEADER, MirrorWriter, read_mirror
+from nnrt.service.mirror import HEADER, MirrorWriter, read_mirror
 from nnrt.hal import Buffer
 
 NBYTES = 1 << 20   # a megabyte a write: a kill lands mid-copy most of the time

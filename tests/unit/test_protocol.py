@@ -13,8 +13,8 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Priority
 from nnrt.hal import (AppDeclaration, BufferRole, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                               OutputShape, PerformanceInfo, RequestArgument, Timing)
-from nnrt.drivers.service import protocol as p
-from nnrt.drivers.service.protocol import codecs
+from nnrt.service import protocol as p
+from nnrt.service.protocol import codecs
 from nnrt.qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
 from nnrt.model.extensions import Extension, ExtensionOperandTypeInfo
 from nnrt.model.graph import ChannelQuant, DataLocation, ExtensionPrefix, Operand
@@ -245,7 +245,7 @@ def test_the_statistics_records_wire_layout_is_pinned_to_the_protocol_version():
     with a new PROTOCOL_VERSION (and this list)."""
     layout = {cls.__name__: [(f.name, str(f.type)) for f in fields(cls)]
               for cls in (ClassStatistics, JobRecord, AppStatistics)}
-    assert (p.PROTOCOL_VERSION, layout) == (5, {
+    assert (p.PROTOCOL_VERSION, layout) == (6, {
         "AppStatistics": [("app", "Hashable"), ("rule", "str"), ("weight", "float"),
                           ("max_priority", "Priority"), ("who", "str")],
         "ClassStatistics": [("app", "Hashable"), ("priority", "Priority"), ("queued", "int"),
@@ -267,7 +267,10 @@ def test_statistics_reply_round_trips():
     for value in (statistics_value(), p.StatisticsValue(None, ()),
                   p.StatisticsValue(None, (JobRecord("app", Priority.MEDIUM, None, 1, 0.0, 0.5,
                                                      1.0, 0.5, 0, 0.5, ErrorStatus.NONE,
-                                                     ""),))):
+                                                     ""),)),
+                  p.StatisticsValue(None, (JobRecord(("remote", "camera"), Priority.MEDIUM,
+                                                     None, 1, 0.0, 0.5, 1.0, 0.5, 0, 0.5,
+                                                     ErrorStatus.NONE, ""),))):
         data, fds = p.encode(p.Reply(9, p.Method.STATISTICS, ErrorStatus.NONE, "", value))
         assert p.decode_body(data[p.FRAME_HEADER_SIZE:], fds).value == value
         for cut in range(p.FRAME_HEADER_SIZE, len(data) - 1):
@@ -635,7 +638,7 @@ def test_who_sees_every_apps_statistics(scope, admins, sees):
     """The service's own user and root see every app by default, with no
     flag; any other uid its own app, unless an --admin-uid."""
     from nnrt.drivers.reference import ReferenceDevice
-    from nnrt.drivers.service.server import DriverService, PeerCredentials
+    from nnrt.service.server import DriverService, PeerCredentials
     service = DriverService(ReferenceDevice(), statistics=scope, admin_uids=admins)
     owner = os.getuid()
     other = next(u for u in range(1000, 70000) if u not in (owner, 4242))

@@ -54,9 +54,9 @@ import struct
 
 import anyio
 
-from ...errors import NnrtError
-from ...memory import Memory
-from ...memory.shared import PROT_READ
+from ..errors import NnrtError
+from ..memory import Memory
+from ..memory.shared import PROT_READ
 
 HEADER = 64
 MAGIC = b"NNRTMIR1"

@@ -10,12 +10,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....errors import ErrorStatus, NnrtError
-from ....hal import DeviceType, ExecutionPreference, ExecutionResult, RequestArgument, Timing
-from ....hal.cache import CacheReject
-from ....hal.types import AppDeclaration, BufferRole, Priority
-from ....model.graph import HalModel
+from ...errors import ErrorStatus, NnrtError
+from ...hal import DeviceType, ExecutionPreference, ExecutionResult, RequestArgument, Timing
+from ...hal.cache import CacheReject
+from ...hal.types import AppDeclaration, BufferRole, Priority
+from ...model.graph import HalModel
 
+# 6: an app key of two strings (a remote app: ("remote", name), issue 42)
+# crosses in STATISTICS as itself, not as its text.
 # 5: HELLO carries the app's declaration (its name and script: AppDeclaration).
 # 4: reusable executions (CREATE_EXECUTION, COMPUTE, RELEASE_EXECUTION), the
 # scheduler's own records in STATISTICS, with each app's rule, weight and cap.
@@ -23,7 +25,7 @@ from ....model.graph import HalModel
 # of an ALLOCATE reply), compilation caching (PREPARE_MODEL_CACHING,
 # PREPARE_MODEL_FROM_CACHE) and the ERROR to call id 0 before a close: a
 # client and a service of different versions refuse each other at HELLO.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME = 64 << 20     # bytes of one frame body
 MAX_FDS = 64             # fds beside one frame (SCM_RIGHTS allows 253)
 MAX_COUNT = 1 << 20      # elements of any list
@@ -375,7 +377,7 @@ class Allocated:
     of fully known size, its mirror — a sealed memfd of ``mirror_size``
     bytes (its fd travels with the reply; the client owns it) where the
     service keeps the buffer's last written contents, for the client to
-    read after the service died (see nnrt.drivers.service.mirror)."""
+    read after the service died (see nnrt.service.mirror)."""
 
     token: int
     mirror_fd: int | None = None

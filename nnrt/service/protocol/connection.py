@@ -9,9 +9,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ....errors import ErrorStatus
-from ....memory import DeviceToken
-from ....memory.staging import SlotCache
+from ...errors import ErrorStatus
+from ...memory import DeviceToken
+from ...memory.staging import SlotCache
 from .messages import (CLIENT_CACHED_POOLS, MAX_CACHED_POOLS, MAX_FDS, MAX_FRAME,
                        SERVICE_CALLS, Cancel, Compute, CreateExecution, Event, Execute,
                        ExecuteFenced, Hello, Malformed, Method, ProtocolError, ReleaseExecution,

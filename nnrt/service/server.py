@@ -70,23 +70,23 @@ from dataclasses import dataclass, fields, replace
 
 import anyio
 
-from ...burst.server import REQUEST_SPIN, BurstCounters, BurstServer
-from ..heap import give_back_soon
-from ...errors import ErrorStatus, NnrtError, invalid
-from ...fence.sync_fence import SyncFence
-from ...fmq import Ring, RingError
-from ...memory import DeviceToken, Memory
-from ...memory.shared import PROT_READ, PROT_RW
-from ...model.extensions import uses_extensions
-from ...model.graph import HalModel
-from ...vlog import vlog
-from ... import trace
-from ...hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
-from ...hal.allowlist import check_peer
-from ...hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
-from ...hal.cache import CacheFiles, CacheReject, CacheRejected
-from ...qos import ScheduledDevice
-from ...qos.scheduler import DEFAULT_SETTINGS, AppSettings
+from ..burst.server import REQUEST_SPIN, BurstCounters, BurstServer
+from ..memory.heap import give_back_soon
+from ..errors import ErrorStatus, NnrtError, invalid
+from ..fence.sync_fence import SyncFence
+from ..fmq import Ring, RingError
+from ..memory import DeviceToken, Memory
+from ..memory.shared import PROT_READ, PROT_RW
+from ..model.extensions import uses_extensions
+from ..model.graph import HalModel
+from ..vlog import vlog
+from .. import trace
+from ..hal import Buffer, BufferDesc, Device, ExecutionResult, PreparedModel, Request
+from ..hal.allowlist import check_peer
+from ..hal.buffers import MAX_BUFFER_BYTES, fully_specified, merge_dimensions
+from ..hal.cache import CacheFiles, CacheReject, CacheRejected
+from ..qos import ScheduledDevice
+from ..qos.scheduler import DEFAULT_SETTINGS, AppSettings
 from . import protocol as p
 from .mirror import MirrorWriter
 from .scm import received_fds, rights
@@ -365,7 +365,7 @@ class DriverService:
         """Forever: after ``interval`` seconds in which no call and no burst
         frame came, give the heap's freed memory back to the kernel, once per
         idle spell. The allocator keeps freed memory for the next run
-        (nnrt.drivers.heap): right while apps work, but an idle service
+        (nnrt.memory.heap): right while apps work, but an idle service
         should shrink back to its idle footprint."""
         seen = given = None
         while True:
@@ -506,7 +506,7 @@ class ServiceConnection:
             self.bursts.clear()
             self.sock.close()
             self.proto.drop_buffer()
-            # The heap keeps freed memory otherwise (nnrt.drivers.heap):
+            # The heap keeps freed memory otherwise (nnrt.memory.heap):
             # what a departed app's frames, models and connection held goes
             # back to the kernel, on a worker thread (a trim of a big heap
             # takes milliseconds the loop owes other apps).

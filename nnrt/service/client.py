@@ -75,21 +75,21 @@ import weakref
 
 import anyio
 
-from ... import trace
-from ...burst.controller import BurstController, BurstLink
-from ...errors import ErrorStatus, NnrtError, bad_state, invalid
-from ...fence.outcome import FenceState
-from ...fence.sync_fence import SyncFence
-from ...handoff import Waiter, run_soon
-from ...hal import (Buffer, BufferDesc, Capabilities, Device, Execution, ExecutionPreference,
+from .. import trace
+from ..burst.controller import BurstController, BurstLink
+from ..errors import ErrorStatus, NnrtError, bad_state, invalid
+from ..fence.outcome import FenceState
+from ..fence.sync_fence import SyncFence
+from ..handoff import Waiter, run_soon
+from ..hal import (Buffer, BufferDesc, Capabilities, Device, Execution, ExecutionPreference,
                     ExecutionResult, FencedCallback, PreparedModel, Request, RequestExecution,
                     Scheduling, Timing)
-from ...hal.cache import CacheFiles, CacheRejected
-from ...hal.types import AppDeclaration, Priority
-from ...memory import DeviceToken, Memory
-from ...memory.staging import ArenaPool, Staging, bind, stage
-from ...model.graph import HalModel
-from ...vlog import vlog
+from ..hal.cache import CacheFiles, CacheRejected
+from ..hal.types import AppDeclaration, Priority
+from ..memory import DeviceToken, Memory
+from ..memory.staging import ArenaPool, Staging, bind, stage
+from ..model.graph import HalModel
+from ..vlog import vlog
 from . import protocol as p
 from .mirror import HEADER as MIRROR_HEADER, read_mirror
 from .scm import received_fds, rights

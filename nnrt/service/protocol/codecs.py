@@ -10,19 +10,19 @@ import struct
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
-from ....errors import ErrorStatus, NnrtError
-from ....hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
+from ...errors import ErrorStatus, NnrtError
+from ...hal import (NO_TIMING, Capabilities, DeviceType, ExecutionPreference, ExecutionResult,
                      OutputShape, PerformanceInfo, RequestArgument, Timing)
-from ....hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
-from ....hal.types import AppDeclaration, BufferRole, Priority
-from ....memory import as_buffer
-from ....model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
+from ...hal.cache import MAX_CACHE_FILES, TOKEN_SIZE, CacheReject
+from ...hal.types import AppDeclaration, BufferRole, Priority
+from ...memory import as_buffer
+from ...model.graph import (ChannelQuant, DataLocation, ExtensionPrefix, HalModel, Operand,
                              Operation, Subgraph)
-from ....model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
+from ...model.extensions import (Extension, ExtensionOperandTypeInfo, is_extension_code,
                                   operand_type, operation_type)
-from ....model.types import OperandLifeTime, OperandType, OperationType
-from ....qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
-from ....wirecodec import Reader, Writer
+from ...model.types import OperandLifeTime, OperandType, OperationType
+from ...qos.scheduler import AppStatistics, ClassStatistics, JobRecord, SchedulerStatistics
+from ...wirecodec import Reader, Writer
 from .messages import (BURST_RING_FDS, MAX_BURST_SLOTS, MAX_COUNT, MAX_FDS, MAX_FRAME,
                        MAX_JOB_RECORDS, MAX_STRING, PROTOCOL_VERSION, Allocate, Allocated, BurstEnded, Cancel,
                        Compute, ConfigureBurst, CopyBuffer, CreateExecution, DeviceInfo, Execute,
@@ -340,6 +340,37 @@ def decode_model(data) -> HalModel:
     return model
 
 
+def encode_capabilities(capabilities: Capabilities) -> bytes:
+    """``capabilities`` as CAPABILITIES' reply carries them (the remote
+    transport sends these bytes: :func:`decode_capabilities` reads them)."""
+    w = _Writer(b"")
+    _put_capabilities(w, capabilities)
+    return w.value()
+
+
+def decode_capabilities(data) -> Capabilities:
+    """What :func:`encode_capabilities` wrote; ProtocolError for other bytes."""
+    r = _Reader(data, ())
+    value = _get_capabilities(r, ErrorStatus.NONE, "")
+    r.finish("capabilities")
+    return value
+
+
+def encode_extensions(extensions) -> bytes:
+    """``extensions`` as SUPPORTED_EXTENSIONS' reply carries them."""
+    w = _Writer(b"")
+    _put_extensions(w, extensions)
+    return w.value()
+
+
+def decode_extensions(data) -> list[Extension]:
+    """What :func:`encode_extensions` wrote; ProtocolError for other bytes."""
+    r = _Reader(data, ())
+    value = _get_extensions(r, ErrorStatus.NONE, "")
+    r.finish("extensions")
+    return value
+
+
 def _enum(cls, v: int, what: str):
     try:
         return cls(v)
@@ -405,20 +436,30 @@ def _get_shapes_and_timings(r: _Reader, timings):
 
 
 def _put_app(w: _Writer, app) -> None:
-    # Service app keys are ("uid", n) or ("pid", n); anything else travels as text.
+    # Service app keys are ("uid", n) or ("pid", n), a remote app's
+    # ("remote", name); anything else travels as text.
     if isinstance(app, tuple) and len(app) == 2 and isinstance(app[0], str) \
-            and isinstance(app[1], int) and app[1] >= 0:
+            and isinstance(app[1], int) and not isinstance(app[1], bool) and app[1] >= 0:
         w.u8(1)
         w.str_(app[0])
         w.u64(app[1])
+    elif isinstance(app, tuple) and len(app) == 2 and all(isinstance(x, str) for x in app):
+        w.u8(2)
+        w.str_(app[0])
+        w.str_(app[1])
     else:
         w.u8(0)
         w.str_(str(app))
 
 
 def _get_app(r: _Reader):
-    if r.flag("app key form"):
+    form = r.u8("app key form")
+    if form == 1:
         return (r.str_("app key kind"), r.u64("app key id"))
+    if form == 2:
+        return (r.str_("app key kind"), r.str_("app key name"))
+    if form:
+        raise ProtocolError(f"app key form {form} is none of 0, 1, 2")
     return r.str_("app key")
 
 
@@ -1136,5 +1177,6 @@ def _decode_reply(r: _Reader, method: Method, call_id: int, codec: Codec) -> Rep
     return Reply(call_id, method, status, message, value)
 
 
-__all__ = ["CODECS", "Codec", "decode_body", "decode_model", "encode", "encode_model",
+__all__ = ["CODECS", "Codec", "decode_body", "decode_capabilities", "decode_extensions",
+           "decode_model", "encode", "encode_capabilities", "encode_extensions", "encode_model",
            "error_reply", "fds_of", "reply_fds_of", "reply_for", "with_pools"]

@@ -1,0 +1,186 @@
+"""The remote HAL's values, both ways: HAL values <-> the messages of
+``nnrt_remote_v1.proto``. Pure functions, no I/O; the server and the client
+(:mod:`.server`, :mod:`.client`) are the transports around them.
+
+A request crosses as a layout (one :class:`Argument` per input and output:
+no-value flag, dimensions, byte length) and the input bytes, one string per
+input; the server gives every argument a pool of its own, so offsets and the
+app's pools never cross. Outputs come back the same way, one string each.
+Deadlines cross as the time left (:func:`remaining`), re-anchored on the
+receiver's monotonic clock (:func:`deadline_of`): the two hosts' clocks
+never need to agree.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from ...errors import ErrorStatus, NnrtError, invalid
+from ...hal import ExecutionResult, RequestArgument, Timing
+from ...hal.types import OutputShape, check_deadline
+from ...memory.shared import pool_view
+from ...model.graph import DataLocation
+from . import nnrt_remote_v1_pb2 as pb
+
+# Bytes of one message either way: a model, or a request's inputs or
+# outputs. Bigger is refused by gRPC itself (RESOURCE_EXHAUSTED) before
+# anything is decoded.
+MAX_MESSAGE = 64 << 20
+MAX_ARGUMENTS = 1 << 16     # inputs or outputs of one request
+MAX_DIMENSIONS = 64         # of one argument
+
+
+def remaining(deadline: float | None, now: float | None = None) -> pb.Deadline | None:
+    """``deadline`` (absolute ``time.monotonic()`` seconds, or None) as the
+    nanoseconds left now; INVALID_ARGUMENT for anything else (NaN)."""
+    deadline = check_deadline(deadline)
+    if deadline is None:
+        return None
+    if math.isinf(deadline):
+        return None if deadline > 0 else pb.Deadline(remaining_ns=-(1 << 62))
+    now = time.monotonic() if now is None else now
+    return pb.Deadline(remaining_ns=int((deadline - now) * 1e9))
+
+
+def deadline_of(message, now: float | None = None) -> float | None:
+    """The absolute deadline, on this host's monotonic clock, of a message's
+    ``deadline`` (a :class:`pb.Deadline`); None when it has none."""
+    if not message.HasField("deadline"):
+        return None
+    now = time.monotonic() if now is None else now
+    return now + message.deadline.remaining_ns / 1e9
+
+
+def timeout_of(deadline: float | None, floor: float) -> float:
+    """The gRPC timeout (seconds) of a call: the time to ``deadline``, but
+    at least ``floor`` (a missed deadline is the server's answer to give,
+    with its status, not a transport timeout)."""
+    if deadline is None or not math.isfinite(deadline):
+        return floor
+    return max(floor, deadline - time.monotonic())
+
+
+def arguments(args) -> list[pb.Argument]:
+    """A request's inputs or outputs (``RequestArgument``) as wire arguments."""
+    return [pb.Argument(has_no_value=a.has_no_value, dimensions=a.dimensions,
+                        length=0 if a.has_no_value else a.location.length) for a in args]
+
+
+def _region(request, a: RequestArgument, what: str) -> memoryview:
+    """The bytes of a request argument's region; INVALID_ARGUMENT for a
+    location outside the request's pools."""
+    loc = a.location
+    if loc is None or not 0 <= loc.pool_index < len(request.pools):
+        raise invalid(f"{what} is in pool {None if loc is None else loc.pool_index} of "
+                      f"{len(request.pools)}")
+    view = pool_view(request.pools[loc.pool_index], loc.pool_index)
+    if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > len(view):
+        raise invalid(f"{what}: bytes [{loc.offset}, {loc.offset + loc.length}) of pool "
+                      f"{loc.pool_index}, which has {len(view)}")
+    return view[loc.offset:loc.offset + loc.length]
+
+
+def check_request(request) -> None:
+    """INVALID_ARGUMENT unless every region of ``request`` lies in its pools."""
+    for k, a in enumerate(request.inputs):
+        if not a.has_no_value:
+            _region(request, a, f"input {k}")
+    for k, a in enumerate(request.outputs):
+        if not a.has_no_value:
+            _region(request, a, f"output {k}")
+
+
+def input_data(request) -> list[bytes]:
+    """The bytes of each input region of a HAL request (empty: no value);
+    INVALID_ARGUMENT for a region outside its pools."""
+    return [b"" if a.has_no_value else bytes(_region(request, a, f"input {k}"))
+            for k, a in enumerate(request.inputs)]
+
+
+def copy_outputs(request, data) -> None:
+    """Write the reply's output bytes into the request's output regions."""
+    if len(data) != len(request.outputs):
+        raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                        f"the remote device sent {len(data)} outputs for "
+                        f"{len(request.outputs)}")
+    for k, (a, blob) in enumerate(zip(request.outputs, data)):
+        if a.has_no_value:
+            continue
+        if len(blob) != a.location.length:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"the remote device sent {len(blob)} bytes for output {k} of "
+                            f"{a.location.length}")
+        _region(request, a, f"output {k}")[:] = blob
+
+
+def layout(inputs, outputs) -> tuple[tuple[RequestArgument, ...], tuple[RequestArgument, ...],
+                                     list[bytearray]]:
+    """The server's side of a layout: each argument in a pool of its own
+    (inputs first), and those pools, outputs zeroed. INVALID_ARGUMENT for a
+    layout out of bounds."""
+    if len(inputs) > MAX_ARGUMENTS or len(outputs) > MAX_ARGUMENTS:
+        raise invalid(f"{len(inputs)} inputs and {len(outputs)} outputs: at most "
+                      f"{MAX_ARGUMENTS} each")
+    total = sum(a.length for a in inputs) + sum(a.length for a in outputs)
+    if total > MAX_MESSAGE:
+        raise invalid(f"the request's regions hold {total} bytes, more than {MAX_MESSAGE}")
+    pools: list[bytearray] = []
+
+    def one(a: pb.Argument, what: str) -> RequestArgument:
+        if len(a.dimensions) > MAX_DIMENSIONS:
+            raise invalid(f"{what}: {len(a.dimensions)} dimensions")
+        if a.has_no_value:
+            if a.length:
+                raise invalid(f"{what} has no value but {a.length} bytes")
+            return RequestArgument(has_no_value=True)
+        pools.append(bytearray(a.length))
+        return RequestArgument(False, DataLocation(len(pools) - 1, 0, a.length),
+                               tuple(a.dimensions))
+
+    ins = tuple(one(a, f"input {k}") for k, a in enumerate(inputs))
+    outs = tuple(one(a, f"output {k}") for k, a in enumerate(outputs))
+    return ins, outs, pools
+
+
+def fill_inputs(inputs: tuple[RequestArgument, ...], pools, data) -> None:
+    """Copy each input's bytes into its pool; INVALID_ARGUMENT when the
+    bytes do not fit the layout."""
+    if len(data) != len(inputs):
+        raise invalid(f"{len(data)} input byte strings for {len(inputs)} inputs")
+    for k, (a, blob) in enumerate(zip(inputs, data)):
+        length = 0 if a.has_no_value else a.location.length
+        if len(blob) != length:
+            raise invalid(f"input {k}: {len(blob)} bytes for a region of {length}")
+        if length:
+            pools[a.location.pool_index][:] = blob
+
+
+def outputs_of(outputs: tuple[RequestArgument, ...], pools) -> list[bytes]:
+    return [b"" if a.has_no_value else bytes(pools[a.location.pool_index]) for a in outputs]
+
+
+def reply_of(result: ExecutionResult, data=()) -> pb.ExecutionReply:
+    return pb.ExecutionReply(
+        status=int(result.status), message=result.message,
+        output_shapes=[pb.OutputShape(dimensions=s.dimensions, is_sufficient=s.is_sufficient)
+                       for s in result.output_shapes],
+        on_device_us=result.timing.on_device, in_driver_us=result.timing.in_driver,
+        output_data=list(data) if result.status == ErrorStatus.NONE else [])
+
+
+def result_of(reply: pb.ExecutionReply) -> ExecutionResult:
+    try:
+        status = ErrorStatus(reply.status)
+    except ValueError:
+        return ExecutionResult(ErrorStatus.GENERAL_FAILURE,
+                               message=f"the remote device answered status {reply.status}")
+    return ExecutionResult(status, tuple(OutputShape(tuple(s.dimensions), s.is_sufficient)
+                                         for s in reply.output_shapes),
+                           Timing(reply.on_device_us, reply.in_driver_us), reply.message)
+
+
+def loop_timeout_of(value: float) -> float | None:
+    """A wire loop timeout (0: the default) as the HAL's argument."""
+    if not math.isfinite(value) or value < 0:
+        raise invalid(f"loop timeout {value!r} is not a number of seconds")
+    return value or None
