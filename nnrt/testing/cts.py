@@ -285,8 +285,59 @@ def _ran_on(compiled) -> str:
     return "+".join(names)
 
 
+class CaseModels:
+    """The models one case compiles, shared by its suites: GeneratedTests,
+    DeviceMemoryTest and FencedComputeTest build and compile the very same
+    model for the same devices and differ only in how they execute it (as
+    an app compiles once and runs many ways), so it is built and compiled
+    once per case. ``close`` releases them when the case is done: released
+    here, not by the garbage collector at some later call (a finalizer
+    firing inside a service client's send deadlocked it)."""
+
+    def __init__(self):
+        self._made: dict[tuple, tuple] = {}
+
+    async def get(self, rt, case, candidates, dynamic_outputs: bool, relaxed):
+        """(skip reason or None, compiled model or None when skipped).
+        _BuildRefused, NotImplementedError from building; NnrtError from
+        compiling."""
+        key = (id(case), tuple(candidates or ()), dynamic_outputs, relaxed)
+        made = self._made.get(key)
+        if made is None:
+            try:
+                model = build_model(case, dynamic_outputs=dynamic_outputs, relaxed=relaxed)
+            except NnrtError as e:
+                raise _BuildRefused(e) from None
+            unsupported = await _unsupported(rt, model, candidates)
+            compiled = None if unsupported else await rt.compile(model, devices=candidates)
+            # (the case is kept with them: its id is the key)
+            made = self._made[key] = (case, unsupported, compiled)
+        return made[1:]
+
+    def close(self) -> None:
+        for _case, _unsupported_reason, compiled in self._made.values():
+            if compiled is not None:
+                compiled.close()
+        self._made.clear()
+
+
+class _BuildRefused(Exception):
+    """The model builder refused a case (an NnrtError it raised)."""
+
+
 async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
-                   mode: str = "execute", fallback: bool = False) -> Outcome:
+                   mode: str = "execute", fallback: bool = False,
+                   models: CaseModels | None = None) -> Outcome:
+    """One run of ``case`` in ``suite`` and harness ``mode``. ``models``
+    shares the case's built and compiled models between its suites (the
+    caller closes it after the case); without it, this run builds and
+    compiles its own and releases them."""
+    if models is None:
+        models = CaseModels()
+        try:
+            return await run_case(rt, case, suite, device, mode, fallback, models)
+        finally:
+            models.close()
     name = case["name"]
     candidates = _candidates(rt, device, fallback)
     path = _SUITE_PATH.get(suite, mode)
@@ -309,29 +360,21 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
     if suite == "QuantizationCouplingTest":
         case = to_signed(case)
     relaxed = True if mode == "relaxed" else None
-    try:
-        model = build_model(case, dynamic_outputs=suite == "DynamicOutputShapeTest",
-                            relaxed=relaxed)
-    except NotImplementedError as e:
-        return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
-    except NnrtError as e:
-        return Outcome(name, suite, "failed", f"model building refused: {e}", mode)
-    unsupported = await _unsupported(rt, model, candidates)
-    if unsupported:
-        return Outcome(name, suite, "skipped", unsupported, mode)
+    dynamic = suite == "DynamicOutputShapeTest"
     ran_on = device or ""
     try:
-        # Every mode compiles here, for the same candidate devices: a mode
-        # that prepared on ``device`` itself (sync once did) would ignore
-        # ``fallback``. Released here, not by the garbage collector at some
-        # later call: a finalizer firing inside a service client's send
-        # deadlocked it.
-        compiled = await rt.compile(model, devices=candidates)
-        ran_on = _ran_on(compiled)
+        # Every mode compiles for the same candidate devices: a mode that
+        # prepared on ``device`` itself (sync once did) would ignore ``fallback``.
         try:
-            outputs, shapes = await _COMPUTE[path](compiled, case)
-        finally:
-            compiled.close()
+            unsupported, compiled = await models.get(rt, case, candidates, dynamic, relaxed)
+        except NotImplementedError as e:
+            return Outcome(name, suite, "failed", f"cannot build: {e} not implemented", mode)
+        except _BuildRefused as e:
+            return Outcome(name, suite, "failed", f"model building refused: {e.args[0]}", mode)
+        if unsupported:
+            return Outcome(name, suite, "skipped", unsupported, mode)
+        ran_on = _ran_on(compiled)
+        outputs, shapes = await _COMPUTE[path](compiled, case)
     except NnrtError as e:
         return Outcome(name, suite, "failed", str(e), mode, devices=ran_on)
     except _HarnessFailure as e:
@@ -631,15 +674,19 @@ def _run_file_group(args) -> list[dict]:
             for path in paths:
                 for _stem, case in load_cases([path], pattern):
                     for mode in modes:
-                        for suite in suites_of(case, mode):
-                            try:
-                                outcome = await run_case(rt, case, suite, device, mode,
-                                                         fallback)
-                            except Exception as e:  # a crash in one case must not hide others
-                                outcome = Outcome(case["name"], suite, "failed",
-                                                  f"crashed: {type(e).__name__}: {e}", mode)
-                            outcome.spec = str(path)
-                            out.append(asdict(outcome))
+                        models = CaseModels()
+                        try:
+                            for suite in suites_of(case, mode):
+                                try:
+                                    outcome = await run_case(rt, case, suite, device, mode,
+                                                             fallback, models)
+                                except Exception as e:  # a crash in one case must not hide others
+                                    outcome = Outcome(case["name"], suite, "failed",
+                                                      f"crashed: {type(e).__name__}: {e}", mode)
+                                outcome.spec = str(path)
+                                out.append(asdict(outcome))
+                        finally:
+                            models.close()
         return out
     return anyio.run(main)
 
