@@ -174,6 +174,22 @@ def compare(got: np.ndarray, ref: np.ndarray, xnn: np.ndarray) -> dict:
     return dict(ok=error <= 1, error=error, xnnpack=xnnpack, bound=1, why="")
 
 
+def on_both_devices(row: Row, model: nnrt.Model, inputs):
+    """(device, outputs) of one execution on the reference device alone,
+    then with litert (its share of the operations noted in ``row``); a
+    refusal marks ``row`` FAIL and yields None for the outputs."""
+    for device, with_litert in (("reference", False), ("litert", True)):
+        try:
+            outputs, on_litert = anyio.run(run_nnrt, model, inputs, with_litert)
+        except nnrt.NnrtError as e:
+            row.verdict, row.note = "FAIL", f"{device}: {e.message}"
+            yield device, None
+            return
+        if with_litert:
+            row.litert_operations = f"{on_litert} of {len(model.hal_model.main.operations)}"
+        yield device, outputs
+
+
 def runs_without_oracle(row: Row, path: Path, model: nnrt.Model, why) -> Row:
     """A model with custom ops LiteRT alone cannot run (mediapipe's, whose
     resolver only mediapipe's graphs have): nothing to compare with here, so
@@ -182,14 +198,9 @@ def runs_without_oracle(row: Row, path: Path, model: nnrt.Model, why) -> Row:
         (info.quantization.scales[0], info.quantization.zero_points[0])
         if info.quantization else (0.0, 0))) for info in model.metadata.inputs]
     inputs = make_inputs(path, details)
-    for device, with_litert in (("reference", False), ("litert", True)):
-        try:
-            outputs, on_litert = anyio.run(run_nnrt, model, inputs, with_litert)
-        except nnrt.NnrtError as e:
-            row.verdict, row.note = "FAIL", f"{device}: {e.message}"
+    for device, outputs in on_both_devices(row, model, inputs):
+        if outputs is None:
             return row
-        if with_litert:
-            row.litert_operations = f"{on_litert} of {len(model.hal_model.main.operations)}"
         if not all(np.isfinite(o).all() for o in outputs if o.dtype.kind == "f"):
             row.verdict, row.note = "FAIL", f"{device}: outputs that are not finite"
             return row
@@ -225,14 +236,9 @@ def survey_model(package: str, path: Path) -> Row:
         reference = xnnpack
         row.note = f"compared with XNNPACK: the reference kernels cannot run it ({e})"
     ok = True
-    for device, with_litert in (("reference", False), ("litert", True)):
-        try:
-            outputs, on_litert = anyio.run(run_nnrt, model, inputs, with_litert)
-        except nnrt.NnrtError as e:
-            row.verdict, row.note = "FAIL", f"{device}: {e.message}"
+    for device, outputs in on_both_devices(row, model, inputs):
+        if outputs is None:
             return row
-        if with_litert:
-            row.litert_operations = f"{on_litert} of {len(model.hal_model.main.operations)}"
         for k, (got, ref, xnn) in enumerate(zip(outputs, reference, xnnpack)):
             c = compare(got, ref, xnn)
             row.outputs.append(dict(device=device, output=k, **c))

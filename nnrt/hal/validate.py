@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import NnrtError, invalid
+from ..errors import ErrorStatus, NnrtError, invalid
 from .. import ops
 from ..memory import as_buffer, pool_view
 from ..model.extensions import MAX_PREFIX, check_extension_name
@@ -264,6 +264,18 @@ def _validate_operand(model: HalModel, operand: Operand, what: str) -> None:
             raise invalid(f"{what}: reference to a subgraph that does not exist")
     elif operand.location is not None and lifetime != L.NO_VALUE:
         raise invalid(f"{what}: {lifetime.name} operand must not have a value")
+
+
+def checked_flags(flags, model: HalModel, who: str) -> list[bool]:
+    """A device's answer to ``supported_operations(model)``, checked to hold
+    one flag per operation of the main graph (GENERAL_FAILURE naming ``who``
+    otherwise): a service or a remote host answers over a wire."""
+    flags = list(flags)
+    if len(flags) != len(model.main.operations):
+        raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                        f"{who} answered {len(flags)} flags for "
+                        f"{len(model.main.operations)} operations")
+    return flags
 
 
 def validate_request(model: HalModel, request) -> tuple[int, ...]:

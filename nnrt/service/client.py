@@ -85,6 +85,7 @@ from ..hal import (Buffer, BufferDesc, Capabilities, Device, Execution, Executio
                     ExecutionResult, FencedCallback, PreparedModel, Request, RequestExecution,
                     Scheduling, Timing)
 from ..hal.cache import CacheFiles, CacheRejected
+from ..hal.validate import checked_flags
 from ..hal.types import AppDeclaration, Priority
 from ..memory import DeviceToken, Memory
 from ..memory.staging import ArenaPool, Staging, bind, stage
@@ -531,12 +532,7 @@ class ServiceDevice(Device):
         finally:
             for m in staged:
                 m.close()
-        flags = _value(reply, "supported_operations")
-        if len(flags) != len(model.main.operations):
-            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"{self.name} answered {len(flags)} flags for "
-                            f"{len(model.main.operations)} operations")
-        return flags
+        return checked_flags(_value(reply, "supported_operations"), model, self.name)
 
     async def prepare_model(self, model: HalModel,
                             preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,

@@ -50,6 +50,7 @@ from ...handoff import Waiter, run_in_worker
 from ...hal import (BurstExecution, BurstSession, Capabilities, Device, DeviceType, Execution,
                     ExecutionPreference, ExecutionResult, PreparedModel, Request, Scheduling)
 from ...hal.types import Priority
+from ...hal.validate import checked_flags
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ..protocol import ProtocolError, decode_capabilities, decode_extensions, encode_model
@@ -445,12 +446,7 @@ class RemoteDevice(Device):
                                 pb.ModelBytes(session=self._session_id,
                                               model=encode_model(model)),
                                 self._control_timeout())
-        flags = list(reply.supported)
-        if len(flags) != len(model.main.operations):
-            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
-                            f"{self.name} answered {len(flags)} flags for "
-                            f"{len(model.main.operations)} operations")
-        return flags
+        return checked_flags(reply.supported, model, self.name)
 
     async def prepare_model(self, model: HalModel,
                             preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
