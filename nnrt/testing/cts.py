@@ -296,6 +296,15 @@ class CaseModels:
 
     def __init__(self):
         self._made: dict[tuple, tuple] = {}
+        self._signed: dict[int, tuple[dict, dict]] = {}
+
+    def signed(self, case: dict) -> dict:
+        """``to_signed(case)``, the same object each time it is asked for, so
+        QuantizationCouplingTest and SignedIdentity share its compilation."""
+        made = self._signed.get(id(case))
+        if made is None:
+            made = self._signed[id(case)] = (case, to_signed(case))
+        return made[1]
 
     async def get(self, rt, case, candidates, dynamic_outputs: bool, relaxed):
         """(skip reason or None, compiled model or None when skipped).
@@ -319,6 +328,7 @@ class CaseModels:
             if compiled is not None:
                 compiled.close()
         self._made.clear()
+        self._signed.clear()
 
 
 class _BuildRefused(Exception):
@@ -356,9 +366,9 @@ async def run_case(rt: nnrt.Runtime, case: dict, suite: str, device: str | None,
         return Outcome(name, suite, "failed", "expected a failure, but everything succeeded",
                        mode)
     if suite == "SignedIdentity":
-        return await run_signed_identity(rt, case, candidates)
+        return await run_signed_identity(rt, case, candidates, models)
     if suite == "QuantizationCouplingTest":
-        case = to_signed(case)
+        case = models.signed(case)
     relaxed = True if mode == "relaxed" else None
     dynamic = suite == "DynamicOutputShapeTest"
     ran_on = device or ""
@@ -569,26 +579,23 @@ _COMPUTE = {"execute": _compute_execute, "domain": _compute_domain, "burst": _co
             "relaxed": _compute_execute, "sync": _compute_sync}
 
 
-async def run_signed_identity(rt: nnrt.Runtime, case: dict,
-                              candidates: list[str] | None) -> Outcome:
-    """Run ``case`` and its signed variant; quantized outputs must differ by
-    exactly 128 and every other output must be identical."""
+async def run_signed_identity(rt: nnrt.Runtime, case: dict, candidates: list[str] | None,
+                              models: "CaseModels") -> Outcome:
+    """Run ``case`` and its signed variant (the case's compilations, shared
+    with its other suites); quantized outputs must differ by exactly 128 and
+    every other output must be identical."""
     name, suite = case["name"], "SignedIdentity"
     results = []
     ran_on: list[str] = []
-    for variant in (case, to_signed(case)):
+    for variant in (case, models.signed(case)):
         try:
-            model = build_model(variant)
-            unsupported = await _unsupported(rt, model, candidates)
+            unsupported, compiled = await models.get(rt, variant, candidates, False, None)
             if unsupported:
                 return Outcome(name, suite, "skipped", unsupported)
-            compiled = await rt.compile(model, devices=candidates)
             ran_on.append(_ran_on(compiled))
-            try:
-                results.append(await compiled.execute(_inputs(variant)))
-            finally:
-                compiled.close()
-        except NnrtError as e:
+            results.append(await compiled.execute(_inputs(variant)))
+        except (NnrtError, _BuildRefused) as e:
+            e = e.args[0] if isinstance(e, _BuildRefused) else e
             return Outcome(name, suite, "failed", f"{'signed' if results else 'unsigned'}: {e}")
     unsigned, signed = results
     main = case["main"]
