@@ -37,7 +37,6 @@ import stat
 import subprocess
 import sys
 import logging
-import re
 import tempfile
 import time
 from dataclasses import dataclass

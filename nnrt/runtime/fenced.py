@@ -63,7 +63,7 @@ import numpy as np
 
 from ..errors import ErrorStatus, NnrtError, bad_state
 from ..fence.sync_fence import SyncFence
-from ..hal import UINT64_MAX, ExecutionResult, check_deadline
+from ..hal import UINT64_MAX, ExecutionResult
 from ..hal.fenced import check_timeout_after_fence, check_wait_for, microseconds, run_fenced
 from ..memory import Memory, Region
 from ..vlog import vlog
