@@ -30,7 +30,7 @@ from nnrt.errors import ErrorStatus, NnrtError
 from nnrt.fence import SyncFence
 from nnrt.hal import (UINT64_MAX, Capabilities, Device, DeviceType, ExecutionPreference,
                       ExecutionResult, Priority, Request, RequestArgument)
-from nnrt.model.graph import DataLocation, HalModel, Operation
+from nnrt.model.graph import DataLocation, HalModel
 from nnrt.model.types import HalVersion, OperandType as T, OperationType as Op
 from nnrt.testing.random_graph import execute_in_one_memory
 
