@@ -29,6 +29,22 @@ Prepared models and reusable executions belong to a session; when its
 stream ends -- the client closed it, its process died, its connection was
 reset or its keepalive pings stopped -- the server releases all of it.
 
+One account with the local socket. The servicer counts against the
+:class:`~nnrt.service.server.DriverService` of the same process
+(:meth:`~nnrt.service.server.DriverService.over_limit_of`). A session is
+one of the app's ``connections``, and its models are ``models``. Its burst
+streams are ``bursts``. The request bytes its reusable executions and burst
+layouts keep are ``mapped_bytes``. All remote apps together are one user
+for ``reserve_percent``.
+
+A client that stops reading. A burst runs one frame at a time, and the
+handler reads the next frame only after it has written the result.
+``grpc.aio`` finishes that write only when HTTP/2 flow control lets the
+bytes go. So a stream whose client stops reading holds one result, plus
+the frames that the receive window (``lookahead_bytes``) already took, and
+nothing more. The client's sending stalls as well. Nothing else waits on
+that stream (``test_a_client_that_never_reads_its_burst_stalls_its_own_stream_only``).
+
 Failures stay in their call. A message that does not decode, a layout out
 of bounds, a model the driver refuses: the call's status says so (as an
 ``ExecutionReply`` status for executions, as a gRPC status otherwise); a
