@@ -64,7 +64,7 @@ def _devices(args) -> int:
 def _driver_serve(args) -> int:
     from .memory.heap import give_back_soon
     from .drivers.sample import DRIVERS, make_driver
-    from .service.server import ServiceLimits, default_socket_path, serve
+    from .service.server import DriverService, ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
 
     parent = None if args.parent_pid is None else _die_with_parent(args.parent_pid)
@@ -109,13 +109,17 @@ def _driver_serve(args) -> int:
                 if parent is not None:
                     tg.start_soon(_stop_when_readable, parent, tg.cancel_scope)
                 if path is not None:
-                    await tg.start(partial(serve, device, path, app_key=args.app_key,
-                                           group=args.group, limits=limits,
-                                           statistics=args.statistics,
-                                           admin_uids=args.admin_uid))
+                    service = await tg.start(partial(
+                        serve, device, path, app_key=args.app_key, group=args.group,
+                        limits=limits, statistics=args.statistics, admin_uids=args.admin_uid))
+                else:
+                    service = DriverService(device, args.app_key, limits, args.statistics,
+                                            args.admin_uid)
                 if listener is not None:
+                    # One service, one accounting: remote apps count against
+                    # the same --limit values as the socket's apps.
                     from .service.remote.server import serve_remote, split_address
-                    port = await tg.start(partial(serve_remote, device, listener))
+                    port = await tg.start(partial(serve_remote, service, listener))
                     host, _ = split_address(listener.address)
                 _freeze_heap(device.name)
                 if path is not None:

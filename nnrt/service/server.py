@@ -240,6 +240,20 @@ STATISTICS_SCOPES = {
 }
 
 
+# Who holds a remote session in the per-user accounting: every remote app
+# together, as one user (a remote app has no uid on this host).
+REMOTE_USER = ("remote", None)
+
+
+def _held(conn: "ServiceConnection", resource: str) -> int:
+    """How much of ``resource`` a local connection holds."""
+    if resource == "connections":
+        return 1
+    if resource in ("mapped_bytes", "mapped_memories"):
+        return getattr(conn, resource)
+    return len(getattr(conn, resource))
+
+
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return PeerCredentials(*struct.unpack("3i", raw))
@@ -280,6 +294,10 @@ class DriverService:
         }
         self._ids = itertools.count(1)
         self.connections: set[ServiceConnection] = set()
+        # Remote sessions (nnrt.service.remote.server), counted with the
+        # connections against the same limits: each has ``app`` and
+        # ``held(resource)``.
+        self.remote_holders: set = set()
         self._connections_total = 0
         self._calls = 0
         self._malformed = 0
@@ -305,29 +323,35 @@ class DriverService:
         return self.over_limit(peer, "connections")
 
     def over_limit(self, peer: "PeerCredentials", resource: str, more: int = 1) -> str | None:
-        """Why ``more`` of ``resource`` ("connections", "models", "bursts" or
-        "mapped_bytes") for ``peer``'s app is over a limit -- the service's,
-        its user's share of it, or the app's own (its policy rule's, else the
-        service's ``*_per_app``) -- or None."""
-        def held(conn: "ServiceConnection") -> int:
-            if resource == "connections":
-                return 1
-            if resource in ("mapped_bytes", "mapped_memories"):
-                return getattr(conn, resource)
-            return len(getattr(conn, resource))
+        """Why ``more`` of ``resource`` for the local ``peer``'s app is over a
+        limit, or None (see :meth:`over_limit_of`)."""
+        return self.over_limit_of(self.app_of(peer), ("uid", peer.uid), resource, more)
 
+    def over_limit_of(self, app, user, resource: str, more: int = 1) -> str | None:
+        """Why ``more`` of ``resource`` ("connections", "models", "bursts",
+        "mapped_bytes" or "mapped_memories") for ``app`` of ``user`` is over a
+        limit -- the service's, its user's share of it, or the app's own (its
+        policy rule's, else the service's ``*_per_app``) -- or None.
+
+        One accounting for both transports: a local connection is held by
+        ``("uid", UID)``; a remote session (in :attr:`remote_holders`, its
+        ``app`` ``("remote", NAME)``) by :data:`REMOTE_USER`, so all remote
+        apps together leave the reserve to local users as one user's do."""
+        holdings = [(self.app_of(c.peer), ("uid", c.peer.uid), _held(c, resource))
+                    for c in self.connections]
+        holdings += [(h.app, REMOTE_USER, h.held(resource)) for h in self.remote_holders]
         limits = self.limits
-        total = sum(held(c) for c in self.connections)
+        total = sum(n for _, _, n in holdings)
         if total + more > getattr(limits, resource):
             return (f"the service holds {total} {resource}, its limit "
                     f"({resource}={getattr(limits, resource)})")
-        user = sum(held(c) for c in self.connections if c.peer.uid == peer.uid)
-        if user + more > limits.per_user(resource):
-            return (f"the apps of uid {peer.uid} hold {user} {resource}, "
+        users = sum(n for _, u, n in holdings if u == user)
+        if users + more > limits.per_user(resource):
+            who = "the remote apps" if user == REMOTE_USER else f"the apps of uid {user[1]}"
+            return (f"{who} hold {users} {resource}, "
                     f"{100 - limits.reserve_percent}% of the service's {resource} limit; the "
                     f"rest is kept for other users (reserve_percent={limits.reserve_percent})")
-        app = self.app_of(peer)
-        mine = sum(held(c) for c in self.connections if self.app_of(c.peer) == app)
+        mine = sum(n for a, _, n in holdings if a == app)
         own = None if resource.startswith("mapped_") else getattr(self._rule_of(app), resource)
         limit = getattr(limits, f"{resource}_per_app") if own is None else own
         if mine + more > limit:
@@ -336,6 +360,11 @@ class DriverService:
                      else f"{resource} = {limit} in policy rule {rule.name!r}")
             return f"app {app[0]} {app[1]} holds {mine} {resource}, its limit ({where})"
         return None
+
+    def app_holds_nothing(self, app) -> bool:
+        """Whether no local connection and no remote session of ``app`` is open."""
+        return not any(self.app_of(c.peer) == app for c in self.connections) and \
+            not any(h.app == app for h in self.remote_holders)
 
     def _rule_of(self, app) -> AppSettings:
         """What the policy of the service's scheduler gives ``app``."""
@@ -403,7 +432,7 @@ class DriverService:
             self.connections.discard(conn)
             self.hold(conn, 0, 0)
             app = self.app_of(conn.peer)
-            if not any(self.app_of(c.peer) == app for c in self.connections):
+            if self.app_holds_nothing(app):
                 self.device.forget_app(app)   # an exited app leaves the statistics
 
 

@@ -29,6 +29,22 @@ Prepared models and reusable executions belong to a session; when its
 stream ends -- the client closed it, its process died, its connection was
 reset or its keepalive pings stopped -- the server releases all of it.
 
+One account with the local socket. The servicer counts against the
+:class:`~nnrt.service.server.DriverService` of the same process
+(:meth:`~nnrt.service.server.DriverService.over_limit_of`). A session is
+one of the app's ``connections``, and its models are ``models``. Its burst
+streams are ``bursts``. The request bytes its reusable executions and burst
+layouts keep are ``mapped_bytes``. All remote apps together are one user
+for ``reserve_percent``.
+
+A client that stops reading. A burst runs one frame at a time, and the
+handler reads the next frame only after it has written the result.
+``grpc.aio`` finishes that write only when HTTP/2 flow control lets the
+bytes go. So a stream whose client stops reading holds one result, plus
+the frames that the receive window (``lookahead_bytes``) already took, and
+nothing more. The client's sending stalls as well. Nothing else waits on
+that stream (``test_a_client_that_never_reads_its_burst_stalls_its_own_stream_only``).
+
 Failures stay in their call. A message that does not decode, a layout out
 of bounds, a model the driver refuses: the call's status says so (as an
 ``ExecutionReply`` status for executions, as a gRPC status otherwise); a
@@ -52,18 +68,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...errors import ErrorStatus, NnrtError, invalid
-from ...hal import Device, ExecutionPreference, ExecutionResult, Request
+from ...hal import ExecutionPreference, ExecutionResult, Request
 from ...hal.types import Priority
 from ...model.extensions import uses_extensions
 from ...vlog import vlog
 from ..protocol import ProtocolError, decode_model, encode_capabilities, encode_extensions
+from ..server import REMOTE_USER, DriverService
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
 from . import wire
 
 MAX_MODELS_PER_SESSION = 1024
 MAX_EXECUTIONS_PER_SESSION = 1024
-MAX_SESSIONS_PER_APP = 64
 MAX_BURSTS_PER_SESSION = 64
 MAX_LAYOUTS_PER_BURST = 64
 MAX_TOKEN_FILE = 1 << 16
@@ -171,13 +187,32 @@ def load_tokens(path: str) -> dict[str, bytes]:
 
 
 class _Session:
-    """What one client session made: prepared models and bound executions."""
+    """What one client session made: prepared models and bound executions.
+    The service counts it as it counts a local connection
+    (:meth:`DriverService.over_limit_of`): one of ``connections``, its
+    prepared models as ``models``, its burst streams as ``bursts``, and the
+    bytes of the request pools its reusable executions and burst layouts
+    keep between calls as ``mapped_bytes``."""
 
     def __init__(self, app):
         self.app = app
         self.models: dict[int, object] = {}      # id -> PreparedModel
         self.executions: dict[int, _Bound] = {}
-        self.bursts = 0     # burst streams open
+        self.bursts: set[_Burst] = set()     # burst streams open
+
+    def held(self, resource: str) -> int:
+        if resource == "connections":
+            return 1
+        if resource == "models":
+            return len(self.models)
+        if resource == "bursts":
+            return len(self.bursts)
+        if resource == "mapped_bytes":
+            return sum(b.nbytes for b in self.executions.values()) + \
+                sum(b.nbytes for burst in self.bursts for b in burst.layouts.values())
+        if resource == "mapped_memories":
+            return 0    # the pools are the server's own: no fd, no mapping of the app's
+        raise AssertionError(f"no resource {resource!r}")
 
     def close(self) -> None:
         for bound in self.executions.values():
@@ -196,6 +231,7 @@ class _Bound:
         self.model_id = model_id
         self.execution = execution
         self.inputs, self.outputs, self.pools = inputs, outputs, pools
+        self.nbytes = _pool_bytes(pools)
         self.computing = False
 
     def close(self) -> None:
@@ -248,8 +284,9 @@ def _guarded(method):
 class RemoteServicer(pb_grpc.RemoteServicer):
     """nnrt's ``Remote`` service over one (scheduled) device."""
 
-    def __init__(self, device: Device, listener: Listener):
-        self.device = device
+    def __init__(self, service: DriverService, listener: Listener):
+        self.service = service   # its limits and accounting, shared with the local socket
+        self.device = device = service.device
         self.listener = listener
         self.sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
@@ -318,19 +355,23 @@ class RemoteServicer(pb_grpc.RemoteServicer):
             app = self.app_of(context)
         except _Refused as e:
             await context.abort(e.code, str(e))
-        if sum(s.app == app for s in self.sessions.values()) >= MAX_SESSIONS_PER_APP:
+        refusal = self.service.over_limit_of(app, REMOTE_USER, "connections")
+        if refusal is not None:
+            vlog("driver", "%s: refusing a session of %s: %s", self.device.name, app[1], refusal)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"app {app[1]} holds {MAX_SESSIONS_PER_APP} sessions")
+                                f"RESOURCE_EXHAUSTED_TRANSIENT: {refusal}")
         session_id = next(self._ids)
         session = self.sessions[session_id] = _Session(app)
+        self.service.remote_holders.add(session)
         vlog("driver", "%s: remote session %d of %s", self.device.name, session_id, app[1])
         try:
             yield pb.SessionEvent(session=session_id)
             await asyncio.Event().wait()     # until the client goes: then cancelled
         finally:
             del self.sessions[session_id]
+            self.service.remote_holders.discard(session)
             session.close()
-            if not any(s.app == app for s in self.sessions.values()):
+            if self.service.app_holds_nothing(app):
                 self.device.forget_app(app)
             vlog("driver", "%s: remote session %d ended", self.device.name, session_id)
 
@@ -348,6 +389,9 @@ class RemoteServicer(pb_grpc.RemoteServicer):
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
                             f"more than {MAX_MODELS_PER_SESSION} prepared models in one "
                             f"session; release some")
+        refusal = self.service.over_limit_of(session.app, REMOTE_USER, "models")
+        if refusal is not None:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, refusal)
         model = _decode_model(request.model)
         if uses_extensions(model):
             # The allowlist judges a local app by its executable; a remote
@@ -399,6 +443,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                             f"session; release some")
         prepared = self._model(session, request.model_id)
         inputs, outputs, pools = wire.layout(request.inputs, request.outputs)
+        self._check_room(session, pools)
         execution = prepared.create_execution(Request(inputs, outputs, tuple(pools)),
                                               request.measure,
                                               wire.loop_timeout_of(request.loop_timeout))
@@ -406,6 +451,14 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         session.executions[execution_id] = _Bound(request.model_id, execution, inputs,
                                                   outputs, pools)
         return pb.CreateExecutionReply(execution_id=execution_id)
+
+    def _check_room(self, session: _Session, pools) -> None:
+        """RESOURCE_EXHAUSTED_TRANSIENT if keeping ``pools`` between calls
+        puts the session's app over its ``mapped_bytes``."""
+        refusal = self.service.over_limit_of(session.app, REMOTE_USER, "mapped_bytes",
+                                             _pool_bytes(pools))
+        if refusal is not None:
+            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, refusal)
 
     @_guarded
     async def Compute(self, request, context):
@@ -436,17 +489,22 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                 if burst is None:
                     try:
                         session = self._session(frame, context)
-                        if session.bursts >= MAX_BURSTS_PER_SESSION:
+                        if len(session.bursts) >= MAX_BURSTS_PER_SESSION:
                             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                            f"{MAX_BURSTS_PER_SESSION} bursts in one session")
+                        refusal = self.service.over_limit_of(session.app, REMOTE_USER,
+                                                             "bursts")
+                        if refusal is not None:
+                            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           f"RESOURCE_EXHAUSTED_TRANSIENT: {refusal}")
                         prepared = self._model(session, frame.model_id)
                     except _Refused as e:
                         await context.abort(e.code, str(e))
                     except NnrtError as e:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"{e.status.name}: {e.message}")
-                    session.bursts += 1
-                    burst = _Burst(session, frame.session, frame.model_id, prepared)
+                    burst = _Burst(self, session, frame.session, frame.model_id, prepared)
+                    session.bursts.add(burst)
                 try:
                     if frame.model_id not in burst.session.models:
                         raise invalid(f"model {frame.model_id} was released")
@@ -460,7 +518,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                 yield pb.BurstResult(serial=frame.serial, result=reply)
         finally:
             if burst is not None:
-                burst.session.bursts -= 1
+                burst.session.bursts.discard(burst)
                 burst.close()
 
     @_guarded
@@ -481,7 +539,9 @@ class _Burst:
     pools of the server's own, which keep the inputs of that layout's last
     frame (a frame sends only the inputs that changed)."""
 
-    def __init__(self, session: _Session, session_id: int, model_id: int, prepared):
+    def __init__(self, servicer: RemoteServicer, session: _Session, session_id: int,
+                 model_id: int, prepared):
+        self.servicer = servicer
         self.session = session
         self.session_id = session_id
         self.model_id = model_id
@@ -498,6 +558,7 @@ class _Burst:
                                 f"more than {MAX_LAYOUTS_PER_BURST} layouts in one burst")
             layout = frame.layout
             inputs, outputs, pools = wire.layout(layout.inputs, layout.outputs)
+            self.servicer._check_room(self.session, pools)
             execution = self.prepared.create_execution(
                 Request(inputs, outputs, tuple(pools)), layout.measure,
                 wire.loop_timeout_of(layout.loop_timeout))
@@ -529,6 +590,10 @@ class _Burst:
         self.layouts.clear()
 
 
+def _pool_bytes(pools) -> int:
+    return sum(len(pool) for pool in pools)
+
+
 def _decode_model(data: bytes):
     try:
         return decode_model(data)
@@ -543,12 +608,14 @@ def _enum(cls, value: int, what: str):
         raise invalid(f"{what} {value} is not a {cls.__name__}") from None
 
 
-async def serve_remote(device: Device, listener: Listener, *, task_status=None) -> None:
-    """Serve ``device`` (a scheduled one: the service's) on ``listener``
-    until cancelled. ``task_status.started`` gets the port bound (useful
-    with port 0)."""
+async def serve_remote(service: DriverService, listener: Listener, *,
+                       task_status=None) -> None:
+    """Serve ``service``'s (scheduled) device on ``listener`` until
+    cancelled, its remote apps under the service's limits with the local
+    ones. ``task_status.started`` gets the port bound (useful with port 0)."""
+    device = service.device
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = RemoteServicer(device, listener)
+    servicer = RemoteServicer(service, listener)
     pb_grpc.add_RemoteServicer_to_server(servicer, server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
