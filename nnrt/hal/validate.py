@@ -84,27 +84,33 @@ def _check_extension_prefixes(model: HalModel) -> bool:
 
 
 def _check_no_reference_cycle(model: HalModel) -> None:
-    """A subgraph may not refer, directly or not, to itself (IF/WHILE would recurse)."""
-    def refs(sub: Subgraph) -> set[int]:
-        return {o.location.offset for o in sub.operands
-                if o.lifetime == L.SUBGRAPH and o.location is not None
-                and 0 <= o.location.offset < len(model.referenced)}
+    """A subgraph may not refer, directly or not, to itself (IF/WHILE would recurse).
 
+    Written with module-level functions, not nested ones: a nested function
+    that calls itself is a reference cycle (its closure holds its own cell)
+    holding the model, and so the model's pools -- in a driver service, the
+    mappings of an app's memfds -- until the garbage collector happens by."""
     state: dict[int, str] = {}  # "open" while on the DFS path, "done" after
+    for k in sorted(_subgraph_refs(model, model.main)):
+        _visit_subgraph(model, state, k, [])
 
-    def visit(index: int, path: list[int]) -> None:
-        if state.get(index) == "done":
-            return
-        if state.get(index) == "open":
-            cycle = path[path.index(index):] + [index]
-            raise invalid(f"subgraph reference cycle: {' -> '.join(map(str, cycle))}")
-        state[index] = "open"
-        for k in sorted(refs(model.referenced[index])):
-            visit(k, path + [index])
-        state[index] = "done"
 
-    for k in sorted(refs(model.main)):
-        visit(k, [])
+def _subgraph_refs(model: HalModel, sub: Subgraph) -> set[int]:
+    return {o.location.offset for o in sub.operands
+            if o.lifetime == L.SUBGRAPH and o.location is not None
+            and 0 <= o.location.offset < len(model.referenced)}
+
+
+def _visit_subgraph(model: HalModel, state: dict[int, str], index: int, path: list[int]) -> None:
+    if state.get(index) == "done":
+        return
+    if state.get(index) == "open":
+        cycle = path[path.index(index):] + [index]
+        raise invalid(f"subgraph reference cycle: {' -> '.join(map(str, cycle))}")
+    state[index] = "open"
+    for k in sorted(_subgraph_refs(model, model.referenced[index])):
+        _visit_subgraph(model, state, k, path + [index])
+    state[index] = "done"
 
 
 def _validate_subgraph(model: HalModel, index: int | None, where: str):

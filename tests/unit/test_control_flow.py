@@ -340,3 +340,21 @@ def test_values_of_unknown_rank_flow_through_subgraphs():
     x1 = np.array([3.0, -1.0], np.float32)
     r = nnrt.run(m, [np.array([False]), x1])
     assert r.output_shapes == [(2,)] and r.outputs[0].tolist() == [9.0, 1.0]
+
+
+def test_validating_a_model_makes_no_reference_cycle():
+    """The subgraph-cycle check was a nested function calling itself: a
+    reference cycle holding the model, so in a driver service an app's
+    model memfds stayed open (2 per compilation) until the garbage
+    collector came by. Validation must leave nothing for the collector."""
+    import gc
+    from dataclasses import replace
+    from nnrt.hal.validate import validate_model
+    fresh = fibonacci_model().hal_model        # a WHILE: the check walks its bodies
+    gc.collect()
+    gc.disable()
+    try:
+        validate_model(replace(fresh))          # a new HalModel: validated afresh
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
