@@ -13,6 +13,7 @@ import pytest
 import nnrt
 from nnrt.model.types import HalVersion
 from nnrt.runtime import discovery
+from tests.conftest import start_service
 
 from ..unit.test_partition import C, EXPECTED_T1, EXPECTED_Y, X, chain_model
 
@@ -180,9 +181,10 @@ async def test_an_open_runtime_offers_a_restarted_service_again(monkeypatch, tmp
     missing = str(folder / "missing.sock")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("NNRT_DRIVERS", f"{path}:{missing}")
-    service = _serve("npu", path)
+    # Started until it says it listens: its socket file appears a moment
+    # before it does, and a runtime opened in between finds it unreachable.
+    service = start_service(path, "reference", "npu")
     try:
-        await _wait_for(path)
         async with nnrt.Runtime(litert=False) as rt:
             states = {s.path: s for s in rt.services}
             assert states[path].state == "up" and states[path].device == "npu"
@@ -278,12 +280,8 @@ def test_nnrt_devices_lists_capabilities_and_every_configured_service(tmp_path):
     folder.mkdir(mode=0o700)
     path, missing = str(folder / "npu.sock"), str(folder / "gone.sock")
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path), NNRT_DRIVERS=f"{path},{missing}")
-    service = _serve("npu", path)
+    service = start_service(path, "reference", "npu")   # (listening, not just its file)
     try:
-        for _ in range(500):
-            if os.path.exists(path):
-                break
-            time.sleep(0.02)
         out = subprocess.run([sys.executable, "-m", "nnrt", "devices"], env=env,
                              capture_output=True, text=True, timeout=120).stdout
     finally:
