@@ -358,22 +358,15 @@ class Reconnector:
             device = self._devices.get(path)
             if device is not None and device.alive:
                 continue
-            if is_remote(path):
+            if is_remote(path):    # no file to watch: tried again at its retry time
                 if time.monotonic() < self._retry_at.get(path, 0.0):
                     continue
-                if device is not None:
-                    device.close()
-                    del self._devices[path]
-                new = await self._try(path)
-                if new is not None:
-                    added.append(new)
-                continue
-            identity = _identity(path)
-            if identity is None:
-                continue
-            if identity == self._seen.get(path) and \
-                    time.monotonic() < self._retry_at.get(path, float("inf")):
-                continue
+            else:
+                identity = _identity(path)
+                if identity is None or (identity == self._seen.get(path) and
+                                        time.monotonic() < self._retry_at.get(path,
+                                                                              float("inf"))):
+                    continue
             if device is not None:
                 device.close()
                 del self._devices[path]
