@@ -256,6 +256,18 @@ def multiply_by_quantized_multiplier(x: np.ndarray, multiplier, shift) -> np.nda
     return high
 
 
+def rounding_divide_by_pot(x, exponent) -> np.ndarray:
+    """gemmlowp's RoundingDivideByPOT: ``x`` (integers) divided by
+    2**``exponent``, ties away from zero; ``exponent`` >= 0, a scalar or an
+    array broadcast against ``x``. (multiply_by_quantized_multiplier does the
+    same in place on its own array.)"""
+    x = np.asarray(x, np.int64)
+    exponent = np.asarray(exponent, np.int64)
+    mask = np.left_shift(np.int64(1), exponent) - 1
+    threshold = (mask >> 1) + (x < 0)
+    return (x >> exponent) + ((x & mask) > threshold)
+
+
 def quantize_multiplier(real: float) -> tuple[int, int]:
     """TFLite's QuantizeMultiplier: ``real`` as a Q31 mantissa and a
     power-of-two exponent (0, 0 below 2^-31)."""

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import check_quant_params, multiply_by_quantized_multiplier, quantize_multiplier
+from .common import (check_quant_params, multiply_by_quantized_multiplier, quantize_multiplier,
+                     rounding_divide_by_pot)
 from .recurrent import (bidi_sequence_shape, dim, expect_float_signature, maybe_omitted, real, required,
                         time_major_view, version_of)
 from .registry import Arg, Call, OpView, register
@@ -391,16 +392,6 @@ register(OperationType.BIDIRECTIONAL_SEQUENCE_LSTM, validate=_validate_bidi_lstm
 _INT16_MIN, _INT16_MAX = -32768, 32767
 
 
-def _rounding_divide_by_pot(x: np.ndarray, exponent: int) -> np.ndarray:
-    """gemmlowp RoundingDivideByPOT: divide by 2^exponent, ties away from zero."""
-    if exponent == 0:
-        return x
-    mask = (1 << exponent) - 1
-    remainder = x & mask
-    threshold = (mask >> 1) + (x < 0)
-    return (x >> exponent) + (remainder > threshold)
-
-
 def _srdhm(a: np.ndarray, b, bits: int) -> np.ndarray:
     """gemmlowp SaturatingRoundingDoublingHighMul for ``bits``-bit integers
     (int64 arrays holding the values). The only overflow case, MIN * MIN,
@@ -488,11 +479,11 @@ def _kernel_quantized_lstm(call: Call) -> list[np.ndarray]:
     i, f, o = sigmoid_q15(0), sigmoid_q15(1), sigmoid_q15(3)
     g = _q15(np.tanh(gate_input(2)))
     # i*g is Q0.15, rescaled to the Q4.11 state; f*c is Q0.15 * Q4.11 = Q4.11.
-    new_c = _rounding_divide_by_pot(_srdhm(i, g, 16), 4) + _srdhm(f, c, 16)
+    new_c = rounding_divide_by_pot(_srdhm(i, g, 16), 4) + _srdhm(f, c, 16)
     new_c = np.clip(new_c, _INT16_MIN, _INT16_MAX)
     c_q312 = np.clip(new_c * 2, _INT16_MIN, _INT16_MAX)  # Q4.11 -> Q3.12, saturating
     out = _srdhm(o, _q15(np.tanh(c_q312 / 4096.0)), 16)
-    out = np.clip(_rounding_divide_by_pot(out, 8), -128, 127) + 128
+    out = np.clip(rounding_divide_by_pot(out, 8), -128, 127) + 128
     return [new_c.astype(np.int16), out.astype(np.uint8)]
 
 

@@ -40,7 +40,8 @@ import math
 import numpy as np
 
 from ..model.types import HalVersion, OperandType as T, OperationType
-from .common import multiply_by_quantized_multiplier, qrange, quantize_multiplier
+from .common import (multiply_by_quantized_multiplier, qrange, quantize_multiplier,
+                     rounding_divide_by_pot)
 from .lstm import _srdhm
 from .recurrent import dim, maybe_omitted
 from .registry import Call, OpView, register
@@ -83,16 +84,6 @@ def _sat16(x):
     return np.clip(x, I16_MIN, I16_MAX)
 
 
-def _rdbp(x, exponent):
-    """gemmlowp RoundingDivideByPOT (ties away from zero); ``exponent`` may be
-    an array."""
-    x = np.asarray(x, np.int64)
-    exponent = np.asarray(exponent, np.int64)
-    mask = np.left_shift(np.int64(1), exponent) - 1
-    threshold = (mask >> 1) + (x < 0)
-    return (x >> exponent) + ((x & mask) > threshold)
-
-
 def _sat_shift_left(x, exponent: int, bits: int):
     """gemmlowp SaturatingRoundingMultiplyByPOT for a positive exponent."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -101,7 +92,7 @@ def _sat_shift_left(x, exponent: int, bits: int):
 
 def _const16(raw32: int) -> int:
     """gemmlowp's int32 fixed-point constants as their int16 counterparts."""
-    return int(_rdbp(raw32, 16))
+    return int(rounding_divide_by_pot(raw32, 16))
 
 
 # --- gemmlowp's 16-bit fixed-point exp, sigmoid and tanh ----------------------
@@ -124,8 +115,8 @@ def _exp_on_quarter_interval(a):
     x2 = _mul16(x, x)
     x3 = _mul16(x2, x)
     x4 = _mul16(x2, x2)
-    poly = _wrap(_mul16(_wrap(_rdbp(x4, 2) + x3, 16), _ONE_THIRD) + x2, 16)
-    poly = _rdbp(poly, 1)
+    poly = _wrap(_mul16(_wrap(rounding_divide_by_pot(x4, 2) + x3, 16), _ONE_THIRD) + x2, 16)
+    poly = rounding_divide_by_pot(poly, 1)
     return _sat16(_EXP_CONSTANT_TERM + _mul16(_EXP_CONSTANT_TERM, _wrap(x + poly, 16)))
 
 
@@ -197,7 +188,7 @@ def _inv_sqrt_multiplier(v):
     pairs = (leading_zeros - 1) // 2 - 1
     shift -= pairs
     v = v << (2 * pairs)
-    half_input = _rdbp(v >> 1, 1)                 # Q3.28
+    half_input = rounding_divide_by_pot(v >> 1, 1)   # Q3.28
     half_three = (1 << 28) + (1 << 27)
     x = np.full_like(v, 1 << 28)
     for _ in range(5):
@@ -294,7 +285,8 @@ def _kernel(call: Call) -> list[np.ndarray]:
     f = logistic16(gate(1, 1, c_prev), 3)
     g = tanh16(gate(2, None, None), 3)
     i = _wrap(I16_MAX - f, 16) if cifg else logistic16(gate(0, 0, c_prev), 3)
-    c = _sat16(_wrap(_rdbp(f * c_prev, 15), 16) + _wrap(_rdbp(i * g, 30 + cell_shift), 16))
+    c = _sat16(_wrap(rounding_divide_by_pot(f * c_prev, 15), 16)
+               + _wrap(rounding_divide_by_pot(i * g, 30 + cell_shift), 16))
     cell_clip = _f32(ins[CELL_CLIP].value)
     if cell_clip > 0:
         q_clip = int(min(max(np.float32(cell_clip) / np.float32(c_arg.scale), -32768.0), 32767.0))
