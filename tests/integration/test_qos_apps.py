@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 
 import anyio
 import numpy as np
@@ -28,9 +29,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _flooder(env, seconds, inflight, python=sys.executable, ops=30):
+    """A process flooding the service for ``seconds`` at most: :func:`_stop`
+    ends it sooner."""
     return subprocess.Popen([python, "-c", FLOODER.format(root=ROOT, seconds=seconds,
                                                           inflight=inflight, ops=ops)],
-                            env=env, stdout=subprocess.PIPE, text=True)
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _stop(proc):
+    """Tell a flooder the test has seen enough (it stops after the runs in flight)."""
+    proc.stdin.write("stop\n")
+    proc.stdin.flush()
 
 
 def _report(proc):
@@ -92,6 +101,7 @@ async def test_a_light_app_waits_at_most_one_operation_of_a_flooding_app(monkeyp
             tg.start_soon(_collect, rt, "npu", [flood], seen)
             await _until_running(rt, other)
             frames = await _frames(light, 60)       # 2 s at 30 fps
+            _stop(flood)
         _report(flood)
     records = sorted(seen.values(), key=lambda r: r.seq)
     mine = [r for r in records if r.app == me]
@@ -132,7 +142,11 @@ async def test_a_flood_that_starts_later_is_owed_nothing_of_what_ran_before(monk
                 tg.start_soon(_collect, rt, "npu", [flood], seen)
                 await _until_running(rt, floods[-1])
                 frames += await _frames(light, n)
-            _report(flood)     # the first flood runs alone for its last second or so
+                if len(floods) == 1:    # the first flood runs on alone for a while
+                    await _until_alone(seen, floods[0], frames_end=time.monotonic(),
+                                       jobs=30, proc=flood)
+                _stop(flood)
+            _report(flood)
     records = sorted(seen.values(), key=lambda r: r.seq)
     assert all(frames) and len(frames) == 75
     mine = [r for r in records if r.app == me]
@@ -150,6 +164,15 @@ async def test_a_flood_that_starts_later_is_owed_nothing_of_what_ran_before(monk
         # scheduler measured it).
         longest_op = max(r.longest_step for r in theirs)
         assert max(waits) <= longest_op, (flood, waits[:3], max(waits), longest_op)
+
+
+async def _until_alone(seen, app, frames_end, jobs, proc):
+    """Until ``jobs`` of ``app``'s jobs (as ``_collect`` reads them into
+    ``seen``) started after ``frames_end`` (or its process ended)."""
+    while proc.poll() is None and sum(
+            r.app == app and r.started_at is not None and r.started_at > frames_end
+            for r in list(seen.values())) < jobs:
+        await anyio.sleep(0.05)
 
 
 def _python_copy(tmp_path) -> tuple[str, dict]:

@@ -18,7 +18,7 @@ from nnrt import ErrorStatus, Priority
 from .test_qos_inprocess import DIMS, chain_model, endless_model, wait_until
 
 FLOODER = textwrap.dedent("""
-    import json, os, sys, time, anyio, numpy as np, nnrt
+    import json, os, sys, threading, time, anyio, numpy as np, nnrt
     sys.path.insert(0, {root!r})
     from tests.integration.test_qos_inprocess import DIMS, chain_model
     async def main():
@@ -28,6 +28,11 @@ FLOODER = textwrap.dedent("""
             x = np.zeros(DIMS, np.float32)
             runs = 0
             end = time.monotonic() + {seconds}
+            def stop_when_told():   # a line (or EOF) on stdin: the test has seen enough
+                nonlocal end
+                sys.stdin.readline()
+                end = 0.0
+            threading.Thread(target=stop_when_told, daemon=True).start()
             async def flood():
                 nonlocal runs
                 while time.monotonic() < end:
@@ -61,7 +66,7 @@ async def test_two_client_processes_flooding_one_service_share_it(monkeypatch, t
         # records, over the time both apps had work queued or running.
         procs = [subprocess.Popen([sys.executable, "-c", FLOODER.format(
                      root=root, seconds=3.0, inflight=n, ops=30)], env=env,
-                     stdout=subprocess.PIPE,
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                      text=True) for n in (3, 2)]
         # The service keeps its latest 256 records: read them as they come.
         seen = {}
