@@ -39,9 +39,10 @@ from __future__ import annotations
 import collections
 import math
 import queue
+import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -61,6 +62,9 @@ from . import wire
 CONNECT_TIMEOUT = 5.0    # seconds for the connection, GetInfo and the session
 CALL_TIMEOUT = 60.0      # seconds any control call waits (a later deadline extends it)
 KEEPALIVE = 2.0          # seconds: a host that answers no ping that long is dead
+# Small calls timed at connect: their median is the device's round trip
+# (``Capabilities.round_trip``), which partitioning weighs.
+ROUND_TRIP_PINGS = 5
 # Calls one RemoteDevice has on the network at once; more wait here, in
 # order, so a runaway app queues on its own host, not on the serving one.
 MAX_IN_FLIGHT = 32
@@ -198,6 +202,18 @@ def _channel_options(keepalive: float) -> list:
     ]
 
 
+def _round_trip(stub: pb_grpc.RemoteStub, metadata: tuple, timeout: float) -> float:
+    """Seconds of a small call's round trip on the open connection: the
+    median of ``ROUND_TRIP_PINGS`` GetInfo calls (the first call, which set
+    up the connection, is not among them)."""
+    times = []
+    for _ in range(ROUND_TRIP_PINGS):
+        start = time.perf_counter()
+        stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=metadata)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _status_of(error: grpc.RpcError) -> tuple[ErrorStatus, str]:
     """The HAL status a failed call stands for: the ErrorStatus name the
     server put first in the details, else one for the gRPC code."""
@@ -291,6 +307,7 @@ class RemoteDevice(Device):
             info = stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=metadata)
             capabilities = decode_capabilities(info.capabilities)
             extensions = decode_extensions(info.extensions)
+            capabilities = replace(capabilities, round_trip=_round_trip(stub, metadata, timeout))
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise RemoteRefused(f"the remote driver service at {target} refused us: "
@@ -462,7 +479,8 @@ class RemoteDevice(Device):
         return RemotePreparedModel(self, reply.model_id)
 
     def __repr__(self) -> str:
-        return f"<RemoteDevice {self.name} at {self.target}{'' if self.alive else ' dead'}>"
+        return (f"<RemoteDevice {self.name} at {self.target}, round trip "
+                f"{self._capabilities.round_trip * 1e3:.2f} ms{'' if self.alive else ', dead'}>")
 
 
 class RemotePreparedModel(PreparedModel):
