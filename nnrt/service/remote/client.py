@@ -178,7 +178,9 @@ class RemoteRefused(NnrtError):
         super().__init__(ErrorStatus.DEVICE_UNAVAILABLE, message)
 
 
-def _channel_options(keepalive: float) -> list:
+def channel_options(keepalive: float) -> list:
+    """The options of a channel to a remote service (and of the remote
+    benchmark's gRPC echo, which times gRPC itself on the same terms)."""
     half = max(100, int(keepalive * 500))
     return [
         ("grpc.max_receive_message_length", wire.MAX_MESSAGE + (1 << 20)),
@@ -285,7 +287,7 @@ class RemoteDevice(Device):
         address, use_tls = parse_target(target)
         if tls is not None and not use_tls:
             raise invalid(f"{target}: TLS settings for a plaintext (grpc://) target")
-        options = _channel_options(keepalive)
+        options = channel_options(keepalive)
         channel = grpc.secure_channel(address, (tls or ClientTls()).credentials(), options) \
             if use_tls else grpc.insecure_channel(address, options)
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
