@@ -17,8 +17,9 @@ machine load hits every way alike), 1 thread everywhere:
 - ``gRPC echo``: gRPC's own cost for the same bytes, nothing of nnrt: a
   bidirectional stream to a ``grpc.aio`` server (started for the run, on the
   same HOST) that answers each message of the input's size with one of the
-  outputs' size after sleeping as long as LiteRT direct computes (so its
-  threads go idle and wake as a driver service's do), from a client built
+  outputs' size after sleeping as long as the remote driver computes
+  (its median ``in_driver`` time in the warm-up: so the threads on both
+  sides idle and wake as the remote burst's do), from a client built
   as the remote burst's is (a sync channel with its options, frames through
   a queue, a reader thread handing each answer to the awaiting task). Its
   transport is its time minus that sleep.
@@ -167,39 +168,22 @@ def main(argv=None) -> int:
     if not path.exists():
         ap.error(f"{path} is not there")
     server, target = start_remote(args.host)
-    # The echo answers after LiteRT direct's median time on this model.
-    x = np.load(MODELS / f"{args.model}.in0.npy")
-    direct = litert_direct(path, [x])
-    answer_bytes = sum(y.nbytes for y in direct())
-    delay = statistics.median([_timed(direct) for _ in range(60)][20:])   # after a warm-up
-    echo_server, echo_target = start([sys.executable, __file__, "--host", args.host,
-                                      "--serve-echo", str(answer_bytes),
-                                      "--echo-delay", repr(delay)])
-    echo = EchoStream(echo_target)
     loop = asyncio.new_event_loop()
     rt = nnrt.Runtime(spawn=[("local-litert", "litert")], remote=[target], discover=False)
     try:
         loop.run_until_complete(rt.__aenter__())
         times, transport = loop.run_until_complete(bench(rt, path, args.model, args.rounds,
-                                                         echo, delay))
+                                                         args.host))
         report(args.model, args.rounds, times, transport)
     finally:
         loop.run_until_complete(rt.__aexit__(None, None, None))
         loop.close()
-        echo.close()
-        for proc in (server, echo_server):
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
+        server.send_signal(signal.SIGTERM)
+        server.wait(10)
     return 0
 
 
-def _timed(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-async def bench(rt, path, name, rounds, echo: EchoStream, delay: float):
+async def bench(rt, path, name, rounds, host: str):
     model = nnrt.tflite.load(str(path))
     x = np.load(MODELS / f"{name}.in0.npy")
     rng = np.random.default_rng(0)
@@ -213,8 +197,8 @@ async def bench(rt, path, name, rounds, echo: EchoStream, delay: float):
     frame = x.copy()                      # every way reads its input from here
     direct = litert_direct(path, [frame])
     want = direct()
-    aio_echo = AioEchoStream(echo.target)
-    echoes = {"gRPC echo": echo, "gRPC aio echo": aio_echo}
+    echoes = {}
+    delay = 0.0       # the echo server's, set once the bursts are warm
     ways = {}
     bursts = []
     for way, device in (("local burst", "local-litert"), ("remote burst", "remote-litert")):
@@ -246,11 +230,38 @@ async def bench(rt, path, name, rounds, echo: EchoStream, delay: float):
         in_driver = result.timing.in_driver if result.timing else None
         return took, (None if in_driver is None else took - in_driver / 1e6)
 
-    names = ["litert direct", *ways, *echoes]
+    in_driver = []
     for _ in range(max(10, rounds // 10)):       # warm-up, not recorded
         frame[:] = new_frame()
-        for way in names:
+        for way in ("litert direct", *ways):
             await timed(way)
+        in_driver.append((await ways["remote burst"][0].compute(
+            ways["remote burst"][1])).timing.in_driver / 1e6)
+    # The echo answers after the remote driver's own time, so its threads
+    # idle and wake as the service's and the remote burst's do.
+    delay = statistics.median(in_driver)
+    answer_bytes = sum(y.nbytes for y in want)
+    echo_server, echo_target = start([sys.executable, __file__, "--host", host,
+                                      "--serve-echo", str(answer_bytes),
+                                      "--echo-delay", repr(delay)])
+    try:
+        echoes["gRPC echo"] = EchoStream(echo_target)
+        echoes["gRPC aio echo"] = AioEchoStream(echo_target)
+        for _ in range(10):
+            for way in echoes:
+                await timed(way)
+        return await _rounds(timed, ["litert direct", *ways, *echoes], ways, echoes, rounds,
+                             frame, new_frame, bursts)
+    finally:
+        if "gRPC aio echo" in echoes:
+            await echoes["gRPC aio echo"].close()
+        if "gRPC echo" in echoes:
+            echoes["gRPC echo"].close()
+        echo_server.send_signal(signal.SIGTERM)
+        echo_server.wait(10)
+
+
+async def _rounds(timed, names, ways, echoes, rounds, frame, new_frame, bursts):
     times = {way: [] for way in names}
     transport = {way: [] for way in (*ways, *echoes)}
     shuffle = random.Random(0).shuffle
@@ -265,7 +276,6 @@ async def bench(rt, path, name, rounds, echo: EchoStream, delay: float):
                 transport[way].append(cost)
     for burst in bursts:
         await burst.__aexit__(None, None, None)
-    await aio_echo.close()
     return times, transport
 
 

@@ -210,9 +210,9 @@ def weigh_round_trips(model: HalModel, devices: list[Device], supported: list[li
         else:
             here += sum(d.capabilities().round_trip for d in set(others))
             if here <= there and math.isfinite(here):
-                note = (f"kept off {device.name}: about {here * 1e3:.3g} ms here against "
-                        f"{there * 1e3:.3g} ms there, its round trip "
-                        f"{trip * 1e3:.3g} ms included")
+                note = (f"kept off {device.name}: about {here * 1e3:.3f} ms here against "
+                        f"{there * 1e3:.3f} ms there, its round trip "
+                        f"{trip * 1e3:.3f} ms included")
                 for k, other in zip(indexes, others):
                     moved[k] = other
                     why[k] = note

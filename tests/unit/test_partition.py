@@ -247,7 +247,7 @@ async def test_a_round_trip_keeps_small_work_here_and_large_work_goes_there():
         small = await rt.compile(chain_model())
         assert [d.name for d in small.devices] == ["nnrt-reference"]
         step, = small.placement.steps
-        assert step.note.startswith("kept off far:") and "round trip 1 ms" in step.note
+        assert step.note.startswith("kept off far:") and "round trip 1.000 ms" in step.note
         assert "kept off far" in str(small.placement) and "kept off far" in repr(step)
         assert not small.placement.fallbacks      # a choice, not a fallback
         np.testing.assert_array_equal((await small.execute([X, C])).outputs[0], EXPECTED_Y)
