@@ -11,6 +11,8 @@ from nnrt.hal import Capabilities, DeviceType, ExecutionResult, PerformanceInfo,
 from nnrt.drivers.reference import ReferenceDevice
 from nnrt.runtime import partition
 
+from ..integration.test_qos_inprocess import chain_model as adds_model   # x -> n ADDs of 1
+
 
 class OnlyDevice(ReferenceDevice):
     """An accelerator that supports only ``ops`` and reports itself faster
@@ -225,21 +227,6 @@ class FarDevice(OnlyDevice):
         return replace(super().capabilities(), round_trip=self.round_trip)
 
 
-def adds_model(n: int, elements: int) -> nnrt.Model:
-    """x -> n ADDs of x -> y, over ``elements`` floats."""
-    m = nnrt.Model()
-    x = m.add_operand(T.TENSOR_FLOAT32, [elements])
-    zero = m.add_operand(T.INT32)
-    m.set_operand_value(zero, 0)
-    cur = x
-    for _ in range(n):
-        out = m.add_operand(T.TENSOR_FLOAT32, [elements])
-        m.add_operation(Op.ADD, [cur, x, zero], [out])
-        cur = out
-    m.identify_inputs_and_outputs([x], [cur])
-    return m.finish()
-
-
 async def test_a_round_trip_keeps_small_work_here_and_large_work_goes_there():
     far = FarDevice("far", {Op.ADD, Op.MUL, Op.CONV_2D}, round_trip=1e-3)
     async with nnrt.Runtime(devices=[far, ReferenceDevice()]) as rt:
@@ -252,11 +239,11 @@ async def test_a_round_trip_keeps_small_work_here_and_large_work_goes_there():
         assert not small.placement.fallbacks      # a choice, not a fallback
         np.testing.assert_array_equal((await small.execute([X, C])).outputs[0], EXPECTED_Y)
         # Four ADDs of 1M elements: about 3.8 ms saved there, more than the trip.
-        large = await rt.compile(adds_model(4, 1 << 20))
+        large = await rt.compile(adds_model(4, (1 << 20,)))
         assert [d.name for d in large.devices] == ["far"]
         assert large.placement.steps[0].note == ""
         # One such ADD saves less than the trip: it stays.
-        one = await rt.compile(adds_model(1, 1 << 20))
+        one = await rt.compile(adds_model(1, (1 << 20,)))
         assert [d.name for d in one.devices] == ["nnrt-reference"]
         # LOW_POWER compares power, which a trip's seconds do not measure.
         frugal = await rt.compile(chain_model(), preference=nnrt.ExecutionPreference.LOW_POWER)
