@@ -27,10 +27,11 @@ nothing, a large one still goes to a remote device faster by more than the
 trip. Only for the speed preferences (LOW_POWER compares power, which a
 round trip's seconds do not measure).
 
-Consecutive operations (in run order) on one device form a step. A step is a HAL model of its own: it shares the
-original model's constants (``operand_values``, pools, referenced subgraphs),
-so only the main subgraph's operands are renumbered; operands that cross a
-step boundary become the step's inputs and outputs.
+Consecutive operations (in run order) on one device form a step. A step is
+a HAL model of its own: it shares the original model's constants
+(``operand_values``, pools, referenced subgraphs), so only the main
+subgraph's operands are renumbered; operands that cross a step boundary
+become the step's inputs and outputs.
 """
 from __future__ import annotations
 
