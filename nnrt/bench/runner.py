@@ -232,7 +232,7 @@ async def run_case(rt, path: str, model: nnrt.Model, device, mode: str, config: 
         flags = [await d.supported_operations(hal) for d in devices]
     else:
         flags = [supported]
-    chosen = partition.assign_devices(hal, devices, flags, nnrt.ExecutionPreference.FAST_SINGLE_ANSWER)
+    chosen, _ = partition.place(hal, devices, flags, nnrt.ExecutionPreference.FAST_SINGLE_ANSWER)
     for d in chosen:
         case.placement[d.name] = case.placement.get(d.name, 0) + 1
     compiled = await rt.compile(model, devices=devices, priority=nnrt.Priority[config.priority])

@@ -105,6 +105,11 @@ class Capabilities:
     operand_performance: dict[OperandType, PerformanceInfo] = field(default_factory=dict)
     if_performance: PerformanceInfo = PerformanceInfo()
     while_performance: PerformanceInfo = PerformanceInfo()
+    # Seconds one execution on the device costs before any work: its
+    # transport's round trip. 0 for a driver on this host; a remote device
+    # measures it at connect (nnrt.service.remote.client). Not part of the
+    # NNAPI HAL; partitioning weighs it (nnrt.runtime.partition).
+    round_trip: float = 0.0
 
     def performance(self, type: OperandType) -> PerformanceInfo:
         # The HAL says a type missing from the table performs as badly as possible.

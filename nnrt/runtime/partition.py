@@ -11,14 +11,31 @@ operand it touches), whatever that device's ``supported_operations`` says;
 there is no CPU fallback for it (NNAPI has none), so a model needing an
 extension no device offers fails to compile with a message naming it. A
 model using extensions or OEM types compiles only for an app on the
-allowlist (``nnrt.hal.allowlist``). Consecutive operations (in run order) on
-one device form a step. A step is a HAL model of its own: it shares the
-original model's constants (``operand_values``, pools, referenced subgraphs),
-so only the main subgraph's operands are renumbered; operands that cross a
-step boundary become the step's inputs and outputs.
+allowlist (``nnrt.hal.allowlist``).
+
+Round trips: a device whose capabilities carry a ``round_trip`` (a remote
+device: the median of a few small calls, measured at connect) costs that
+much per step before any work. Per-operation performance is a ratio to the
+reference CPU, so to weigh a fixed cost against it the partitioner turns
+each operation into an estimated amount of work (:func:`operation_work`:
+multiply-adds of a convolution or fully connected layer, elements of
+anything else) and that into reference-CPU seconds (``REFERENCE_RATE``).
+:func:`weigh_round_trips` then moves a step off such a device when the
+best other devices run its operations in less time than the device does
+plus its round trip: a tiny model is not sent across the network to save
+nothing, a large one still goes to a remote device faster by more than the
+trip. Only for the speed preferences (LOW_POWER compares power, which a
+round trip's seconds do not measure).
+
+Consecutive operations (in run order) on one device form a step. A step is
+a HAL model of its own: it shares the original model's constants
+(``operand_values``, pools, referenced subgraphs), so only the main
+subgraph's operands are renumbered; operands that cross a step boundary
+become the step's inputs and outputs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..hal import Device, ExecutionPreference
@@ -27,9 +44,16 @@ from ..hal.allowlist import check_current_app
 from ..model.extensions import uses_extensions
 from ..errors import NnrtError, ErrorStatus
 from ..model.graph import HalModel, Operation, Subgraph
-from ..model.types import OperandLifeTime as L, OperandType
+from ..model.types import OperandLifeTime as L, OperandType, OperationType
+from .placement import groups
 
 _VALUE_LIFETIMES = (L.CONSTANT_COPY, L.CONSTANT_REFERENCE, L.NO_VALUE, L.SUBGRAPH)
+
+# Units of work (:func:`operation_work`) a second on the reference CPU, the
+# device whose PerformanceInfo is 1.0. An estimate (numpy's elementwise
+# kernels and its convolutions on this class of machine), used only to weigh
+# a device's fixed round trip against the time its speed saves.
+REFERENCE_RATE = 1e9
 
 
 @dataclass(frozen=True)
@@ -65,27 +89,13 @@ def assign_devices(model: HalModel, devices: list[Device], supported: list[list[
                    preference: ExecutionPreference) -> list[Device]:
     """The device for each operation of the main subgraph (in order), given
     each device's ``supported_operations`` answer."""
-    relaxed = model.relax_computation_float32_to_float16
     check_current_app(uses_extensions(model))
     offered = [{e.name for e in d.supported_extensions()} for d in devices]
     chosen = []
     for k, op in enumerate(model.main.operations):
-        needed = _extensions_of(model, op)
-        best, best_cost = None, None
-        for d, flags, has in zip(devices, supported, offered):
-            if not flags[k] or not needed <= has:
-                continue
-            caps = d.capabilities()
-            t = _operation_type(model, op)
-            if relaxed and t == OperandType.TENSOR_FLOAT32:
-                perf = caps.relaxed_float32_to_float16_tensor
-            else:
-                perf = caps.performance(t)
-            cost = perf.power_usage if preference == ExecutionPreference.LOW_POWER \
-                else perf.exec_time
-            if best is None or cost < best_cost:
-                best, best_cost = d, cost
+        best, _ = _best(model, k, devices, supported, offered, preference)
         if best is None:
+            needed = _extensions_of(model, op)
             missing = sorted(needed - set().union(*offered)) if needed else []
             if missing:
                 raise NnrtError(ErrorStatus.INVALID_ARGUMENT,
@@ -96,6 +106,118 @@ def assign_devices(model: HalModel, devices: list[Device], supported: list[list[
                             f"no device supports operation {k} ({op.type.name})")
         chosen.append(best)
     return chosen
+
+
+def place(model: HalModel, devices: list[Device], supported: list[list[bool]],
+          preference: ExecutionPreference) -> tuple[list[Device], dict[int, str]]:
+    """The device for each operation (:func:`assign_devices`), round trips
+    weighed (:func:`weigh_round_trips`), and why operations were kept off a
+    device with a round trip."""
+    return weigh_round_trips(model, devices, supported, preference,
+                             assign_devices(model, devices, supported, preference))
+
+
+def _cost(model: HalModel, op: Operation, device: Device,
+          preference: ExecutionPreference) -> float:
+    """``device``'s performance ratio for ``op`` under ``preference``."""
+    caps = device.capabilities()
+    t = _operation_type(model, op)
+    if model.relax_computation_float32_to_float16 and t == OperandType.TENSOR_FLOAT32:
+        perf = caps.relaxed_float32_to_float16_tensor
+    else:
+        perf = caps.performance(t)
+    return perf.power_usage if preference == ExecutionPreference.LOW_POWER else perf.exec_time
+
+
+def _best(model: HalModel, k: int, devices: list[Device], supported: list[list[bool]],
+          offered: list[set[str]], preference: ExecutionPreference,
+          skip: Device | None = None) -> tuple[Device | None, float]:
+    """The device (other than ``skip``) that runs operation ``k`` best, and
+    its cost; ties go to the device listed first. (None, inf) when none can."""
+    op = model.main.operations[k]
+    needed = _extensions_of(model, op)
+    best, best_cost = None, float("inf")
+    for d, flags, has in zip(devices, supported, offered):
+        if d is skip or not flags[k] or not needed <= has:
+            continue
+        cost = _cost(model, op, d, preference)
+        if best is None or cost < best_cost:
+            best, best_cost = d, cost
+    return best, best_cost
+
+
+def _elements(dimensions: tuple[int, ...]) -> int:
+    n = 1
+    for d in dimensions:
+        n *= max(d, 1)      # an unknown extent counts as 1: never more work than is sure
+    return n
+
+
+# Where an operation's multiply-adds per output element are read from: the
+# filter's (or weights') elements divided by the dimension that does not
+# contribute to one output.
+_PER_OUTPUT = {
+    OperationType.CONV_2D: 0,                # filter [out, h, w, in]
+    OperationType.GROUPED_CONV_2D: 0,        # filter [out, h, w, in / groups]
+    OperationType.TRANSPOSE_CONV_2D: 0,      # filter [out, h, w, in]
+    OperationType.DEPTHWISE_CONV_2D: 3,      # filter [1, h, w, out]
+    OperationType.FULLY_CONNECTED: 0,        # weights [units, input size]
+}
+
+
+def operation_work(model: HalModel, op: Operation) -> float:
+    """An estimate of the work of ``op``: multiply-adds for convolutions and
+    fully connected layers, else the elements of its largest tensor."""
+    operands = model.main.operands
+    largest = max((_elements(operands[i].dimensions) for i in (*op.inputs, *op.outputs)
+                   if operands[i].type.is_tensor), default=1)
+    axis = _PER_OUTPUT.get(op.type)
+    if axis is None or len(op.inputs) < 2:
+        return float(largest)
+    weights = operands[op.inputs[1]].dimensions
+    if len(weights) <= axis:
+        return float(largest)
+    per_output = _elements(weights) // max(weights[axis], 1)
+    return float(_elements(operands[op.outputs[0]].dimensions) * max(per_output, 1))
+
+
+def weigh_round_trips(model: HalModel, devices: list[Device], supported: list[list[bool]],
+                      preference: ExecutionPreference,
+                      assignment: list[Device]) -> tuple[list[Device], dict[int, str]]:
+    """``assignment`` with each step on a device with a round trip moved to
+    the best other devices when they are at least as fast once the trip is
+    counted; and, per operation moved, why (for the placement report)."""
+    if preference == ExecutionPreference.LOW_POWER:
+        return assignment, {}
+    ops = model.main.operations
+    offered = [{e.name for e in d.supported_extensions()} for d in devices]
+    moved = list(assignment)
+    why: dict[int, str] = {}
+    for device, indexes in groups(assignment):
+        trip = device.capabilities().round_trip
+        if trip <= 0:
+            continue
+        there = trip
+        here = 0.0
+        others = []
+        for k in indexes:
+            other, cost = _best(model, k, devices, supported, offered, preference, skip=device)
+            if other is None:
+                break
+            seconds = operation_work(model, ops[k]) / REFERENCE_RATE
+            there += seconds * _cost(model, ops[k], device, preference)
+            here += seconds * cost
+            others.append(other)
+        else:
+            here += sum(d.capabilities().round_trip for d in set(others))
+            if here <= there and math.isfinite(here):
+                note = (f"kept off {device.name}: about {here * 1e3:.3f} ms here against "
+                        f"{there * 1e3:.3f} ms there, its round trip "
+                        f"{trip * 1e3:.3f} ms included")
+                for k, other in zip(indexes, others):
+                    moved[k] = other
+                    why[k] = note
+    return moved, why
 
 
 def _extensions_of(model: HalModel, op: Operation) -> set[str]:

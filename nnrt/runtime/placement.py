@@ -34,10 +34,14 @@ class PlacedStep:
     operations: tuple[int, ...]          # indexes into the model's main subgraph
     operation_types: tuple[str, ...]
     fallback: Fallback | None = None     # why this step runs where it does, when it fell back
+    # Why partitioning placed it here rather than on a device it reports
+    # faster ("kept off far: ...": that device's round trip costs more than
+    # its speed saves); "" when it is simply the fastest.
+    note: str = ""
 
     def __repr__(self) -> str:
         ops = ", ".join(f"{i}:{t}" for i, t in zip(self.operations, self.operation_types))
-        why = f" ({self.fallback})" if self.fallback else ""
+        why = "".join(f" ({x})" for x in (self.fallback, self.note) if x)
         return f"<step on {self.device}: {ops}{why}>"
 
 
@@ -69,7 +73,8 @@ class Placement:
                 counts = Counter(s.operation_types).most_common()
                 ops = (f"operations {_ranges(s.operations)}, {len(s.operations)} in all: "
                        + ", ".join(f"{n} {t}" for t, n in counts))
-            lines.append(f"{s.device}: {ops}" + (f"  [{s.fallback}]" if s.fallback else ""))
+            lines.append(f"{s.device}: {ops}" + "".join(f"  [{x}]" for x in (s.fallback, s.note)
+                                                         if x))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -88,6 +93,11 @@ def _ranges(indexes: tuple[int, ...]) -> str:
         else:
             runs.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def notes_of(notes: dict[int, str], indexes) -> str:
+    """A step's note: the distinct notes of its operations ``indexes``."""
+    return "; ".join(dict.fromkeys(notes[k] for k in indexes if k in notes))
 
 
 def groups(assignment: list) -> list[tuple[object, list[int]]]:

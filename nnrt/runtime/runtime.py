@@ -31,7 +31,7 @@ from ..hal.validate import ValidatedModel, validate_model
 from ..model.extensions import uses_extensions
 from . import cache, memory_domain, partition, request, signature
 from .memory_domain import DeviceMemory, MemoryDesc
-from .placement import Fallback, PlacedStep, Placement, groups
+from .placement import Fallback, PlacedStep, Placement, groups, notes_of
 from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import DriverFailure, Step, release_all
@@ -370,8 +370,8 @@ class Runtime:
         ``entry``'s files when there is one)."""
         validated = validate_model(hal)
         supported = [await d.supported_operations(hal) for d in candidates]
-        assignment = partition.assign_devices(hal, candidates, supported, preference)
-        placed = self._placement(hal, candidates, supported, assignment)
+        assignment, notes = partition.place(hal, candidates, supported, preference)
+        placed = self._placement(hal, candidates, supported, assignment, notes)
         if not explicit and not allow and any(p.fallback for p in placed):
             raise invalid("fallback=False (or Runtime(strict=True)) but this model would fall "
                           "back to the CPU: " + "; ".join(
@@ -506,9 +506,11 @@ class Runtime:
         by reason (a frozen dataclass)."""
         return self._cache_counters.snapshot()
 
-    def _placement(self, hal, candidates, supported, assignment) -> list[PlacedStep]:
+    def _placement(self, hal, candidates, supported, assignment,
+                   notes: dict[int, str]) -> list[PlacedStep]:
         """The steps as placed by partitioning; a step on the CPU whose
-        operations no other candidate supports is an ``unsupported`` fallback."""
+        operations no other candidate supports is an ``unsupported`` fallback;
+        ``notes`` say why operations were kept off a device with a round trip."""
         ops = hal.main.operations
         others = [(d, flags) for d, flags in zip(candidates, supported) if d is not self._cpu]
         placed = []
@@ -523,7 +525,8 @@ class Runtime:
                                      for k in refused)
                     fallback = Fallback("unsupported", names, f"not supported by {names}: {what}")
             placed.append(PlacedStep(device.name, tuple(indexes),
-                                     tuple(ops[k].type.name for k in indexes), fallback))
+                                     tuple(ops[k].type.name for k in indexes), fallback,
+                                     notes_of(notes, indexes)))
         return placed
 
     async def allocate(self, desc: MemoryDesc) -> DeviceMemory:
@@ -932,7 +935,7 @@ class CompiledModel:
         if not candidates:
             raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE, "no device is left")
         supported = [await d.supported_operations(hal) for d in candidates]
-        assignment = partition.assign_devices(hal, candidates, supported, self.preference)
+        assignment, notes = partition.place(hal, candidates, supported, self.preference)
         steps: list[Step] = []
         try:
             for plan in partition.split(hal, assignment):
@@ -946,7 +949,8 @@ class CompiledModel:
             release_all([step.prepared for step in steps])
             raise
         placed = tuple(PlacedStep(device.name, tuple(indexes),
-                                  tuple(ops[k].type.name for k in indexes), note)
+                                  tuple(ops[k].type.name for k in indexes), note,
+                                  notes_of(notes, indexes))
                        for device, indexes in groups(assignment))
         return steps, placed
 

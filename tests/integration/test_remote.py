@@ -32,6 +32,7 @@ from nnrt.service.remote.client import (ClientTls, RemoteDevice, RemoteRefused,
                                         RemoteStatistics)
 
 from ..conftest import MODELS, start_remote_service, stop
+from .test_qos_inprocess import DIMS, chain_model
 
 HOST = "127.0.0.2"   # "another host": loopback, never a routable address
 BOUND = 10           # seconds: a guard against a hang, not a timing assertion
@@ -207,28 +208,29 @@ async def test_health_reflection_and_messages_that_are_refused(remote_service):
 async def test_a_configured_remote_device_is_listed_the_cpu_reruns_when_it_dies_and_it_returns(
         remote_service, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    proc, target = remote_service("--insecure")
+    # A remote LiteRT device, and a model with work enough to be worth its
+    # round trip (60 ADDs of 512x512: partitioning weighs the trip).
+    proc, target = remote_service("--insecure", kind="litert")
     monkeypatch.setenv("NNRT_DRIVERS", f"/nowhere/a.sock,{target}")
     async with nnrt.Runtime(litert=False) as rt:
         unreachable, up = rt.services
         assert unreachable.state == "unreachable" and str(up) == f"{target}: up (far)"
-        compiled = await rt.compile(add_model())
-        assert [d.name for d in compiled.devices] == ["far"]
-        x = np.random.default_rng(0).random((1, 4), dtype=np.float32)
-        expected = (await compiled.execute([x, x])).outputs[0]
+        compiled = await rt.compile(chain_model(60))
+        assert [d.name for d in compiled.devices] == ["far"], compiled.placement
+        x = np.random.default_rng(0).random(DIMS, dtype=np.float32)
+        expected = (await compiled.execute([x])).outputs[0]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         with anyio.fail_after(BOUND):
-            rerun = await compiled.execute([x, x])
+            rerun = await compiled.execute([x])
         np.testing.assert_array_equal(rerun.outputs[0], expected)
         assert [d.name for d in compiled.devices] == ["nnrt-reference"]
         assert rt.services[1].state == "unreachable"
         # The host comes back on its address: the model moves back to it.
-        remote_service("--insecure", listen=target.removeprefix("grpc://"))
+        remote_service("--insecure", kind="litert", listen=target.removeprefix("grpc://"))
         for _ in range(50):
             await anyio.sleep(0.2)
-            np.testing.assert_array_equal((await compiled.execute([x, x])).outputs[0],
-                                          expected)
+            np.testing.assert_array_equal((await compiled.execute([x])).outputs[0], expected)
             if [d.name for d in compiled.devices] == ["far"]:
                 break
         assert [d.name for d in compiled.devices] == ["far"]
@@ -377,7 +379,7 @@ async def test_a_wrong_token_is_refused_and_a_right_one_is_served(remote_service
     monkeypatch.setenv("NNRT_REMOTE_TOKEN_FILE", str(token))
     async with nnrt.Runtime(remote=[target], discover=False, litert=False, strict=True) as rt:
         assert [s.state for s in rt.services] == ["up"]
-        compiled = await rt.compile(add_model())
+        compiled = await rt.compile(add_model(), devices=["far"])
         assert [d.name for d in compiled.devices] == ["far"]
         x = np.ones((1, 4), np.float32)
         np.testing.assert_array_equal((await compiled.execute([x, x])).outputs[0], 2 * x)

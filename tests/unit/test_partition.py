@@ -1,5 +1,7 @@
 """Partitioning across devices, CPU fallback at compile and at run time.
 In-process devices here; tests/integration covers driver services."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,9 @@ import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op
 from nnrt.hal import Capabilities, DeviceType, ExecutionResult, PerformanceInfo, PreparedModel
 from nnrt.drivers.reference import ReferenceDevice
+from nnrt.runtime import partition
+
+from ..integration.test_qos_inprocess import chain_model as adds_model   # x -> n ADDs of 1
 
 
 class OnlyDevice(ReferenceDevice):
@@ -208,3 +213,63 @@ async def test_a_whole_model_step_that_fails_falls_back_to_a_whole_model_step_on
         assert compiled._whole_steps is compiled._steps
         assert compiled.statistics().fallbacks == 1
         assert compiled.statistics().executions == 2
+
+
+class FarDevice(OnlyDevice):
+    """A device ten times faster than the CPU whose every execution costs a
+    ``round_trip`` first, as a remote device's does (it measures it at connect)."""
+
+    def __init__(self, name, ops, round_trip):
+        super().__init__(name, ops)
+        self.round_trip = round_trip
+
+    def capabilities(self):
+        return replace(super().capabilities(), round_trip=self.round_trip)
+
+
+async def test_a_round_trip_keeps_small_work_here_and_large_work_goes_there():
+    far = FarDevice("far", {Op.ADD, Op.MUL, Op.CONV_2D}, round_trip=1e-3)
+    async with nnrt.Runtime(devices=[far, ReferenceDevice()]) as rt:
+        # Four operations on 4 elements: nothing a 1 ms trip could win back.
+        small = await rt.compile(chain_model())
+        assert [d.name for d in small.devices] == ["nnrt-reference"]
+        step, = small.placement.steps
+        assert step.note.startswith("kept off far:") and "round trip 1.000 ms" in step.note
+        assert "kept off far" in str(small.placement) and "kept off far" in repr(step)
+        assert not small.placement.fallbacks      # a choice, not a fallback
+        np.testing.assert_array_equal((await small.execute([X, C])).outputs[0], EXPECTED_Y)
+        # Four ADDs of 1M elements: about 3.8 ms saved there, more than the trip.
+        large = await rt.compile(adds_model(4, (1 << 20,)))
+        assert [d.name for d in large.devices] == ["far"]
+        assert large.placement.steps[0].note == ""
+        # One such ADD saves less than the trip: it stays.
+        one = await rt.compile(adds_model(1, (1 << 20,)))
+        assert [d.name for d in one.devices] == ["nnrt-reference"]
+        # LOW_POWER compares power, which a trip's seconds do not measure.
+        frugal = await rt.compile(chain_model(), preference=nnrt.ExecutionPreference.LOW_POWER)
+        assert {d.name for d in frugal.devices} == {"far"}
+    # Without a round trip the faster device takes even the small model.
+    near = FarDevice("near", {Op.ADD, Op.MUL, Op.CONV_2D}, round_trip=0.0)
+    async with nnrt.Runtime(devices=[near, ReferenceDevice()]) as rt:
+        assert [d.name for d in (await rt.compile(chain_model())).devices] == ["near"]
+
+
+def test_operation_work_counts_multiply_adds_of_convolutions_and_elements_otherwise():
+    hal = chain_model().hal_model
+    ops = hal.main.operations
+    # CONV_2D: 4 outputs, a 1x1x1 filter per output; the rest: 4 elements.
+    assert [partition.operation_work(hal, op) for op in ops] == [4.0, 4.0, 4.0, 4.0]
+    m = nnrt.Model()
+    x = m.add_operand(T.TENSOR_FLOAT32, [1, 8, 8, 3])
+    w = m.add_operand(T.TENSOR_FLOAT32, [16, 3, 3, 3])
+    m.set_operand_value(w, np.zeros((16, 3, 3, 3), np.float32))
+    b = m.add_operand(T.TENSOR_FLOAT32, [16])
+    m.set_operand_value(b, np.zeros(16, np.float32))
+    one, zero = m.add_operand(T.INT32), m.add_operand(T.INT32)
+    m.set_operand_value(one, 1)
+    m.set_operand_value(zero, 0)
+    y = m.add_operand(T.TENSOR_FLOAT32, [1, 8, 8, 16])
+    m.add_operation(Op.CONV_2D, [x, w, b, one, one, one, one, one, one, zero], [y])
+    m.identify_inputs_and_outputs([x], [y])
+    hal = m.finish().hal_model
+    assert partition.operation_work(hal, hal.main.operations[0]) == 8 * 8 * 16 * 3 * 3 * 3

@@ -505,17 +505,19 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                                             f"{e.status.name}: {e.message}")
                     burst = _Burst(self, session, frame.session, frame.model_id, prepared)
                     session.bursts.add(burst)
+                out = pb.BurstResult(serial=frame.serial)
                 try:
                     if frame.model_id not in burst.session.models:
                         raise invalid(f"model {frame.model_id} was released")
-                    reply = await burst.run(frame)
+                    result, data = await burst.run(frame)
                 except NnrtError as e:
-                    reply = wire.reply_of(ExecutionResult(e.status, message=e.message))
+                    result, data = ExecutionResult(e.status, message=e.message), ()
                 except Exception as e:   # a driver bug: this frame fails, not the service
-                    reply = wire.reply_of(ExecutionResult(
+                    result, data = ExecutionResult(
                         ErrorStatus.GENERAL_FAILURE,
-                        message=f"{type(e).__name__} in the driver: {e}"))
-                yield pb.BurstResult(serial=frame.serial, result=reply)
+                        message=f"{type(e).__name__} in the driver: {e}"), ()
+                wire.reply_of(result, data, out.result)    # in place: no copy of the outputs
+                yield out
         finally:
             if burst is not None:
                 burst.session.bursts.discard(burst)
@@ -568,7 +570,8 @@ class _Burst:
             raise invalid(f"layout {frame.layout_id} was never sent")
         return bound
 
-    async def run(self, frame) -> pb.ExecutionReply:
+    async def run(self, frame) -> tuple[ExecutionResult, list[bytes]]:
+        """The frame's result and its output bytes."""
         if frame.session != self.session_id or frame.model_id != self.model_id:
             raise invalid("a burst's frames all name its session and model")
         bound = self.bind(frame)
@@ -582,7 +585,7 @@ class _Burst:
                               f"of {len(pool)}")
             pool[:] = change.data
         result = await bound.execution.execute(deadline)
-        return wire.reply_of(result, wire.outputs_of(bound.outputs, bound.pools))
+        return result, wire.outputs_of(bound.outputs, bound.pools)
 
     def close(self) -> None:
         for bound in self.layouts.values():

@@ -159,13 +159,25 @@ def outputs_of(outputs: tuple[RequestArgument, ...], pools) -> list[bytes]:
     return [b"" if a.has_no_value else bytes(pools[a.location.pool_index]) for a in outputs]
 
 
-def reply_of(result: ExecutionResult, data=()) -> pb.ExecutionReply:
-    return pb.ExecutionReply(
-        status=int(result.status), message=result.message,
-        output_shapes=[pb.OutputShape(dimensions=s.dimensions, is_sufficient=s.is_sufficient)
-                       for s in result.output_shapes],
-        on_device_us=result.timing.on_device, in_driver_us=result.timing.in_driver,
-        output_data=list(data) if result.status == ErrorStatus.NONE else [])
+def reply_of(result: ExecutionResult, data=(),
+             reply: pb.ExecutionReply | None = None) -> pb.ExecutionReply:
+    """``result`` (and the output bytes ``data``) written into ``reply``, a
+    field of the message that carries it (a new one when None). In place:
+    handing a finished message to a parent's constructor or to a repeated
+    field's ``append`` copies it, which for megabytes of outputs costs more
+    than the round trip (upb: ~1 ms for 150 KB), where setting a bytes field
+    copies the bytes once."""
+    if reply is None:
+        reply = pb.ExecutionReply()
+    reply.status = int(result.status)
+    reply.message = result.message
+    for s in result.output_shapes:
+        reply.output_shapes.add(dimensions=s.dimensions, is_sufficient=s.is_sufficient)
+    reply.on_device_us = result.timing.on_device
+    reply.in_driver_us = result.timing.in_driver
+    if result.status == ErrorStatus.NONE:
+        reply.output_data.extend(data)
+    return reply
 
 
 def result_of(reply: pb.ExecutionReply) -> ExecutionResult:
