@@ -30,9 +30,9 @@ async def test_two_client_certificates_get_the_policys_shares_of_one_remote_devi
         async with nnrt.Runtime(devices=[local]) as rt:
             env = _env(target, tmp_path)      # NNRT_DRIVERS names the grpcs:// target
             apps = [("remote", "camera"), ("remote", "batch")]
-            # The weight-3 app keeps fewer executions in flight than the other; both
-    # keep enough that each mostly has one queued behind the running one
-    # while its client is between round trips.
+            # The weight-3 app keeps fewer executions in flight than the other;
+            # both keep enough that each mostly has one queued behind the
+            # running one while its client is between round trips.
             procs = [_flooder(dict(env, NNRT_REMOTE_CA=str(pki["ca"]),
                                    NNRT_REMOTE_CERT=str(pki[cn]),
                                    NNRT_REMOTE_KEY=str(pki[f"{cn}.key"])), 2.0, inflight)
