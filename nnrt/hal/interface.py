@@ -458,6 +458,13 @@ class Device(abc.ABC):
         """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
         return ()
 
+    def load(self):
+        """How busy the scheduler in front of this device is now
+        (``nnrt.qos.SchedulerLoad``: jobs waiting and running, slots, recent
+        run time of a job), cheap enough to ask per execution; None when no
+        scheduler is in front."""
+        return None
+
     def introduce_app(self, app: AppKey, declaration: AppDeclaration) -> None:
         """``app`` (a driver service's new peer) declares a name and a script
         (:class:`AppDeclaration`): a scheduler's policy may match them, and

@@ -390,6 +390,24 @@ class SchedulerStatistics:
         return sum(c.run_time for c in self.classes if c.app == app)
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """How busy the device is now, cheap to ask (O(apps)): jobs waiting
+    (held ones included) and running over all apps, the slots, and the
+    recent mean run time of a job that finished (an exponentially weighted
+    mean over about the last ``1 / SERVICE_WEIGHT`` jobs; None before the
+    first). A pool of hosts reads it from every reply
+    (``nnrt.service.remote.pool``)."""
+
+    queued: int
+    running: int
+    slots: int
+    service_time: float | None
+
+
+SERVICE_WEIGHT = 0.125   # weight of the newest job in SchedulerLoad.service_time
+
+
 @dataclass(eq=False)
 class _Class:
     queued: int = 0
@@ -500,6 +518,7 @@ class Scheduler:
         self._vtime = 0.0
         self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
         self._leaving: set = set()    # apps gone, forgotten when their last job ends
+        self._service_time: float | None = None   # SchedulerLoad.service_time
 
     # --- the calls that drive it ------------------------------------------
 
@@ -778,6 +797,10 @@ class Scheduler:
                                    state.settings.who or "")
                      for key, state in self._apps.items())
         return SchedulerStatistics(self.slots, self._busy, tuple(classes), apps)
+
+    def load(self) -> SchedulerLoad:
+        held = sum(len(state.held) for state in self._apps.values())
+        return SchedulerLoad(self._queued + held, self._busy, self.slots, self._service_time)
 
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         """The most recent finished jobs (``history`` of them), oldest first."""
@@ -1132,6 +1155,9 @@ class Scheduler:
         c = job._cls or self._class(job)
         if status is _NONE:
             c.completed += 1
+            last = self._service_time
+            self._service_time = job.ran if last is None else \
+                last + SERVICE_WEIGHT * (job.ran - last)
         elif job.cancel_requested:
             c.cancelled += 1
         elif status in _MISSES:

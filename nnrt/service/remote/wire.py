@@ -20,6 +20,7 @@ from ...hal import ExecutionResult, RequestArgument, Timing
 from ...hal.types import OutputShape, check_deadline
 from ...memory.shared import pool_view
 from ...model.graph import DataLocation
+from ...qos.scheduler import SchedulerLoad
 from . import nnrt_remote_v1_pb2 as pb
 
 # Bytes of one message either way: a model, or a request's inputs or
@@ -159,13 +160,35 @@ def outputs_of(outputs: tuple[RequestArgument, ...], pools) -> list[bytes]:
     return [b"" if a.has_no_value else bytes(pools[a.location.pool_index]) for a in outputs]
 
 
-def reply_of(result: ExecutionResult, data=()) -> pb.ExecutionReply:
-    return pb.ExecutionReply(
+def reply_of(result: ExecutionResult, data=(), load=None) -> pb.ExecutionReply:
+    """The reply of an execution; ``load`` (a ``SchedulerLoad``, or None)
+    travels with it."""
+    reply = pb.ExecutionReply(
         status=int(result.status), message=result.message,
         output_shapes=[pb.OutputShape(dimensions=s.dimensions, is_sufficient=s.is_sufficient)
                        for s in result.output_shapes],
         on_device_us=result.timing.on_device, in_driver_us=result.timing.in_driver,
         output_data=list(data) if result.status == ErrorStatus.NONE else [])
+    if load is not None:
+        service = load.service_time
+        reply.load.CopyFrom(pb.Load(
+            queued=min(load.queued, _U32), running=min(load.running, _U32),
+            slots=min(load.slots, _U32),
+            service_us=0 if service is None else max(1, round(service * 1e6))))
+    return reply
+
+
+_U32 = (1 << 32) - 1
+
+
+def load_of(reply: pb.ExecutionReply) -> SchedulerLoad | None:
+    """The load a reply carries, or None when it carries none (or one of
+    0 slots, which means nothing)."""
+    if not reply.HasField("load") or reply.load.slots == 0:
+        return None
+    load = reply.load
+    return SchedulerLoad(load.queued, load.running, load.slots,
+                         load.service_us / 1e6 if load.service_us else None)
 
 
 def result_of(reply: pb.ExecutionReply) -> ExecutionResult:
