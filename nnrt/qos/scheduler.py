@@ -405,7 +405,7 @@ class SchedulerLoad:
     service_time: float | None
 
 
-SERVICE_WEIGHT = 0.125   # weight of the newest job in SchedulerLoad.service_time
+SERVICE_WEIGHT = 0.25   # weight of the newest job in SchedulerLoad.service_time
 
 
 @dataclass(eq=False)

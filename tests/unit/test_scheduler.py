@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from nnrt import ErrorStatus, NnrtError, Priority
-from nnrt.qos import AppSettings, JobState, ManualClock, Scheduler, Verdict
+from nnrt.qos import AppSettings, JobState, ManualClock, Scheduler, SchedulerLoad, Verdict
+from nnrt.qos.scheduler import SERVICE_WEIGHT
 from nnrt.hal.types import deadline_in
 
 HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
@@ -392,6 +393,24 @@ def test_statistics_per_app_and_priority():
     assert stats.of("nobody", MEDIUM).completed == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         low.completed = 0
+
+
+def test_load_counts_waiting_and_running_jobs_and_a_recent_mean_run_time():
+    s, clock = make(slots=2)
+    assert s.load() == SchedulerLoad(0, 0, 2, None)     # no job finished yet
+    jobs = [s.submit(app, MEDIUM) for app in ("a", "b", "a", "c")]
+    assert s.load() == SchedulerLoad(2, 2, 2, None)
+    clock.advance(4.0)
+    s.finish(jobs[0])
+    assert s.load() == SchedulerLoad(1, 2, 2, 4.0)      # the first run time as it is
+    clock.advance(8.0)
+    s.finish(jobs[1])
+    # The newest run (12 s: it started at the first submit) weighs SERVICE_WEIGHT.
+    assert s.load().service_time == pytest.approx(4.0 + SERVICE_WEIGHT * (12.0 - 4.0))
+    assert (s.load().queued, s.load().running) == (0, 2)
+    for job in jobs[2:]:
+        s.finish(job)
+    assert (s.load().queued, s.load().running) == (0, 0)
 
 
 def test_illegal_transitions_name_the_state():

@@ -112,11 +112,12 @@ class MemberState:
     device: str = ""      # the member's device name when up
     reason: str = ""      # why it is down
     expected_wait: float | None = None   # seconds, when up
+    bursts: int = 0       # the pool's bursts bound to it
 
     def __str__(self) -> str:
         if self.state == "up":
             return f"{self.target}: up ({self.device}, expected wait " \
-                   f"{self.expected_wait * 1e3:.1f} ms)"
+                   f"{self.expected_wait * 1e3:.1f} ms, {self.bursts} burst(s))"
         return f"{self.target}: down: {self.reason}"
 
 
@@ -222,7 +223,8 @@ class PoolDevice(Device):
         for m in self._members:
             if m.up:
                 states.append(MemberState(m.target, "up", m.device.name,
-                                          expected_wait=self._expected_wait(m)))
+                                          expected_wait=self._expected_wait(m),
+                                          bursts=m.bursts))
             else:
                 reason = m.device.dead.message if m.device is not None else m.reason
                 states.append(MemberState(m.target, "down", reason=reason))
