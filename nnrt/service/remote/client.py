@@ -29,10 +29,12 @@ bytes and the deadline. Deadlines travel as the time left and as the gRPC
 call's own deadline (a little later, so the server's answer -- with its
 status -- usually comes first).
 
-Not here yet (issue 42): the streaming remote burst (a burst on a remote
-device runs each frame as one ``Execute`` call), memory domains (the
-runtime falls back to shared memory, as for any driver that declines
-``allocate``), compilation caching, pools of hosts.
+Every execution reply carries the serving device's load; the device keeps
+the latest (:meth:`RemoteDevice.load_seen`), which a pool of hosts
+(:mod:`.pool`, built from RemoteDevices) picks its member by.
+
+Not here yet (issue 42): memory domains (the runtime falls back to shared
+memory, as for any driver that declines ``allocate``), compilation caching.
 """
 from __future__ import annotations
 
