@@ -4,6 +4,7 @@ reload of a service's policy file (``nnrt driver serve --policy``).
 Formatting only; the CLI does the I/O."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 from ..handoff import run_in_worker
@@ -17,7 +18,8 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
-def _app_name(app: Hashable) -> str:
+def app_name(app: Hashable) -> str:
+    """An app key as the table (and the metrics) name it: ``pid 1234``, ``remote camera``."""
     if isinstance(app, tuple) and len(app) == 2:
         return f"{app[0]} {app[1]}"
     return str(app)
@@ -28,6 +30,38 @@ _HEADER = (f"{'rule':<12} {'weight':>6} {'cap':<6} {'queued':>6} {'run':>3} "
            f"{'preempt':>7} {'misses':>6}")
 
 
+@dataclass
+class AppFigures:
+    """One app's figures summed over its priorities (its waits: the worst
+    priority's): what ``nnrt driver status`` and the metrics show."""
+
+    queued: int = 0
+    running: int = 0
+    completed: int = 0
+    preempted: int = 0
+    deadline_misses: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    run_time: float = 0.0
+    wait_p50: float | None = None
+    wait_p99: float | None = None
+
+
+def per_app(stats: SchedulerStatistics) -> dict:
+    """``{app: AppFigures}`` of the scheduler's classes."""
+    apps: dict = {}
+    for c in stats.classes:
+        a = apps.setdefault(c.app, AppFigures())
+        for name in ("queued", "running", "completed", "preempted", "deadline_misses",
+                     "cancelled", "failed", "run_time"):
+            setattr(a, name, getattr(a, name) + getattr(c, name))
+        for name in ("wait_p50", "wait_p99"):
+            v = getattr(c, name)
+            if v is not None:
+                setattr(a, name, v if getattr(a, name) is None else max(getattr(a, name), v))
+    return apps
+
+
 def _rows(stats: SchedulerStatistics, jobs: Iterable[JobRecord]) -> list[tuple[str, str]]:
     """Per app (most device time first): its name and the columns of
     :data:`_HEADER` -- policy rule, weight and priority cap, queue depth
@@ -35,37 +69,25 @@ def _rows(stats: SchedulerStatistics, jobs: Iterable[JobRecord]) -> list[tuple[s
     it was first seen, and over the recent finished jobs), queue waits
     p50/p99 (worst of its priorities), jobs done, preemptions and deadline
     misses."""
-    apps: dict = {}
-    for c in stats.classes:
-        a = apps.setdefault(c.app, dict(queued=0, running=0, run=0.0, p50=None, p99=None,
-                                        preempted=0, misses=0, done=0))
-        a["queued"] += c.queued
-        a["running"] += c.running
-        a["run"] += c.run_time
-        a["preempted"] += c.preempted
-        a["misses"] += c.deadline_misses
-        a["done"] += c.completed
-        for k, v in (("p50", c.wait_p50), ("p99", c.wait_p99)):
-            if v is not None:
-                a[k] = v if a[k] is None else max(a[k], v)
+    apps = per_app(stats)
     recent: dict = {}
     for r in jobs:
         recent[r.app] = recent.get(r.app, 0.0) + r.ran
-    total = sum(a["run"] for a in apps.values()) or 1.0
+    total = sum(a.run_time for a in apps.values()) or 1.0
     recent_total = sum(recent.values()) or 1.0
     policy = {a.app: a for a in stats.apps}
     rows = []
-    for app, a in sorted(apps.items(), key=lambda kv: -kv[1]["run"]):
+    for app, a in sorted(apps.items(), key=lambda kv: -kv[1].run_time):
         rule = policy.get(app)
-        name = rule.who if rule and rule.who else _app_name(app)
+        name = rule.who if rule and rule.who else app_name(app)
         rows.append((name, f"{rule.rule if rule else '-':<12.12} "
                            f"{f'{rule.weight:g}' if rule else '-':>6} "
                            f"{rule.max_priority.name if rule else '-':<6} "
-                           f"{a['queued']:>6} {a['running']:>3} "
-                           f"{100 * a['run'] / total:>5.1f}% "
+                           f"{a.queued:>6} {a.running:>3} "
+                           f"{100 * a.run_time / total:>5.1f}% "
                            f"{100 * recent.get(app, 0.0) / recent_total:>5.1f}% "
-                           f"{_ms(a['p50']):>8} {_ms(a['p99']):>8} {a['done']:>7} "
-                           f"{a['preempted']:>7} {a['misses']:>6}"))
+                           f"{_ms(a.wait_p50):>8} {_ms(a.wait_p99):>8} {a.completed:>7} "
+                           f"{a.preempted:>7} {a.deadline_misses:>6}"))
     return rows
 
 

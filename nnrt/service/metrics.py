@@ -23,16 +23,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..errors import ErrorStatus, NnrtError, invalid
+from ..qos.status import app_name, per_app
 from .address import is_loopback, split_address
 
 SNAPSHOT_TIMEOUT = 5.0
 HELD = ("connections", "models", "bursts", "mapped_bytes")
-
-
-def _app_label(app) -> str:
-    if isinstance(app, tuple) and len(app) == 2:
-        return f"{app[0]} {app[1]}"
-    return str(app)
 
 
 @dataclass(frozen=True)
@@ -53,10 +48,10 @@ class ServiceCollector:
         service = self.service
         held = {}
         for resource in HELD:
-            per_app: dict = {}
+            amounts: dict = {}
             for app, _, amount in service.holdings(resource):
-                per_app[app] = per_app.get(app, 0) + amount
-            held[resource] = per_app
+                amounts[app] = amounts.get(app, 0) + amount
+            held[resource] = amounts
         return _Snapshot(service.device.name, await service.device.statistics(), held)
 
     def collect(self):
@@ -72,7 +67,7 @@ class ServiceCollector:
                       ("share", "fraction of the device time the app used since first seen"),
                       ("wait_p50_seconds", "median queue wait of recent jobs (worst priority)"),
                       ("wait_p99_seconds", "99th percentile queue wait of recent jobs"),
-                      *((f"{r}", f"{r.replace('_', ' ')} the app holds") for r in HELD))}
+                      *((r, f"{r.replace('_', ' ')} the app holds") for r in HELD))}
         counters = {name: CounterMetricFamily(f"nnrt_app_{name}", text, labels=labels)
                     for name, text in (
                         ("completed", "jobs finished in time"),
@@ -90,34 +85,26 @@ class ServiceCollector:
         if stats is not None:
             slots.add_metric([device], stats.slots)
             busy.add_metric([device], stats.busy)
-            for c in stats.classes:
-                a = apps.setdefault(c.app, dict.fromkeys(
-                    ("queued", "running", "completed", "deadline_misses", "preemptions",
-                     "cancelled", "failed", "run_seconds"), 0))
-                a["queued"] += c.queued
-                a["running"] += c.running
-                a["completed"] += c.completed
-                a["deadline_misses"] += c.deadline_misses
-                a["preemptions"] += c.preempted
-                a["cancelled"] += c.cancelled
-                a["failed"] += c.failed
-                a["run_seconds"] += c.run_time
-                for key, value in (("wait_p50_seconds", c.wait_p50),
-                                   ("wait_p99_seconds", c.wait_p99)):
+            figures = per_app(stats)
+            total = sum(a.run_time for a in figures.values())
+            weights = {rule.app: rule.weight for rule in stats.apps}
+            for app, a in figures.items():
+                apps[app] = {"queued": a.queued, "running": a.running,
+                             "completed": a.completed, "deadline_misses": a.deadline_misses,
+                             "preemptions": a.preempted, "cancelled": a.cancelled,
+                             "failed": a.failed, "run_seconds": a.run_time,
+                             "share": a.run_time / total if total else 0.0}
+                for name, value in (("wait_p50_seconds", a.wait_p50),
+                                    ("wait_p99_seconds", a.wait_p99),
+                                    ("weight", weights.get(app))):
                     if value is not None:
-                        a[key] = max(a.get(key, value), value)
-            for rule in stats.apps:
-                if rule.app in apps:
-                    apps[rule.app]["weight"] = rule.weight
-            total = sum(a["run_seconds"] for a in apps.values())
-            for a in apps.values():
-                a["share"] = a["run_seconds"] / total if total else 0.0
-        for resource, per_app in snap.held.items():
-            for app, amount in per_app.items():
+                        apps[app][name] = value
+        for resource, held in snap.held.items():
+            for app, amount in held.items():
                 apps.setdefault(app, {})[resource] = amount
-        for app, figures in apps.items():
-            key = [device, _app_label(app)]
-            for name, value in figures.items():
+        for app, values in apps.items():
+            key = [device, app_name(app)]
+            for name, value in values.items():
                 (counters[name] if name in counters else gauges[name]).add_metric(key, value)
         yield slots
         yield busy

@@ -49,7 +49,7 @@ import grpc
 
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...handoff import Waiter, run_in_worker
-from ...hal import (BurstExecution, BurstSession, Capabilities, Device, DeviceType, Execution,
+from ...hal import (BurstSession, Capabilities, Device, DeviceType, Execution, FrameExecution,
                     ExecutionPreference, ExecutionResult, PreparedModel, Request, Scheduling)
 from ...hal.types import Priority
 from ...hal.validate import checked_flags
@@ -837,10 +837,13 @@ class RemoteBurst(BurstSession):
         return self.prepared._unusable()
 
     def create_execution(self, request: Request, measure: bool = False,
-                         loop_timeout: float | None = None) -> "_RemoteBurstExecution":
+                         loop_timeout: float | None = None) -> FrameExecution:
+        """Each execution is a frame of this burst (its layout bound on the
+        server by the first)."""
         if self._closed:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT, "the burst session is closed")
-        return _RemoteBurstExecution(self, request, measure, loop_timeout)
+        wire.check_request(request)
+        return FrameExecution(self, request, measure, loop_timeout)
 
     def close(self) -> None:
         """End the stream (the server lets go of the layouts). Idempotent."""
@@ -848,18 +851,3 @@ class RemoteBurst(BurstSession):
             self._closed = True
             self._frames.put(_END)
 
-
-class _RemoteBurstExecution(BurstExecution):
-    """A request bound to a remote burst: each execution is a frame of it
-    (its layout bound on the server by the first)."""
-
-    def __init__(self, burst: RemoteBurst, request: Request, measure: bool,
-                 loop_timeout: float | None):
-        wire.check_request(request)
-        self.burst = burst
-        self.request = request
-        self.measure = measure
-        self.loop_timeout = loop_timeout
-
-    async def execute(self, deadline: float | None = None) -> ExecutionResult:
-        return await self.burst.execute(self.request, self.measure, deadline, self.loop_timeout)

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import anyio
 
 from ...errors import ErrorStatus, NnrtError, invalid
-from ...hal import (BurstExecution, BurstSession, Capabilities, Device, DeviceType, Execution,
-                    ExecutionPreference, ExecutionResult, PreparedModel, Request, Scheduling)
+from ...hal import (BurstSession, Capabilities, Device, DeviceType, Execution,
+                    ExecutionPreference, ExecutionResult, FrameExecution, PreparedModel, Request,
+                    Scheduling)
 from ...hal.types import Priority
 from ...model.graph import HalModel
 from ...vlog import vlog
@@ -592,10 +593,11 @@ class PoolBurst(BurstSession):
             self._unbind()
 
     def create_execution(self, request: Request, measure: bool = False,
-                         loop_timeout: float | None = None) -> "_PoolBurstExecution":
+                         loop_timeout: float | None = None) -> FrameExecution:
+        """Each execution is a frame of this burst."""
         if self._closed:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT, "the burst session is closed")
-        return _PoolBurstExecution(self, request, measure, loop_timeout)
+        return FrameExecution(self, request, measure, loop_timeout)
 
     def close(self) -> None:
         if not self._closed:
@@ -606,16 +608,3 @@ class PoolBurst(BurstSession):
         where = self.member.target if self._burst is not None else "no member"
         return f"<PoolBurst on {where}>"
 
-
-class _PoolBurstExecution(BurstExecution):
-    """A request bound to a pool's burst: each execution is a frame of it."""
-
-    def __init__(self, burst: PoolBurst, request: Request, measure: bool,
-                 loop_timeout: float | None):
-        self.burst = burst
-        self.request = request
-        self.measure = measure
-        self.loop_timeout = loop_timeout
-
-    async def execute(self, deadline: float | None = None) -> ExecutionResult:
-        return await self.burst.execute(self.request, self.measure, deadline, self.loop_timeout)
