@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import nnrt
+from nnrt.service.client import ServiceDevice
 from nnrt.service.remote.client import RemoteDevice, remote_status
 
 from .test_remote import BOUND, HOST, add_model, remote_service  # noqa: F401 (a fixture)
@@ -124,17 +125,22 @@ async def test_a_killed_member_s_pending_work_reruns_on_the_other_and_it_comes_b
 
 async def test_status_remote_and_metrics_show_the_service_s_own_accounting(remote_service,
                                                                           tmp_path):
+    socket = tmp_path / "far.sock"
     proc, target = remote_service("--insecure", "--statistics", "all", "--metrics",
-                                  f"{HOST}:0")
+                                  f"{HOST}:0", "--socket", str(socket))
     url = proc.stdout.readline().decode().split()[-1]
     assert url.startswith(f"http://{HOST}:") and url.endswith("/metrics")
     device = await RemoteDevice.connect(target)
+    local = await ServiceDevice.connect(str(socket))     # an app on the socket, too
     try:
-        async with nnrt.Runtime(devices=[device], strict=True) as rt:
-            compiled = await rt.compile(add_model())
+        async with nnrt.Runtime(devices=[device, local], strict=True) as rt:
+            compiled = await rt.compile(add_model(), devices=["far"])
             x = np.ones((1, 4), np.float32)
             for _ in range(5):
                 await compiled.execute([x, x])
+            on_socket = await rt.compile(add_model(), devices=[local])
+            for _ in range(3):
+                await on_socket.execute([x, x])
             async with compiled.burst() as burst:
                 for _ in range(2):
                     await burst.execute([x, x])
@@ -148,7 +154,8 @@ async def test_status_remote_and_metrics_show_the_service_s_own_accounting(remot
                     env={**os.environ, "NNRT_CONNECT_TIMEOUT": "5"}))
     finally:
         device.close()
-    (cls,) = value.statistics.classes
+        local.close()
+    (cls,) = [c for c in value.statistics.classes if c.app[0] == "remote"]
     samples = {(s.name, s.labels.get("app")): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     app = f"{cls.app[0]} {cls.app[1]}"
@@ -156,7 +163,7 @@ async def test_status_remote_and_metrics_show_the_service_s_own_accounting(remot
     assert samples[("nnrt_app_run_seconds_total", app)] == pytest.approx(cls.run_time)
     assert samples[("nnrt_app_deadline_misses_total", app)] == cls.deadline_misses == 0
     assert samples[("nnrt_app_preemptions_total", app)] == cls.preempted
-    assert samples[("nnrt_app_queued", app)] == 0 and samples[("nnrt_app_share", app)] == 1
+    assert samples[("nnrt_app_queued", app)] == 0
     # What the app holds under the service's limits: its session, its
     # model, the open burst and the burst's one layout (2 inputs and an
     # output of 16 bytes, on pools of the server's own).
@@ -165,11 +172,22 @@ async def test_status_remote_and_metrics_show_the_service_s_own_accounting(remot
     assert samples[("nnrt_app_bursts", app)] == 1
     assert samples[("nnrt_app_mapped_bytes", app)] == 48
     assert samples[("nnrt_device_slots", None)] == 1
-    # One table: the host's app row (7 done), and the host that did not answer.
+    # The socket's app, in the same figures: its pid, its 3 executions.
+    mine = f"pid {os.getpid()}"
+    assert samples[("nnrt_app_completed_total", mine)] == 3
+    assert samples[("nnrt_app_connections", mine)] == 1
+    assert samples[("nnrt_app_models", mine)] == 1
+    assert samples[("nnrt_app_share", mine)] + samples[("nnrt_app_share", app)] == \
+        pytest.approx(1)
+    # One table: the host's app rows (7 and 3 done), and the host that did not answer.
     assert table.returncode == 0, table.stderr
     lines = table.stdout.decode().splitlines()
     assert lines[0].split()[:4] == ["host", "device", "app", "rule"]
-    (row,) = [line for line in lines if line.startswith(target)]
-    assert app in row and row.split()[-3:] == ["7", "0", "0"]
+    rows = [line for line in lines if line.startswith(target)]
+    (remote_row,) = [line for line in rows if app in line]
+    (local_row,) = [line for line in rows if mine in line]
+    assert len(rows) == 2
+    assert remote_row.split()[-3:] == ["7", "0", "0"]
+    assert local_row.split()[-3:] == ["3", "0", "0"]
     (down,) = [line for line in lines if line.startswith(unreachable)]
     assert "unreachable" in down and "UNAVAILABLE" in down

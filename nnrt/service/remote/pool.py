@@ -442,7 +442,9 @@ class PoolPreparedModel(PreparedModel):
         if problem is not None:
             raise NnrtError(problem.status, problem.message)
         burst = PoolBurst(self)
-        await burst._bind(set())
+        if not await burst._bind(set()):
+            left = self.pool._left()
+            raise NnrtError(left.status, left.message)
         return burst
 
     def release(self) -> None:
