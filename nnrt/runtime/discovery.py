@@ -290,10 +290,12 @@ class ServiceState:
     state: str          # "up", "unreachable" or "refused"
     reason: str = ""    # why it is not up
     device: str = ""    # the device name when up
+    members: tuple = ()  # a pool's: each member's state (pool.MemberState)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.state}" + (f" ({self.device})" if self.device else "") + \
-            (f": {self.reason}" if self.reason else "")
+            (f": {self.reason}" if self.reason else "") + \
+            "".join(f"\n    member {m}" for m in self.members)
 
 
 def _identity(path: str):
@@ -355,6 +357,9 @@ class Reconnector:
             if not device.alive and self._states[path].state == "up":
                 self._states[path] = ServiceState(path, "unreachable",
                                                   f"the service {device.name} died")
+            elif path.startswith(POOL_PREFIX) and device.alive:
+                self._states[path] = ServiceState(path, "up", device=device.name,
+                                                  members=tuple(device.members()))
         return [self._states[p] for p in self._paths]
 
     async def _try(self, path: str) -> Device | None:

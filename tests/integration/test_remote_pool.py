@@ -43,7 +43,11 @@ async def test_a_pool_spreads_executions_over_its_members_and_keeps_a_burst_on_o
     targets = [target for _, target in _pool(remote_service)]
     async with nnrt.Runtime(remote=targets, pool="cpu-pool", discover=False, litert=False,
                             strict=True) as rt:
-        assert str(rt.services[0]) == f"pool:cpu-pool={'+'.join(targets)}: up (cpu-pool)"
+        (state,) = rt.services
+        assert (state.path, state.state, state.device) == \
+            (f"pool:cpu-pool={'+'.join(targets)}", "up", "cpu-pool")
+        assert [(m.target, m.state, m.device) for m in state.members] == \
+            [(targets[0], "up", "m0"), (targets[1], "up", "m1")]
         compiled = await rt.compile(add_model())
         assert [d.name for d in compiled.devices] == ["cpu-pool"]
         x = np.random.default_rng(0).random((1, 4), dtype=np.float32)
