@@ -116,3 +116,18 @@ def test_pool_entries():
                      ("pool:p=grpc://h", "is not")):
         with pytest.raises(NnrtError, match=why):
             parse_pool(bad)
+
+
+def test_a_pool_is_one_entry_of_nnrt_drivers_and_drivers_conf(tmp_path, caplog):
+    from nnrt.runtime import discovery
+    conf = tmp_path / "nnrt" / "drivers.conf"
+    conf.parent.mkdir()
+    conf.write_text("pool:gpu=grpcs://10.0.0.7:7001+grpcs://10.0.0.8:7001  # two hosts\n"
+                    "pool:bad=grpc://h\n")
+    environ = {"XDG_CONFIG_HOME": str(tmp_path),
+               "NNRT_DRIVERS": "pool:cpu=grpc://127.0.0.2:7000+grpc://127.0.0.3:7000,/run/a.sock"}
+    with caplog.at_level("WARNING", logger="nnrt.manager"):
+        assert discovery.configured_sockets(environ) == [
+            "pool:cpu=grpc://127.0.0.2:7000+grpc://127.0.0.3:7000", "/run/a.sock",
+            "pool:gpu=grpcs://10.0.0.7:7001+grpcs://10.0.0.8:7001"]
+    assert "'pool:bad=grpc://h'" in caplog.text and "left out" in caplog.text
