@@ -394,9 +394,10 @@ class SchedulerStatistics:
 class SchedulerLoad:
     """How busy the device is now, cheap to ask (O(apps)): jobs waiting
     (held ones included) and running over all apps, the slots, and the
-    recent mean run time of a job that finished (an exponentially weighted
-    mean over about the last ``1 / SERVICE_WEIGHT`` jobs; None before the
-    first). A pool of hosts reads it from every reply
+    recent run time of a job that finished: the median (nearest rank) of
+    the last ``SERVICE_SAMPLES`` (None before the first). A median, not a mean: one
+    outlier -- an interpreter's slow first run, a run the OS stalled --
+    does not move it. A pool of hosts reads it from every reply
     (``nnrt.service.remote.pool``)."""
 
     queued: int
@@ -405,7 +406,7 @@ class SchedulerLoad:
     service_time: float | None
 
 
-SERVICE_WEIGHT = 0.25   # weight of the newest job in SchedulerLoad.service_time
+SERVICE_SAMPLES = 16   # recent run times SchedulerLoad.service_time is the median of
 
 
 @dataclass(eq=False)
@@ -518,7 +519,7 @@ class Scheduler:
         self._vtime = 0.0
         self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
         self._leaving: set = set()    # apps gone, forgotten when their last job ends
-        self._service_time: float | None = None   # SchedulerLoad.service_time
+        self._run_times: deque[float] = deque(maxlen=SERVICE_SAMPLES)   # of DONE jobs
 
     # --- the calls that drive it ------------------------------------------
 
@@ -800,7 +801,8 @@ class Scheduler:
 
     def load(self) -> SchedulerLoad:
         held = sum(len(state.held) for state in self._apps.values())
-        return SchedulerLoad(self._queued + held, self._busy, self.slots, self._service_time)
+        return SchedulerLoad(self._queued + held, self._busy, self.slots,
+                             _percentile(sorted(self._run_times), 0.50))
 
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         """The most recent finished jobs (``history`` of them), oldest first."""
@@ -1155,9 +1157,7 @@ class Scheduler:
         c = job._cls or self._class(job)
         if status is _NONE:
             c.completed += 1
-            last = self._service_time
-            self._service_time = job.ran if last is None else \
-                last + SERVICE_WEIGHT * (job.ran - last)
+            self._run_times.append(job.ran)
         elif job.cancel_requested:
             c.cancelled += 1
         elif status in _MISSES:

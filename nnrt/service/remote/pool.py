@@ -22,8 +22,8 @@ expected wait::
 ``others' jobs``, ``slots`` and ``service time`` come from the member's own
 scheduler: every execution reply carries its load as it left
 (``nnrt.qos.SchedulerLoad``: jobs waiting and running over all apps, slots,
-the recent mean run time of a job), so keeping them fresh costs no call of
-its own. ``ours`` is counted here, exactly: this pool's calls on the network
+the median run time of its last 16 jobs), so keeping them fresh costs no
+call of its own. ``ours`` is counted here, exactly: this pool's calls on the network
 to that member or waiting for one of its places, plus its bursts bound
 there (a burst is a stream that keeps a member busy). A report counts for
 ``STALE`` seconds; after that, a member we stopped sending to because it was
