@@ -711,8 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics", metavar="HOST:PORT",
                        help="serve per-app figures (queues, shares, waits, deadline misses, "
                             "preemptions, what each app holds) as Prometheus metrics at "
-                            "http://HOST:PORT/metrics; plain HTTP on loopback only, elsewhere "
-                            "HTTPS with --listen's --tls-cert/--tls-key (and --client-ca). "
+                            "http(s)://HOST:PORT/metrics: HTTPS with --listen's --tls-cert/"
+                            "--tls-key (and --client-ca), else plain HTTP on loopback only. "
                             "See docs/operators/remote.md#metrics")
     serve.set_defaults(func=_driver_serve)
     status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
