@@ -6,6 +6,7 @@ member comes back; ``nnrt driver status --remote`` and the Prometheus
 endpoint, checked against the services' own accounting."""
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -19,7 +20,7 @@ import nnrt
 from nnrt.service.client import ServiceDevice
 from nnrt.service.remote.client import RemoteDevice, remote_status
 
-from .test_remote import BOUND, HOST, add_model, remote_service  # noqa: F401 (a fixture)
+from .test_remote import BOUND, HOST, add_model, pki, remote_service  # noqa: F401 (fixtures)
 
 HOSTS = (HOST, "127.0.0.3")
 
@@ -195,3 +196,18 @@ async def test_status_remote_and_metrics_show_the_service_s_own_accounting(remot
     assert local_row.split()[-3:] == ["3", "0", "0"]
     (down,) = [line for line in lines if line.startswith(unreachable)]
     assert "unreachable" in down and "UNAVAILABLE" in down
+
+
+def test_metrics_are_https_with_the_listener_s_certificate(remote_service, pki):
+    proc, _ = remote_service("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server.key"]),
+                             "--client-ca", str(pki["ca"]), "--metrics", f"{HOST}:0")
+    url = proc.stdout.readline().decode().split()[-1]
+    assert url.startswith(f"https://{HOST}:")
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    with pytest.raises(OSError):     # no client certificate: the handshake is refused
+        urllib.request.urlopen(url, timeout=BOUND, context=context).read()
+    context.load_cert_chain(str(pki["camera"]), str(pki["camera.key"]))
+    text = urllib.request.urlopen(url, timeout=BOUND, context=context).read().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text)
+               for s in family.samples}
+    assert samples["nnrt_device_slots"] == 1 and samples["nnrt_device_busy_slots"] == 0
