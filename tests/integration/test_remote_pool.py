@@ -1,7 +1,7 @@
 """Scale-out (issue 42, deliverable 6): a pool of real ``nnrt driver serve
 --listen`` processes on 127.0.0.2 and 127.0.0.3 (loopback, standing for
 two hosts) as one device -- executions spread over the members, a burst
-stays on one, a killed member's work runs again on the other and the
+and a reusable execution stay on one, a killed member's work runs again on the other and the
 member comes back; ``nnrt driver status --remote`` and the Prometheus
 endpoint, checked against the services' own accounting."""
 import os
@@ -72,6 +72,14 @@ async def test_a_pool_spreads_executions_over_its_members_and_keeps_a_burst_on_o
                 np.testing.assert_array_equal((await second.execute([x, x])).outputs[0], 2 * x)
         after = await _done(targets)
         assert sorted(a - b for a, b in zip(after, spread)) == [2, 4]
+        # A reusable execution is bound to one member too, and stays there.
+        frame = np.zeros((1, 4), np.float32)
+        execution = compiled.create_execution([frame, x], reusable=True)
+        for k in range(3):
+            frame[:] = k
+            np.testing.assert_array_equal((await execution.compute()).outputs[0], x + k)
+        final = await _done(targets)
+        assert sorted(a - b for a, b in zip(final, after)) == [0, 3]
 
 
 async def test_a_killed_member_s_pending_work_reruns_on_the_other_and_it_comes_back(

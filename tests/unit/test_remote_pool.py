@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from nnrt.errors import ErrorStatus, NnrtError
-from nnrt.hal import DeviceType
+from nnrt.hal import DeviceType, ExecutionResult
 from nnrt.qos import SchedulerLoad
 from nnrt.service.remote.client import RemoteStatistics
 from nnrt.service.remote.pool import STALE, PoolDevice, parse_pool, pool_entry
@@ -37,6 +37,9 @@ class Member:
 
     def close(self):
         self.closed = True
+
+    def kill(self):
+        self.alive, self.dead = False, NnrtError(ErrorStatus.DEAD_OBJECT, f"{self.name} died")
 
 
 def pool_of(*devices) -> PoolDevice:
@@ -131,3 +134,54 @@ def test_a_pool_is_one_entry_of_nnrt_drivers_and_drivers_conf(tmp_path, caplog):
             "pool:cpu=grpc://127.0.0.2:7000+grpc://127.0.0.3:7000", "/run/a.sock",
             "pool:gpu=grpcs://10.0.0.7:7001+grpcs://10.0.0.8:7001"]
     assert "'pool:bad=grpc://h'" in caplog.text and "left out" in caplog.text
+
+
+class Prepared:
+    """A member's prepared model whose executions answer NONE, or
+    DEAD_OBJECT once its member is killed."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def create_execution(self, request, measure=False, loop_timeout=None):
+        return self
+
+    async def execute(self, deadline=None):
+        if not self.device.alive:
+            return ExecutionResult(ErrorStatus.DEAD_OBJECT, message="gone")
+        self.device.computed += 1
+        return ExecutionResult(ErrorStatus.NONE)
+
+    def release(self):
+        pass
+
+
+class Preparing(Member):
+    computed = 0
+
+    async def prepare_model(self, model, preference, priority, deadline=None):
+        if not self.alive:
+            raise NnrtError(ErrorStatus.DEAD_OBJECT, "gone")
+        return Prepared(self)
+
+
+def test_a_reusable_execution_stays_on_its_member_and_moves_when_it_dies():
+    a, b = Preparing("a"), Preparing("b")
+    pool = pool_of(a, b)
+
+    async def run():
+        prepared = await pool.prepare_model("model")
+        execution = prepared.create_execution("request")
+        for _ in range(3):
+            assert (await execution.execute()).status == ErrorStatus.NONE
+        first, other = (a, b) if a.computed else (b, a)
+        assert (first.computed, other.computed) == (3, 0)     # bound to one member
+        first.kill()                                          # it dies under the binding
+        assert (await execution.execute()).status == ErrorStatus.NONE
+        assert (first.computed, other.computed) == (3, 1)     # ran again on the other
+        other.kill()
+        result = await execution.execute()
+        assert result.status == ErrorStatus.DEAD_OBJECT
+        assert result.message.startswith("no member of pool p is left: ")
+        assert "a died" in result.message and "b died" in result.message
+    anyio.run(run)
