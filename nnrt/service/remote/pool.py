@@ -32,9 +32,9 @@ reports afresh. A member that has never answered an execution is judged by
 the other members' service time. Ties go to the member with less of our
 work, then round robin.
 
-Sticky work. A burst and a reusable execution are bound to one member when
-made (chosen as above) and stay there: the member keeps the burst's layouts
-and the execution's binding.
+Sticky work. A burst (when opened) and a reusable execution (at its first
+computation) are bound to one member, chosen as above, and stay there: the
+member keeps the burst's layouts and the execution's binding.
 
 A dead member. When a member's connection dies (a reset connection at once,
 a hung host by keepalive), its pending calls answer DEAD_OBJECT; the pool
