@@ -32,8 +32,10 @@ input) run ``--frames`` frames each, over a pool of the two services
 (``PoolDevice``: each burst bound to the member with the shortest expected
 wait) and over the first service alone (its ``RemoteDevice``), alternating
 configuration by configuration in one process for ``--rounds`` rounds.
-Prints each configuration's median throughput (frames per second), where
-the pool's bursts went, and the ratio pool / one server.
+Prints each configuration's median throughput (frames per second) and the
+CPU this client process spent per frame (it is not pinned: on a 2-core
+machine it shares the servers' cores), where the pool's bursts went, and
+the ratio pool / one server.
 """
 from __future__ import annotations
 
@@ -179,13 +181,14 @@ def pool_main(path, args) -> int:
         pool = await PoolDevice.connect("pool", targets)
         single = await RemoteDevice.connect(targets[0])
         async with nnrt.Runtime(devices=[pool, single]) as rt:
-            rates, spread = await bench_pool(rt, path, args)
+            rates, spread, client = await bench_pool(rt, path, args)
         print(f"{args.model}: {args.streams} streams x {args.frames} frames, "
               f"{args.rounds} alternating rounds; services pinned to cores 0 and 1; "
               f"load average {os.getloadavg()[0]:.2f}")
         for way, values in rates.items():
             print(f"  {way:<12} {statistics.median(values):8.1f} frames/s median "
-                  f"(min {min(values):.1f}, max {max(values):.1f})")
+                  f"(min {min(values):.1f}, max {max(values):.1f}); this client's CPU "
+                  f"{client[way] * 1e3:.2f} ms per frame")
         print(f"  the pool's bursts per member: {spread}")
         ratio = statistics.median(rates["pool of 2"]) / statistics.median(rates["1 server"])
         print(f"  throughput, pool of 2 / 1 server: {ratio:.2f}x")
@@ -234,21 +237,27 @@ async def bench_pool(rt, path, args):
             frame[:] = frames[k]
             await burst.compute(execution)
 
+    frames_per_round = args.streams * args.frames
+    cpu = {way: 0.0 for way in ways}     # this process's CPU seconds (all its threads)
+
     async def timed(way) -> float:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(stream(*s) for s in ways[way]))
-        return args.streams * args.frames / (time.perf_counter() - start)
+        cpu[way] += time.process_time() - start_cpu
+        return frames_per_round / (time.perf_counter() - start)
 
     rates = {way: [] for way in ways}
     await timed("pool of 2")           # warm-up, not recorded
     await timed("1 server")
+    cpu = dict.fromkeys(ways, 0.0)
     for k in range(args.rounds):
         for way in (list(ways) if k % 2 == 0 else list(ways)[::-1]):
             rates[way].append(await timed(way))
+    client = {way: seconds / (args.rounds * frames_per_round) for way, seconds in cpu.items()}
     for streams in ways.values():
         for _, burst, _ in streams:
             await burst.__aexit__(None, None, None)
-    return rates, spread
+    return rates, spread, client
 
 
 def report(name, rounds, times, transport) -> None:
