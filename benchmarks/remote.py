@@ -35,6 +35,22 @@ ratio of medians to LiteRT direct; and the transport cost of each burst
 remote over local, and the remote burst's transport against gRPC echo:
 what nnrt adds over gRPC itself. Outputs are checked against LiteRT direct's
 once.
+
+Scale-out (``--pool``)::
+
+    .venv/bin/python benchmarks/remote.py --pool [--rounds 5] [--streams 8] [--frames 10]
+
+Two ``litert`` services, on 127.0.0.2 and 127.0.0.3, each pinned to a core
+of its own with ``taskset`` (cores 0 and 1). ``--streams`` concurrent
+streams (bursts of the model, a reusable execution each, each frame a new
+input) run ``--frames`` frames each, over a pool of the two services
+(``PoolDevice``: each burst bound to the member with the shortest expected
+wait) and over the first service alone (its ``RemoteDevice``), alternating
+configuration by configuration in one process for ``--rounds`` rounds.
+Prints each configuration's median throughput (frames per second) and the
+CPU this client process spent per frame (it is not pinned: on a 2-core
+machine it shares the servers' cores), where the pool's bursts went, and
+the ratio pool / one server.
 """
 from __future__ import annotations
 
@@ -68,8 +84,11 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def start_remote(host: str) -> tuple[subprocess.Popen, str]:
-    proc, address = start([sys.executable, "-m", "nnrt", "driver", "serve", "remote-litert",
+def start_remote(host: str, name: str = "remote-litert",
+                 core: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A litert service listening on ``host``, pinned to ``core`` when given."""
+    pin = [] if core is None else ["taskset", "-c", str(core)]
+    proc, address = start([*pin, sys.executable, "-m", "nnrt", "driver", "serve", name,
                            "--driver", "litert", "--listen", f"{host}:0", "--insecure"])
     return proc, f"grpc://{address}"
 
@@ -160,6 +179,10 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="127.0.0.2", help="the loopback address of the 'remote' host")
     ap.add_argument("--serve-echo", type=int, metavar="ANSWER_BYTES", help=argparse.SUPPRESS)
     ap.add_argument("--echo-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--pool", action="store_true",
+                    help="scale-out instead: streams over a pool of two pinned services vs one")
+    ap.add_argument("--streams", type=int, default=8, help="--pool: concurrent streams")
+    ap.add_argument("--frames", type=int, default=10, help="--pool: frames per stream per round")
     args = ap.parse_args(argv)
     if args.serve_echo is not None:
         asyncio.run(serve_echo(args.host, args.serve_echo, args.echo_delay))
@@ -167,6 +190,8 @@ def main(argv=None) -> int:
     path = MODELS / f"{args.model}.tflite"
     if not path.exists():
         ap.error(f"{path} is not there")
+    if args.pool:
+        return pool_main(path, args)
     server, target = start_remote(args.host)
     loop = asyncio.new_event_loop()
     rt = nnrt.Runtime(spawn=[("local-litert", "litert")], remote=[target], discover=False)
@@ -277,6 +302,97 @@ async def _rounds(timed, names, ways, echoes, rounds, frame, new_frame, bursts):
     for burst in bursts:
         await burst.__aexit__(None, None, None)
     return times, transport
+
+
+def pool_main(path, args) -> int:
+    from nnrt.service.remote.client import RemoteDevice
+    from nnrt.service.remote.pool import PoolDevice
+
+    servers = [start_remote(host, f"litert-{core}", core)
+               for core, host in enumerate(("127.0.0.2", "127.0.0.3"))]
+    targets = [target for _, target in servers]
+
+    async def run() -> None:
+        pool = await PoolDevice.connect("pool", targets)
+        single = await RemoteDevice.connect(targets[0])
+        async with nnrt.Runtime(devices=[pool, single]) as rt:
+            rates, spread, client = await bench_pool(rt, path, args)
+        print(f"{args.model}: {args.streams} streams x {args.frames} frames, "
+              f"{args.rounds} alternating rounds; services pinned to cores 0 and 1; "
+              f"load average {os.getloadavg()[0]:.2f}")
+        for way, values in rates.items():
+            print(f"  {way:<12} {statistics.median(values):8.1f} frames/s median "
+                  f"(min {min(values):.1f}, max {max(values):.1f}); this client's CPU "
+                  f"{client[way] * 1e3:.2f} ms per frame")
+        print(f"  the pool's bursts per member: {spread}")
+        ratio = statistics.median(rates["pool of 2"]) / statistics.median(rates["1 server"])
+        print(f"  throughput, pool of 2 / 1 server: {ratio:.2f}x")
+
+    try:
+        asyncio.run(run())
+    finally:
+        for proc, _ in servers:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+    return 0
+
+
+async def bench_pool(rt, path, args):
+    model = nnrt.tflite.load(str(path))
+    x = np.load(MODELS / f"{args.model}.in0.npy")
+    rng = np.random.default_rng(0)
+    info = np.iinfo(x.dtype) if x.dtype.kind in "iu" else None
+    want = litert_direct(path, [x])()
+    # Camera frames: each differs from the one before (the burst sends its
+    # bytes), made before the timing so the client's CPU goes to serving.
+    frames = [rng.integers(info.min, info.max, x.shape, dtype=x.dtype, endpoint=True)
+              if info is not None else rng.random(x.shape, dtype=np.float32).astype(x.dtype)
+              for _ in range(args.frames + 1)]
+    ways = {}
+    for way, device in (("pool of 2", "pool"), ("1 server", "litert-0")):
+        compiled = await rt.compile(model, devices=[device])
+        # Warm the interpreters (their first runs are slow) before the
+        # bursts are placed by the members' service times.
+        for _ in range(4):
+            await asyncio.gather(*(compiled.execute([x]) for _ in range(args.streams)))
+        streams = []
+        for _ in range(args.streams):
+            frame = x.copy()
+            burst = await compiled.burst().__aenter__()
+            execution = compiled.create_execution([frame])
+            got = (await burst.compute(execution)).outputs
+            if not all(np.array_equal(g, w) for g, w in zip(got, want)):
+                sys.exit(f"{way} gave outputs that differ from LiteRT direct's")
+            streams.append((frame, burst, execution))
+        ways[way] = streams
+    spread = {m.target: m.bursts for m in rt.device("pool").members()}
+
+    async def stream(frame, burst, execution) -> None:
+        for k in range(args.frames):
+            frame[:] = frames[k]
+            await burst.compute(execution)
+
+    frames_per_round = args.streams * args.frames
+    cpu = {way: 0.0 for way in ways}     # this process's CPU seconds (all its threads)
+
+    async def timed(way) -> float:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(stream(*s) for s in ways[way]))
+        cpu[way] += time.process_time() - start_cpu
+        return frames_per_round / (time.perf_counter() - start)
+
+    rates = {way: [] for way in ways}
+    await timed("pool of 2")           # warm-up, not recorded
+    await timed("1 server")
+    cpu = dict.fromkeys(ways, 0.0)
+    for k in range(args.rounds):
+        for way in (list(ways) if k % 2 == 0 else list(ways)[::-1]):
+            rates[way].append(await timed(way))
+    client = {way: seconds / (args.rounds * frames_per_round) for way, seconds in cpu.items()}
+    for streams in ways.values():
+        for _, burst, _ in streams:
+            await burst.__aexit__(None, None, None)
+    return rates, spread, client
 
 
 def report(name, rounds, times, transport) -> None:

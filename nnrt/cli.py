@@ -64,6 +64,8 @@ def _devices(args) -> int:
 def _driver_serve(args) -> int:
     from .memory.heap import give_back_soon
     from .drivers.sample import DRIVERS, make_driver
+    import asyncio
+    from .service.address import split_address
     from .service.server import DriverService, ServiceLimits, default_socket_path, serve
     from .qos import ScheduledDevice
 
@@ -78,6 +80,9 @@ def _driver_serve(args) -> int:
         policy = Policy.load(args.policy) if args.policy else None
         limits = ServiceLimits.parse(args.limit)
         listener = _listener(args)
+        if args.metrics is not None:
+            from .service.metrics import check_metrics_address
+            check_metrics_address(args.metrics, listener is not None and listener.cert is not None)
         driver = make_driver(kind, args.name, **settings)
     except nnrt.NnrtError as e:
         print(f"nnrt driver serve: {e.message}", file=sys.stderr)
@@ -118,15 +123,31 @@ def _driver_serve(args) -> int:
                 if listener is not None:
                     # One service, one accounting: remote apps count against
                     # the same --limit values as the socket's apps.
-                    from .service.remote.server import serve_remote, split_address
+                    from .service.remote.server import serve_remote
                     port = await tg.start(partial(serve_remote, service, listener))
                     host, _ = split_address(listener.address)
+                metrics = None
+                if args.metrics is not None:
+                    from .service.metrics import serve_metrics
+                    https = listener is not None and listener.cert is not None
+                    metrics = serve_metrics(
+                        service, args.metrics, asyncio.get_running_loop(),
+                        certfile=args.tls_cert if https else None,
+                        keyfile=args.tls_key if https else None,
+                        client_cafile=args.client_ca if https else None)
+                    tg.start_soon(_stop_metrics_on_exit, metrics)
                 _freeze_heap(device.name)
                 if path is not None:
                     print(f"nnrt driver {device.name} ({kind}) listening on {path}", flush=True)
                 if listener is not None:
                     print(f"nnrt driver {device.name} ({kind}) listening on "
                           f"{'grpcs' if listener.cert else 'grpc'}://{host}:{port}", flush=True)
+                if metrics is not None:
+                    mhost, _ = split_address(args.metrics)
+                    mhost = f"[{mhost}]" if ":" in mhost else mhost
+                    print(f"nnrt driver {device.name} ({kind}) metrics on "
+                          f"{'https' if https else 'http'}://{mhost}:{metrics.server_port}"
+                          f"/metrics", flush=True)
                 async for signum in signals:
                     if signum == signal.SIGHUP:    # re-read --policy, keep serving
                         if args.policy:
@@ -157,13 +178,23 @@ def _driver_serve(args) -> int:
     return 1 if failed else 0
 
 
+async def _stop_metrics_on_exit(server) -> None:
+    """Stop the metrics endpoint when the service stops."""
+    try:
+        await anyio.sleep_forever()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _listener(args):
     """The gRPC listener ``--listen`` and its TLS or token options ask for,
     or None; INVALID_ARGUMENT for options that do not go together."""
     remote_options = [o for o, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                                      ("--client-ca", args.client_ca),
                                      ("--token-file", args.token_file),
-                                     ("--insecure", args.insecure)) if v]
+                                     ("--insecure", args.insecure),
+                                     ("--admin-remote", args.admin_remote)) if v]
     if args.listen is None:
         if remote_options:
             raise nnrt.NnrtError(nnrt.ErrorStatus.INVALID_ARGUMENT,
@@ -182,7 +213,8 @@ def _listener(args):
                                  f"cannot read {path}: {e.strerror}") from None
 
     return Listener(args.listen, pem(args.tls_cert), pem(args.tls_key), pem(args.client_ca),
-                    load_tokens(args.token_file) if args.token_file else {}, args.insecure)
+                    load_tokens(args.token_file) if args.token_file else {}, args.insecure,
+                    frozenset(args.admin_remote))
 
 
 def _remove_spawn_folder(socket_path: str) -> None:
@@ -228,6 +260,8 @@ def _driver_status(args) -> int:
     from .service.server import default_socket_path
     from .qos.status import render
 
+    if args.remote:
+        return _remote_status(args)
     if args.socket or args.name:
         paths = [args.socket or default_socket_path(args.name)]
     else:
@@ -259,6 +293,67 @@ def _driver_status(args) -> int:
     except nnrt.NnrtError as e:
         print(f"nnrt driver status: {e.message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _remote_status(args) -> int:
+    """``nnrt driver status --remote TARGET...``: every host's apps in one
+    table (and any --socket/NAME service's beside them); a host that does not
+    answer is a row saying why."""
+    from .qos.status import render_hosts
+    from .runtime import discovery
+    from .service.client import ServiceDevice
+    from .service.remote.client import parse_target, remote_status
+    from .service.server import default_socket_path
+
+    try:
+        for target in args.remote:
+            parse_target(target)
+    except nnrt.NnrtError as e:
+        print(f"nnrt driver status: {e.message}", file=sys.stderr)
+        return 1
+    local = [args.socket or default_socket_path(args.name)] if args.socket or args.name else []
+
+    async def one_remote(target):
+        try:
+            name, value = await remote_status(target, timeout=discovery.connect_timeout(),
+                                              **discovery.remote_credentials(target))
+        except nnrt.NnrtError as e:
+            return (target, e.message)
+        return (target, name, value.statistics, value.jobs)
+
+    async def one_local(path):
+        try:
+            device = await ServiceDevice.connect(path)
+        except nnrt.NnrtError as e:
+            return (path, e.message)
+        try:
+            return (path, device.name, await device.statistics(), await device.finished_jobs())
+        finally:
+            device.close()
+
+    async def main():
+        while True:
+            rows = [None] * (len(local) + len(args.remote))
+
+            async def fill(k, coro):
+                rows[k] = await coro
+            async with anyio.create_task_group() as tg:
+                for k, path in enumerate(local):
+                    tg.start_soon(fill, k, one_local(path))
+                for k, target in enumerate(args.remote, len(local)):
+                    tg.start_soon(fill, k, one_remote(target))
+            if not args.once:
+                print("\x1b[H\x1b[2J", end="")     # home, clear: a refreshing table
+            print(render_hosts(rows), flush=True)
+            if args.once:
+                return
+            await anyio.sleep(args.interval)
+
+    try:
+        anyio.run(main)
     except KeyboardInterrupt:
         pass
     return 0
@@ -608,6 +703,17 @@ def main(argv: list[str] | None = None) -> int:
                             "NAME TOKEN, mode 0600); a caller is the app NAME")
     serve.add_argument("--insecure", action="store_true",
                        help="--listen: plaintext, refused on any address but loopback")
+    serve.add_argument("--admin-remote", action="append", default=[], metavar="NAME",
+                       help="--listen: a remote app (its certificate's common name or token "
+                            "name) that sees every app's work in nnrt driver status --remote "
+                            "(repeatable); any other remote caller sees its own app's, unless "
+                            "--statistics all")
+    serve.add_argument("--metrics", metavar="HOST:PORT",
+                       help="serve per-app figures (queues, shares, waits, deadline misses, "
+                            "preemptions, what each app holds) as Prometheus metrics at "
+                            "http(s)://HOST:PORT/metrics: HTTPS with --listen's --tls-cert/"
+                            "--tls-key (and --client-ca), else plain HTTP on loopback only. "
+                            "See docs/operators/remote.md#metrics")
     serve.set_defaults(func=_driver_serve)
     status = driver.add_parser("status", help="per-app queues, shares, waits, preemptions "
                                "and misses of driver services, refreshed live")
@@ -617,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--socket", help="socket path (default $XDG_RUNTIME_DIR/nnrt/NAME.sock)")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
+    status.add_argument("--remote", action="append", default=[], metavar="HOST:PORT",
+                        help="a remote service ([grpc://|grpcs://]HOST:PORT, bare: TLS; "
+                             "repeatable): every host's apps in one table, a host that does "
+                             "not answer a row saying why; credentials from NNRT_REMOTE_* "
+                             "(docs/operators/remote.md)")
     status.set_defaults(func=_driver_status)
     inspect = sub.add_parser("inspect", help="show a .tflite model's inputs, outputs, "
                              "operations and the device that would run each")

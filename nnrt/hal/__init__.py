@@ -11,11 +11,11 @@ from .types import (NO_TIMING, AppDeclaration, UINT64_MAX, BufferDesc, BufferRol
                     ExecutionResult, MeasureTiming, OutputShape, PerformanceInfo, Priority,
                     Request, RequestArgument, Timing, check_deadline, check_priority, deadline_in)
 from .interface import (AppKey, Boundaries, Buffer, BurstExecution, BurstSession, Checkpoint, Device, Execution,
-                        FencedCallback, PreparedModel, RequestExecution, Scheduling)
+                        FencedCallback, FrameExecution, PreparedModel, RequestExecution, Scheduling)
 from .request import output_shapes, read_inputs, write_outputs
 from ..errors import ErrorStatus
 
-__all__ = ["AppDeclaration", "AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstExecution", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus", "Execution",
+__all__ = ["AppDeclaration", "AppKey", "Boundaries", "Buffer", "BufferDesc", "BufferRole", "BurstExecution", "BurstSession", "Capabilities", "Checkpoint", "Device", "DeviceType", "ErrorStatus", "Execution", "FrameExecution",
            "ExecutionPreference", "ExecutionResult", "MeasureTiming", "NO_TIMING", "OutputShape",
            "FencedCallback", "PerformanceInfo", "PreparedModel", "RequestExecution", "Scheduling", "Priority", "Request", "RequestArgument", "Timing",
            "UINT64_MAX", "check_deadline", "check_priority", "deadline_in", "output_shapes",

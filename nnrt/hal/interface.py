@@ -157,6 +157,23 @@ class BurstSession(abc.ABC):
         self.close()
 
 
+class FrameExecution(BurstExecution):
+    """A request bound to a burst session that keeps the binding itself (a
+    remote burst binds each layout on the server, a pool's burst on its
+    member): each ``execute`` is the session's ``execute`` of the request."""
+
+    def __init__(self, session: BurstSession, request: Request, measure: bool = False,
+                 loop_timeout: float | None = None):
+        self.session = session
+        self.request = request
+        self.measure = measure
+        self.loop_timeout = loop_timeout
+
+    async def execute(self, deadline: float | None = None) -> ExecutionResult:
+        return await self.session.execute(self.request, self.measure, deadline,
+                                          self.loop_timeout)
+
+
 class _InProcessBurst(BurstSession):
     """The burst of an in-process driver: there is nothing to hand off, so
     each execution is the prepared model's own ``execute``."""
@@ -457,6 +474,13 @@ class Device(abc.ABC):
     async def finished_jobs(self) -> tuple:
         """The scheduler's recent finished jobs (``JobRecord``), oldest first."""
         return ()
+
+    def load(self):
+        """How busy the scheduler in front of this device is now
+        (``nnrt.qos.SchedulerLoad``: jobs waiting and running, slots, recent
+        run time of a job), cheap enough to ask per execution; None when no
+        scheduler is in front."""
+        return None
 
     def introduce_app(self, app: AppKey, declaration: AppDeclaration) -> None:
         """``app`` (a driver service's new peer) declares a name and a script

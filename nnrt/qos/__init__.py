@@ -5,7 +5,7 @@ from .front import ScheduledDevice, ScheduledPreparedModel, model_bytes
 from .gate import ExecutionGate
 from .policy import AppIdentity, Policy, identify
 from .scheduler import (AppSettings, ClassStatistics, Job, JobRecord, JobState, Scheduler,
-                        SchedulerStatistics, Verdict, check_key, check_memory_limit)
+                        SchedulerLoad, SchedulerStatistics, Verdict, check_key, check_memory_limit)
 
 __all__ = ["AppIdentity", "AppSettings", "Policy", "identify", "ClassStatistics", "ExecutionGate", "Job", "JobRecord", "JobState", "ManualClock", "ScheduledDevice", "ScheduledPreparedModel",
-           "Scheduler", "SchedulerStatistics", "Verdict", "check_key", "check_memory_limit", "model_bytes"]
+           "Scheduler", "SchedulerLoad", "SchedulerStatistics", "Verdict", "check_key", "check_memory_limit", "model_bytes"]

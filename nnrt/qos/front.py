@@ -51,7 +51,7 @@ from .. import trace
 from .gate import ExecutionGate
 from .policy import Policy
 from .scheduler import (DEFAULT_QUEUE_LIMIT, AppSettings, Job, JobRecord, JobState, Scheduler,
-                        SchedulerStatistics, check_key, check_memory_limit)
+                        SchedulerLoad, SchedulerStatistics, check_key, check_memory_limit)
 
 _PREPARED_IDS = itertools.count(1)
 
@@ -173,6 +173,11 @@ class ScheduledDevice(Device):
     async def statistics(self) -> SchedulerStatistics:
         """The scheduler's counters per app and priority."""
         return self.gate.statistics()
+
+    def load(self) -> SchedulerLoad:
+        """How busy the device is now (cheap: a reply of a remote service
+        carries it)."""
+        return self.gate.load()
 
     async def finished_jobs(self) -> tuple[JobRecord, ...]:
         return self.gate.finished_jobs()

@@ -71,8 +71,8 @@ from ..errors import ErrorStatus, NnrtError
 from ..vlog import vlog
 from .. import trace
 from ..hal.types import Priority
-from .scheduler import (_RUNNING, Job, JobRecord, JobState, Scheduler, SchedulerStatistics,
-                        Verdict)
+from .scheduler import (_RUNNING, Job, JobRecord, JobState, Scheduler, SchedulerLoad,
+                        SchedulerStatistics, Verdict)
 
 _SLACK = 1e-4   # seconds past a wake time, so the job is hopeless when the poll runs
 
@@ -311,6 +311,10 @@ class ExecutionGate:
     def statistics(self) -> SchedulerStatistics:
         with self._lock:
             return self.scheduler.statistics()
+
+    def load(self) -> SchedulerLoad:
+        with self._lock:
+            return self.scheduler.load()
 
     def forget_app(self, app: Hashable) -> None:
         with self._lock:

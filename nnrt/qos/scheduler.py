@@ -390,6 +390,25 @@ class SchedulerStatistics:
         return sum(c.run_time for c in self.classes if c.app == app)
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """How busy the device is now, cheap to ask (O(apps)): jobs waiting
+    (held ones included) and running over all apps, the slots, and the
+    recent run time of a job that finished: the median (nearest rank) of
+    the last ``SERVICE_SAMPLES`` (None before the first). A median, not a mean: one
+    outlier -- an interpreter's slow first run, a run the OS stalled --
+    does not move it. A pool of hosts reads it from every reply
+    (``nnrt.service.remote.pool``)."""
+
+    queued: int
+    running: int
+    slots: int
+    service_time: float | None
+
+
+SERVICE_SAMPLES = 16   # recent run times SchedulerLoad.service_time is the median of
+
+
 @dataclass(eq=False)
 class _Class:
     queued: int = 0
@@ -500,6 +519,7 @@ class Scheduler:
         self._vtime = 0.0
         self._history: deque[Job] = deque(maxlen=history)   # DONE jobs
         self._leaving: set = set()    # apps gone, forgotten when their last job ends
+        self._run_times: deque[float] = deque(maxlen=SERVICE_SAMPLES)   # of DONE jobs
 
     # --- the calls that drive it ------------------------------------------
 
@@ -778,6 +798,11 @@ class Scheduler:
                                    state.settings.who or "")
                      for key, state in self._apps.items())
         return SchedulerStatistics(self.slots, self._busy, tuple(classes), apps)
+
+    def load(self) -> SchedulerLoad:
+        held = sum(len(state.held) for state in self._apps.values())
+        return SchedulerLoad(self._queued + held, self._busy, self.slots,
+                             _percentile(sorted(self._run_times), 0.50))
 
     def finished_jobs(self) -> tuple[JobRecord, ...]:
         """The most recent finished jobs (``history`` of them), oldest first."""
@@ -1132,6 +1157,7 @@ class Scheduler:
         c = job._cls or self._class(job)
         if status is _NONE:
             c.completed += 1
+            self._run_times.append(job.ran)
         elif job.cancel_requested:
             c.cancelled += 1
         elif status in _MISSES:

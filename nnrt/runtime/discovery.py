@@ -1,9 +1,11 @@
 """Finding driver services: ``NNRT_DRIVERS``, the config file, and services
 the runtime spawns itself.
 
-- ``NNRT_DRIVERS`` holds absolute socket paths separated by ``:`` or ``,``.
+- ``NNRT_DRIVERS`` holds absolute socket paths separated by ``:`` or ``,``,
+  remote services (``grpc://HOST:PORT``, ``grpcs://HOST:PORT``) and pools
+  of remote services (``pool:NAME=TARGET+TARGET...``) separated by ``,``.
 - ``$XDG_CONFIG_HOME/nnrt/drivers.conf`` (``~/.config`` when unset) lists one
-  socket path per line; ``#`` starts a comment.
+  of these per line; ``#`` starts a comment.
 - ``Runtime(spawn=["sample-float-fast", ("gpu0", "reference")])`` starts
   ``nnrt driver serve`` child processes on sockets in a private temporary
   folder and stops them when the runtime closes.
@@ -66,10 +68,27 @@ def _remote():
     return client
 
 
+def _pool():
+    from ..service.remote import pool
+    return pool
+
+
+POOL_PREFIX = "pool:"
+
+
 def is_remote(entry: str) -> bool:
     """Whether a configured entry names a remote service (``grpc://``,
-    ``grpcs://``) rather than a socket path."""
-    return entry.startswith(("grpc://", "grpcs://"))
+    ``grpcs://``) or a pool of them (``pool:NAME=...``) rather than a
+    socket path."""
+    return entry.startswith(("grpc://", "grpcs://", POOL_PREFIX))
+
+
+def _check_remote(entry: str) -> None:
+    """INVALID_ARGUMENT for a remote entry that does not parse."""
+    if entry.startswith(POOL_PREFIX):
+        _pool().parse_pool(entry)
+    else:
+        _remote().parse_target(entry)
 
 
 def _split_drivers(value: str) -> list[str]:
@@ -110,7 +129,7 @@ def configured_sockets(environ=os.environ) -> list[str]:
         p = p.strip()
         if is_remote(p):
             try:
-                _remote().parse_target(p)
+                _check_remote(p)
             except NnrtError as e:
                 _log.warning("driver service %r: %s: left out", p, e.message)
                 continue
@@ -245,6 +264,16 @@ async def connect_remote(target: str, environ=os.environ,
         raise Refused(e.status, e.message) from None
 
 
+async def connect_pool(entry: str, environ=os.environ) -> Device:
+    """The ``PoolDevice`` of ``pool:NAME=TARGET+...``, each member connected
+    with this process's credentials; DEVICE_UNAVAILABLE when no member
+    answers."""
+    pool = _pool()
+    name, targets = pool.parse_pool(entry)
+    return await pool.PoolDevice.connect(name, targets,
+                                         connect=lambda t: connect_remote(t, environ))
+
+
 async def connect_configured(environ=os.environ) -> list[ServiceDevice]:
     return await Reconnector(environ).connect_all()
 
@@ -261,10 +290,12 @@ class ServiceState:
     state: str          # "up", "unreachable" or "refused"
     reason: str = ""    # why it is not up
     device: str = ""    # the device name when up
+    members: tuple = ()  # a pool's: each member's state (pool.MemberState)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.state}" + (f" ({self.device})" if self.device else "") + \
-            (f": {self.reason}" if self.reason else "")
+            (f": {self.reason}" if self.reason else "") + \
+            "".join(f"\n    member {m}" for m in self.members)
 
 
 def _identity(path: str):
@@ -292,18 +323,23 @@ class Reconnector:
     silent socket never stalls compilations twice."""
 
     def __init__(self, environ=os.environ, app: AppDeclaration | None = None,
-                 remote=(), configured: bool = True):
+                 remote=(), configured: bool = True, pool: str | None = None):
         """``remote``: remote services (``[grpc://|grpcs://]HOST:PORT``) to
         connect to besides the configured ones (``configured=False``: only
-        these)."""
+        these); with ``pool``, they are the members of one pool device of
+        that name instead."""
         self._environ = environ
         self._app = app
         self._paths = configured_sockets(environ) if configured else []
+        entries = []
         for target in remote:
             if not isinstance(target, str):
                 raise invalid(f"a remote device is a 'HOST:PORT' string, not {target!r}")
             _remote().parse_target(target)
-            entry = target if is_remote(target) else f"grpcs://{target}"
+            entries.append(target if is_remote(target) else f"grpcs://{target}")
+        if pool is not None:
+            entries = [_pool().pool_entry(pool, entries)]
+        for entry in entries:
             if entry not in self._paths:
                 self._paths.append(entry)
         self._states: dict[str, ServiceState] = {}
@@ -321,14 +357,21 @@ class Reconnector:
             if not device.alive and self._states[path].state == "up":
                 self._states[path] = ServiceState(path, "unreachable",
                                                   f"the service {device.name} died")
+            elif path.startswith(POOL_PREFIX) and device.alive:
+                self._states[path] = ServiceState(path, "up", device=device.name,
+                                                  members=tuple(device.members()))
         return [self._states[p] for p in self._paths]
 
     async def _try(self, path: str) -> Device | None:
         self._seen[path] = _identity(path)
         start = time.monotonic()
         try:
-            device = await (connect_remote(path, self._environ) if is_remote(path)
-                            else connect(path, self._environ, app=self._app))
+            if path.startswith(POOL_PREFIX):
+                device = await connect_pool(path, self._environ)
+            elif is_remote(path):
+                device = await connect_remote(path, self._environ)
+            else:
+                device = await connect(path, self._environ, app=self._app)
         except NnrtError as e:
             kind = "refused" if isinstance(e, Refused) else "unreachable"
             self._states[path] = ServiceState(path, kind, e.message)
@@ -357,6 +400,8 @@ class Reconnector:
         for path in self._paths:
             device = self._devices.get(path)
             if device is not None and device.alive:
+                if path.startswith(POOL_PREFIX):   # its members that are down, when due
+                    await device.reconnect()
                 continue
             if is_remote(path):    # no file to watch: tried again at its retry time
                 if time.monotonic() < self._retry_at.get(path, 0.0):

@@ -50,7 +50,8 @@ class Runtime:
 
     def __init__(self, *, devices: Sequence[Device] | None = None, spawn: Sequence = (),
                  discover: bool = True, litert: bool = True, strict: bool = False,
-                 policy=None, app: str | None = None, remote: Sequence[str] = ()):
+                 policy=None, app: str | None = None, remote: Sequence[str] = (),
+                 pool: str | None = None):
         """``devices`` replaces discovery with the given devices. Otherwise the
         runtime has the services listed in ``NNRT_DRIVERS`` and the config
         file (``discover=True``), the services it starts itself from ``spawn``
@@ -74,7 +75,12 @@ class Runtime:
         ``grpc://HOST:PORT`` for plaintext; a bare ``HOST:PORT`` is TLS), used
         besides the configured ones (even with ``discover=False``), with the
         credentials of ``NNRT_REMOTE_*`` (docs/operators/remote.md); one that
-        does not answer is left out and tried again, as a configured service is."""
+        does not answer is left out and tried again, as a configured service is.
+        With ``pool="NAME"`` the ``remote`` services are the members of one
+        device of that name, a pool of hosts serving the same driver
+        (docs/operators/remote.md#pools): each execution goes to the member
+        with the shortest expected wait, a burst stays on one, a dead
+        member's work runs again on the others."""
         self.app = AppDeclaration.for_process(app)
         self._litert = litert
         self.strict = request.flag(strict, "strict")
@@ -82,6 +88,9 @@ class Runtime:
         self._spawn = list(spawn)
         self._discover = discover
         self._remote = [remote] if isinstance(remote, str) else list(remote)
+        if pool is not None and not self._remote:
+            raise invalid(f"pool {pool!r} needs its members: Runtime(remote=[...], pool=...)")
+        self._pool = pool
         self._policy = policy
         self._devices: list[Device] | None = None
         self._cpu: Device | None = None
@@ -162,7 +171,8 @@ class Runtime:
                 from . import discovery  # the service client needs only be loaded when used
                 if self._discover or self._remote:
                     self._reconnector = discovery.Reconnector(
-                        app=self.app, remote=self._remote, configured=self._discover)
+                        app=self.app, remote=self._remote, configured=self._discover,
+                        pool=self._pool)
                     found += await self._reconnector.connect_all()
                     if self._reconnector.configured:
                         self._task_group.start_soon(self._watch_services, discovery.RETRY_INTERVAL)

@@ -337,9 +337,7 @@ class DriverService:
         ``("uid", UID)``; a remote session (in :attr:`remote_holders`, its
         ``app`` ``("remote", NAME)``) by :data:`REMOTE_USER`, so all remote
         apps together leave the reserve to local users as one user's do."""
-        holdings = [(self.app_of(c.peer), ("uid", c.peer.uid), _held(c, resource))
-                    for c in self.connections]
-        holdings += [(h.app, REMOTE_USER, h.held(resource)) for h in self.remote_holders]
+        holdings = self.holdings(resource)
         limits = self.limits
         total = sum(n for _, _, n in holdings)
         if total + more > getattr(limits, resource):
@@ -360,6 +358,13 @@ class DriverService:
                      else f"{resource} = {limit} in policy rule {rule.name!r}")
             return f"app {app[0]} {app[1]} holds {mine} {resource}, its limit ({where})"
         return None
+
+    def holdings(self, resource: str) -> list[tuple]:
+        """``(app, user, amount)`` of ``resource`` per local connection and
+        remote session (see :meth:`over_limit_of`)."""
+        holdings = [(self.app_of(c.peer), ("uid", c.peer.uid), _held(c, resource))
+                    for c in self.connections]
+        return holdings + [(h.app, REMOTE_USER, h.held(resource)) for h in self.remote_holders]
 
     def app_holds_nothing(self, app) -> bool:
         """Whether no local connection and no remote session of ``app`` is open."""
@@ -404,6 +409,20 @@ class DriverService:
                 give_back_soon()
                 given = work
             seen = work
+
+    async def statistics_for(self, app) -> p.StatisticsValue:
+        """The scheduler's statistics and recent jobs as STATISTICS (and the
+        remote ``Status``) answer them: every app's when ``app`` is None,
+        else that app's alone."""
+        statistics = await self.device.statistics()
+        jobs = await self.device.finished_jobs()
+        if app is not None:
+            if statistics is not None:
+                statistics = replace(statistics, classes=tuple(
+                    c for c in statistics.classes if c.app == app), apps=tuple(
+                    a for a in statistics.apps if a.app == app))
+            jobs = [j for j in jobs if j.app == app]
+        return p.StatisticsValue(statistics, tuple(jobs))
 
     def statistics(self) -> ServiceStatistics:
         return ServiceStatistics(len(self.connections), self._connections_total, self._calls,
@@ -704,16 +723,8 @@ class ServiceConnection:
         # jobs only (their pids, priorities and timings are its business),
         # unless the operator opened the whole service to it.
         service = self.service
-        statistics = await service.device.statistics()
-        jobs = await service.device.finished_jobs()
-        if not service.sees_all_apps(self.peer):
-            app = service.app_of(self.peer)
-            if statistics is not None:
-                statistics = replace(statistics, classes=tuple(
-                    c for c in statistics.classes if c.app == app), apps=tuple(
-                    a for a in statistics.apps if a.app == app))
-            jobs = [j for j in jobs if j.app == app]
-        return p.StatisticsValue(statistics, tuple(jobs))
+        return await service.statistics_for(
+            None if service.sees_all_apps(self.peer) else service.app_of(self.peer))
 
     async def _supported_operations(self, call: p.SupportedOperations) -> list[bool]:
         model, memories = _map_model(call.model)

@@ -39,3 +39,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode == 1
+
+
+def test_status_remote_refuses_a_target_that_is_not_host_port(capsys):
+    assert cli.main(["driver", "status", "--remote", "grpc://nowhere", "--once"]) == 1
+    assert "is not [grpc://|grpcs://]HOST:PORT" in capsys.readouterr().err
+
+
+def test_metrics_off_loopback_without_tls_is_refused_before_serving(capsys):
+    assert cli.main(["driver", "serve", "x", "--metrics", "0.0.0.0:9464"]) == 1
+    assert "--metrics serves plain HTTP on loopback addresses only" in capsys.readouterr().err

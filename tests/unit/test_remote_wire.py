@@ -12,6 +12,7 @@ from nnrt.errors import ErrorStatus, NnrtError
 from nnrt.hal import ExecutionResult, Request, RequestArgument, Timing
 from nnrt.hal.types import OutputShape
 from nnrt.model.graph import DataLocation
+from nnrt.qos import SchedulerLoad
 from nnrt.qos.policy import Policy, identify
 from nnrt.service.remote import nnrt_remote_v1_pb2 as pb
 from nnrt.service.remote import wire
@@ -48,9 +49,13 @@ def test_a_request_crosses_as_its_regions_and_the_outputs_come_back():
     assert inputs[1].has_no_value and outputs[0].location == DataLocation(1, 0, 4)
     pools[1][:] = b"abcd"
     reply = wire.reply_of(ExecutionResult(ErrorStatus.NONE, (OutputShape((4,)),), Timing(3, 5)),
-                          wire.outputs_of(outputs, pools))
-    result = wire.result_of(pb.ExecutionReply.FromString(reply.SerializeToString()))
+                          wire.outputs_of(outputs, pools), load=SchedulerLoad(3, 1, 2, 0.004))
+    sent = pb.ExecutionReply.FromString(reply.SerializeToString())
+    result = wire.result_of(sent)
     assert result == ExecutionResult(ErrorStatus.NONE, (OutputShape((4,)),), Timing(3, 5))
+    # The serving device's load rides along (what a pool of hosts picks by).
+    assert wire.load_of(sent) == SchedulerLoad(3, 1, 2, 0.004)
+    assert wire.load_of(pb.ExecutionReply()) is None
     from nnrt.service.remote.client import _finished
     _finished(request, reply)
     assert bytes(out_pool) == b"\x00" * 4 + b"abcd"

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from nnrt import ErrorStatus, NnrtError, Priority
-from nnrt.qos import AppSettings, JobState, ManualClock, Scheduler, Verdict
+from nnrt.qos import AppSettings, JobState, ManualClock, Scheduler, SchedulerLoad, Verdict
+from nnrt.qos.scheduler import SERVICE_SAMPLES
 from nnrt.hal.types import deadline_in
 
 HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
@@ -392,6 +393,31 @@ def test_statistics_per_app_and_priority():
     assert stats.of("nobody", MEDIUM).completed == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         low.completed = 0
+
+
+def test_load_counts_waiting_and_running_jobs_and_a_recent_median_run_time():
+    s, clock = make(slots=2)
+    assert s.load() == SchedulerLoad(0, 0, 2, None)     # no job finished yet
+    jobs = [s.submit(app, MEDIUM) for app in ("a", "b", "a", "c")]
+    assert s.load() == SchedulerLoad(2, 2, 2, None)
+    clock.advance(4.0)
+    s.finish(jobs[0])
+    assert s.load() == SchedulerLoad(1, 2, 2, 4.0)
+    for job in jobs[1:]:
+        s.finish(job)
+    assert (s.load().queued, s.load().running) == (0, 0)
+    # A slow first run (an interpreter warming up) is one sample of the
+    # median: once enough fast runs came, it does not count.
+    s, clock = make()
+    for ran in [50.0] + [1.0] * (SERVICE_SAMPLES // 2) + [2.0] * (SERVICE_SAMPLES // 2):
+        job = s.submit("app", MEDIUM)
+        clock.advance(ran)
+        s.finish(job)
+    assert s.load().service_time == 1.0      # not 50: the slow one is the outlier
+    job = s.submit("app", MEDIUM)
+    clock.advance(2.0)
+    s.finish(job)     # the window holds the last SERVICE_SAMPLES: more 2 s runs than 1 s
+    assert s.load().service_time == 2.0
 
 
 def test_illegal_transitions_name_the_state():

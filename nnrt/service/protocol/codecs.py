@@ -907,6 +907,22 @@ def _get_statistics(r: _Reader, status, message) -> StatisticsValue:
     return StatisticsValue(st, tuple(_JOB.get(r) for _ in range(n)))
 
 
+def encode_statistics(value: StatisticsValue) -> bytes:
+    """``value`` as STATISTICS' reply carries it (the remote ``Status``
+    call sends these bytes: :func:`decode_statistics` reads them)."""
+    w = _Writer(b"")
+    _put_statistics(w, value)
+    return w.value()
+
+
+def decode_statistics(data) -> StatisticsValue:
+    """What :func:`encode_statistics` wrote; ProtocolError for other bytes."""
+    r = _Reader(data, ())
+    value = _get_statistics(r, ErrorStatus.NONE, "")
+    r.finish("statistics")
+    return value
+
+
 def _put_roles(w: _Writer, roles) -> None:
     w.u32(len(roles))
     for role in roles:
@@ -1178,5 +1194,5 @@ def _decode_reply(r: _Reader, method: Method, call_id: int, codec: Codec) -> Rep
 
 
 __all__ = ["CODECS", "Codec", "decode_body", "decode_capabilities", "decode_extensions",
-           "decode_model", "encode", "encode_capabilities", "encode_extensions", "encode_model",
-           "error_reply", "fds_of", "reply_fds_of", "reply_for", "with_pools"]
+           "decode_model", "decode_statistics", "encode", "encode_capabilities",
+           "encode_extensions", "encode_model", "encode_statistics", "error_reply", "fds_of", "reply_fds_of", "reply_for", "with_pools"]

@@ -4,6 +4,7 @@
 ``scripts/generate-remote-proto``), ``wire`` turns HAL values into its
 messages and back, ``server`` serves a scheduled device on it
 (``nnrt driver serve --listen``), ``client`` is the :class:`RemoteDevice`
-an app uses. Import the submodule you need: importing this package loads
-no gRPC.
+an app uses, ``pool`` the :class:`PoolDevice` of several hosts serving the
+same driver, built from RemoteDevices. Import the submodule you need:
+importing this package loads no gRPC.
 """

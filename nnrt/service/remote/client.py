@@ -29,10 +29,12 @@ bytes and the deadline. Deadlines travel as the time left and as the gRPC
 call's own deadline (a little later, so the server's answer -- with its
 status -- usually comes first).
 
-Not here yet (issue 42): the streaming remote burst (a burst on a remote
-device runs each frame as one ``Execute`` call), memory domains (the
-runtime falls back to shared memory, as for any driver that declines
-``allocate``), compilation caching, pools of hosts.
+Every execution reply carries the serving device's load; the device keeps
+the latest (:meth:`RemoteDevice.load_seen`), which a pool of hosts
+(:mod:`.pool`, built from RemoteDevices) picks its member by.
+
+Not here yet (issue 42): memory domains (the runtime falls back to shared
+memory, as for any driver that declines ``allocate``), compilation caching.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ from ...hal.types import Priority
 from ...hal.validate import checked_flags
 from ...model.graph import HalModel
 from ...vlog import vlog
-from ..protocol import ProtocolError, decode_capabilities, decode_extensions, encode_model
+from ..protocol import (ProtocolError, decode_capabilities, decode_extensions,
+                        decode_statistics, encode_model)
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
 from . import wire
@@ -238,6 +241,44 @@ _CODES = {
 _DEAD_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND})
 
 
+def _channel(target: str, tls: ClientTls | None, token: str | None,
+             keepalive: float) -> tuple[grpc.Channel, tuple]:
+    """A channel to ``target`` and the metadata every call carries."""
+    address, use_tls = parse_target(target)
+    if tls is not None and not use_tls:
+        raise invalid(f"{target}: TLS settings for a plaintext (grpc://) target")
+    options = channel_options(keepalive)
+    channel = grpc.secure_channel(address, (tls or ClientTls()).credentials(), options) \
+        if use_tls else grpc.insecure_channel(address, options)
+    return channel, ((("authorization", f"Bearer {token}"),) if token else ())
+
+
+async def remote_status(target: str, *, tls: ClientTls | None = None, token: str | None = None,
+                        timeout: float = CONNECT_TIMEOUT) -> tuple[str, object]:
+    """The device name and the statistics (a ``StatisticsValue``: the
+    scheduler's counters and recent jobs) of the remote service at
+    ``target``, as far as it shows them to us (``nnrt driver status
+    --remote``); DEVICE_UNAVAILABLE, saying why, when it does not answer
+    within ``timeout`` seconds or refuses us."""
+    channel, metadata = _channel(target, tls, token, KEEPALIVE)
+
+    def ask():
+        try:
+            reply = pb_grpc.RemoteStub(channel).Status(pb.StatusRequest(), timeout=timeout,
+                                                       metadata=metadata)
+            return reply.device, decode_statistics(reply.statistics)
+        except grpc.RpcError as e:
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"{e.code().name}: {e.details()}") from None
+        except ProtocolError as e:
+            raise NnrtError(ErrorStatus.DEVICE_UNAVAILABLE,
+                            f"statistics that do not decode: {e.message}") from None
+    try:
+        return await run_in_worker(ask)
+    finally:
+        channel.close()
+
+
 class RemoteDevice(Device):
     """A driver service on another host, seen through the HAL. Make one with
     :meth:`connect`."""
@@ -261,6 +302,7 @@ class RemoteDevice(Device):
         self._lock = threading.Lock()
         self._pending: set = set()      # futures of the calls in flight
         self._places = _Places(max_in_flight)
+        self._load: tuple | None = None    # (SchedulerLoad, when) of the latest reply
         self.dead: NnrtError | None = None
 
     @classmethod
@@ -284,13 +326,7 @@ class RemoteDevice(Device):
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) \
                 or max_in_flight < 1:
             raise invalid(f"max_in_flight {max_in_flight!r} is not a positive count")
-        address, use_tls = parse_target(target)
-        if tls is not None and not use_tls:
-            raise invalid(f"{target}: TLS settings for a plaintext (grpc://) target")
-        options = channel_options(keepalive)
-        channel = grpc.secure_channel(address, (tls or ClientTls()).credentials(), options) \
-            if use_tls else grpc.insecure_channel(address, options)
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        channel, metadata = _channel(target, tls, token, keepalive)
         stub = pb_grpc.RemoteStub(channel)
         try:
             device = await run_in_worker(lambda: cls._open(channel, stub, target, metadata, timeout,
@@ -445,6 +481,20 @@ class RemoteDevice(Device):
         """Calls on the network now and calls waiting here for a place."""
         return self._places.statistics()
 
+    def _note_load(self, reply: pb.ExecutionReply) -> None:
+        load = wire.load_of(reply)
+        if load is not None:
+            self._load = (load, time.monotonic())   # one reference swapped: no lock
+
+    def load_seen(self) -> tuple:
+        """The serving device's load as the latest execution reply brought
+        it (``nnrt.qos.SchedulerLoad``) and its age in seconds; ``(None,
+        inf)`` before any reply."""
+        seen = self._load
+        if seen is None:
+            return None, math.inf
+        return seen[0], time.monotonic() - seen[1]
+
     def _control_timeout(self, deadline: float | None = None) -> float:
         return wire.timeout_of(deadline, self._call_timeout)
 
@@ -519,7 +569,7 @@ class RemotePreparedModel(PreparedModel):
             message = self._execute_request(request, measure, deadline, loop_timeout)
             reply = await self.device.call(self.device._stub.Execute, message,
                                            _execution_timeout(deadline))
-            return _finished(request, reply)
+            return _finished(request, reply, self.device)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
 
@@ -539,7 +589,7 @@ class RemotePreparedModel(PreparedModel):
             message = self._execute_request(request, measure, deadline, loop_timeout)
             reply = self.device.call_blocking(self.device._stub.Execute, message,
                                               _execution_timeout(deadline))
-            return _finished(request, reply)
+            return _finished(request, reply, self.device)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
 
@@ -584,7 +634,12 @@ def _execution_timeout(deadline: float | None) -> float | None:
     return max(0.001, deadline - time.monotonic() + _DEADLINE_SLACK)
 
 
-def _finished(request: Request, reply: pb.ExecutionReply) -> ExecutionResult:
+def _finished(request: Request, reply: pb.ExecutionReply,
+              device: "RemoteDevice | None" = None) -> ExecutionResult:
+    """The result of ``reply``, its outputs written into ``request``'s
+    regions; ``device`` notes the load it carries."""
+    if device is not None:
+        device._note_load(reply)
     result = wire.result_of(reply)
     if result.status == ErrorStatus.NONE:
         wire.copy_outputs(request, reply.output_data)
@@ -639,7 +694,7 @@ class RemoteExecution(Execution):
                 self._id = reply.execution_id
             reply = await device.call(device._stub.Compute, self._compute_request(deadline),
                                       _execution_timeout(deadline))
-            return _finished(self.request, reply)
+            return _finished(self.request, reply, self.prepared.device)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
 
@@ -660,7 +715,7 @@ class RemoteExecution(Execution):
                 self._id = reply.execution_id
             reply = device.call_blocking(device._stub.Compute, self._compute_request(deadline),
                                          _execution_timeout(deadline))
-            return _finished(self.request, reply)
+            return _finished(self.request, reply, self.prepared.device)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
 
@@ -795,7 +850,7 @@ class RemoteBurst(BurstSession):
             ended = self._ended
             return ExecutionResult(ended.status, message=ended.message)
         try:
-            return _finished(request, reply)
+            return _finished(request, reply, self._device)
         except NnrtError as e:
             return ExecutionResult(e.status, message=e.message)
 
@@ -807,6 +862,8 @@ class RemoteBurst(BurstSession):
 
     def create_execution(self, request: Request, measure: bool = False,
                          loop_timeout: float | None = None) -> "_RemoteBurstExecution":
+        """Each execution is a frame of this burst (its layout bound on the
+        server by the first)."""
         if self._closed:
             raise NnrtError(ErrorStatus.INVALID_ARGUMENT, "the burst session is closed")
         return _RemoteBurstExecution(self, request, measure, loop_timeout)

@@ -84,6 +84,11 @@ class RemoteStub:
                 request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstFrame.SerializeToString,
                 response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstResult.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/Status',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class RemoteServicer:
@@ -158,6 +163,15 @@ class RemoteServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """The scheduler's statistics and recent finished jobs (nnrt driver
+        status --remote): every app's for a caller the service lets see them
+        all, else the caller's own. Needs no session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RemoteServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +224,11 @@ def add_RemoteServicer_to_server(servicer, server):
                     servicer.Burst,
                     request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstFrame.FromString,
                     response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstResult.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +501,33 @@ class Remote:
             '/nnrt.remote.v1.Remote/Burst',
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstFrame.SerializeToString,
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BurstResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/Status',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import itertools
 import os
 import stat
@@ -72,7 +71,9 @@ from ...hal import ExecutionPreference, ExecutionResult, Request
 from ...hal.types import Priority
 from ...model.extensions import uses_extensions
 from ...vlog import vlog
-from ..protocol import ProtocolError, decode_model, encode_capabilities, encode_extensions
+from ..protocol import (ProtocolError, decode_model, encode_capabilities, encode_extensions,
+                        encode_statistics)
+from ..address import is_loopback
 from ..server import REMOTE_USER, DriverService
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
@@ -110,6 +111,9 @@ class Listener:
     client_ca: bytes | None = None     # PEM: --client-ca (mutual TLS)
     tokens: dict[str, bytes] = field(default_factory=dict)   # name -> token: --token-file
     insecure: bool = False
+    # Remote apps (certificate or token names) that see every app's work in
+    # Status (--admin-remote), as --admin-uid does for local ones.
+    admins: frozenset[str] = frozenset()
 
     def __post_init__(self):
         if (self.cert is None) != (self.key is None):
@@ -121,7 +125,7 @@ class Listener:
                           f"--insecure for plaintext")
         if self.cert is not None and self.insecure:
             raise invalid("--insecure and --tls-cert exclude each other")
-        if self.insecure and not _loopback(self.address):
+        if self.insecure and not is_loopback(self.address):
             raise invalid(f"--insecure serves plaintext on loopback addresses only, not on "
                           f"{self.address}: anyone on the network could read the tensors "
                           f"and run models; use --tls-cert and --tls-key")
@@ -132,24 +136,6 @@ class Listener:
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.client_ca,
             require_client_auth=self.client_ca is not None)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); INVALID_ARGUMENT otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise invalid(f"{address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def _loopback(address: str) -> bool:
-    host, _ = split_address(address)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_tokens(path: str) -> dict[str, bytes]:
@@ -432,7 +418,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
             return wire.reply_of(ExecutionResult(e.status, message=e.message))
         result = await prepared.execute(Request(inputs, outputs, tuple(pools)),
                                         request.measure, deadline, loop_timeout)
-        return wire.reply_of(result, wire.outputs_of(outputs, pools))
+        return wire.reply_of(result, wire.outputs_of(outputs, pools), load=self.device.load())
 
     @_guarded
     async def CreateExecution(self, request, context):
@@ -478,7 +464,8 @@ class RemoteServicer(pb_grpc.RemoteServicer):
             result = await bound.execution.execute(deadline)
         finally:
             bound.computing = False
-        return wire.reply_of(result, wire.outputs_of(bound.outputs, bound.pools))
+        return wire.reply_of(result, wire.outputs_of(bound.outputs, bound.pools),
+                             load=self.device.load())
 
     async def Burst(self, request_iterator, context):
         """Frames in, results out, one at a time. A frame's failure is its
@@ -516,12 +503,20 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                     result, data = ExecutionResult(
                         ErrorStatus.GENERAL_FAILURE,
                         message=f"{type(e).__name__} in the driver: {e}"), ()
-                wire.reply_of(result, data, out.result)    # in place: no copy of the outputs
+                # In place: no copy of the outputs.
+                wire.reply_of(result, data, reply=out.result, load=self.device.load())
                 yield out
         finally:
             if burst is not None:
                 burst.session.bursts.discard(burst)
                 burst.close()
+
+    @_guarded
+    async def Status(self, request, context):
+        app = self.app_of(context)
+        sees_all = self.service.statistics_scope == "all" or app[1] in self.listener.admins
+        value = await self.service.statistics_for(None if sees_all else app)
+        return pb.StatusReply(device=self.device.name, statistics=encode_statistics(value))
 
     @_guarded
     async def ReleaseExecution(self, request, context):

@@ -20,6 +20,7 @@ from ...hal import ExecutionResult, RequestArgument, Timing
 from ...hal.types import OutputShape, check_deadline
 from ...memory.shared import pool_view
 from ...model.graph import DataLocation
+from ...qos.scheduler import SchedulerLoad
 from . import nnrt_remote_v1_pb2 as pb
 
 # Bytes of one message either way: a model, or a request's inputs or
@@ -159,14 +160,15 @@ def outputs_of(outputs: tuple[RequestArgument, ...], pools) -> list[bytes]:
     return [b"" if a.has_no_value else bytes(pools[a.location.pool_index]) for a in outputs]
 
 
-def reply_of(result: ExecutionResult, data=(),
-             reply: pb.ExecutionReply | None = None) -> pb.ExecutionReply:
+def reply_of(result: ExecutionResult, data=(), *, reply: pb.ExecutionReply | None = None,
+             load=None) -> pb.ExecutionReply:
     """``result`` (and the output bytes ``data``) written into ``reply``, a
-    field of the message that carries it (a new one when None). In place:
-    handing a finished message to a parent's constructor or to a repeated
-    field's ``append`` copies it, which for megabytes of outputs costs more
-    than the round trip (upb: ~1 ms for 150 KB), where setting a bytes field
-    copies the bytes once."""
+    field of the message that carries it (a new one when None); ``load`` (a
+    ``SchedulerLoad``, or None) travels with it. In place: handing a
+    finished message to a parent's constructor or to a repeated field's
+    ``append`` copies it, which for megabytes of outputs costs more than the
+    round trip (upb: ~1 ms for 150 KB), where setting a bytes field copies
+    the bytes once."""
     if reply is None:
         reply = pb.ExecutionReply()
     reply.status = int(result.status)
@@ -177,7 +179,26 @@ def reply_of(result: ExecutionResult, data=(),
     reply.in_driver_us = result.timing.in_driver
     if result.status == ErrorStatus.NONE:
         reply.output_data.extend(data)
+    if load is not None:
+        service = load.service_time
+        reply.load.queued = min(load.queued, _U32)
+        reply.load.running = min(load.running, _U32)
+        reply.load.slots = min(load.slots, _U32)
+        reply.load.service_us = 0 if service is None else max(1, round(service * 1e6))
     return reply
+
+
+_U32 = (1 << 32) - 1
+
+
+def load_of(reply: pb.ExecutionReply) -> SchedulerLoad | None:
+    """The load a reply carries, or None when it carries none (or one of
+    0 slots, which means nothing)."""
+    if not reply.HasField("load") or reply.load.slots == 0:
+        return None
+    load = reply.load
+    return SchedulerLoad(load.queued, load.running, load.slots,
+                         load.service_us / 1e6 if load.service_us else None)
 
 
 def result_of(reply: pb.ExecutionReply) -> ExecutionResult:
