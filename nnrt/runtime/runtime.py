@@ -36,6 +36,7 @@ from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import DriverFailure, Step, release_all
 from .execution import Execution
+from .pipeline import Pipeline
 from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
 from .. import handoff, trace
@@ -297,6 +298,20 @@ class Runtime:
 
     def _resolve(self, device: str | Device) -> Device:
         return self.device(device) if isinstance(device, str) else device
+
+    def pipeline(self, stages: Sequence, *, in_flight: int = 2, lanes: int | None = None,
+                 costs=None, outputs: Sequence[str] | None = None, warmup: int = 3):
+        """A :class:`~nnrt.Pipeline` of ``stages`` (``nnrt.Stage`` for a
+        compiled model, ``nnrt.Step`` for a Python function between models):
+        ``in_flight`` frames at once, the stages placed on ``lanes`` threads
+        (default: this process's cores) from ``costs`` (seconds per stage) or,
+        without them, from the times of the first ``warmup`` frames;
+        ``outputs`` (default: the outputs no stage reads) are what each
+        frame's result holds. docs/guide/pipelines.md."""
+        if self.closed:
+            raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
+        return Pipeline(stages, in_flight=in_flight, lanes=lanes, costs=costs, outputs=outputs,
+                        warmup=warmup)
 
     async def compile(self, model: Model, *,
                       preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
