@@ -16,7 +16,7 @@ Per frame (stages of one nnrt pipeline; docs/guide/pipelines.md):
 
 The stages run on two lanes (threads) placed from their measured costs,
 two frames in flight; the in-process litert device runs two executions at
-once (``LiteRTDevice(slots=2)``). At the end the outputs of a few frames are
+once (``nnrt.Runtime(litert=2)``). At the end the outputs of a few frames are
 checked against the same models run one after another through LiteRT.
 
 Models: ``../shared/models/mediapipe`` (detection, segmentation) and
@@ -249,9 +249,7 @@ class LiteRTSequential:
 # --- the app -------------------------------------------------------------------------
 
 async def run(frames: list[np.ndarray], deadline_ms: float | None, check: int) -> int:
-    from nnrt.drivers.litert import LiteRTDevice
-    from nnrt.drivers.reference import ReferenceDevice
-    async with nnrt.Runtime(devices=[LiteRTDevice(slots=2), ReferenceDevice()]) as rt:
+    async with nnrt.Runtime(litert=2, discover=False) as rt:
         compiled = await compile_all(rt)
         kept, latencies, faces = {}, [], 0
         async with rt.pipeline(stages(compiled), in_flight=2, outputs=OUTPUTS) as pipe:

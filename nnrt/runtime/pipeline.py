@@ -294,6 +294,8 @@ class Pipeline:
             self._costs = {s: float(costs[s]) for s in self._order}
         self._warmup = 0 if costs is not None else warmup
         self._lanes: tuple[tuple[str, ...], ...] | None = None
+        if costs is not None:
+            self._lanes = place(self._order, self._needs, self._costs, self._lane_count)
         self._slots = [_Slot() for _ in range(in_flight)]
         self._bound = False
         self._frames: dict[int, _Frame] = {}
@@ -350,7 +352,18 @@ class Pipeline:
         return outputs[k]
 
     def _bind(self, frame) -> None:
-        """Make every slot's buffers and executions, from the first frame."""
+        """Make every slot's buffers and executions, from the first frame;
+        nothing is kept when one cannot be bound (the frame is refused)."""
+        try:
+            self._bind_slots(frame)
+        except BaseException:
+            for slot in self._slots:
+                slot.close()
+                slot.frame, slot.steps = {}, {}
+            raise
+        self._bound = True
+
+    def _bind_slots(self, frame) -> None:
         for slot in self._slots:
             slot.frame = {k: np.empty_like(np.ascontiguousarray(v)) for k, v in frame.items()}
             for s in self._stages:
@@ -369,7 +382,6 @@ class Pipeline:
                         raise invalid(f"pipeline: stage {s.name!r} input {k} ({model.name}) "
                                       f"takes {model.dtype} {tuple(model.shape)}, its source "
                                       f"{s.inputs[k]!r} is {given.dtype} {given.shape}")
-        self._bound = True
 
     # -- submitting and delivering ---------------------------------------------
 
@@ -425,8 +437,8 @@ class Pipeline:
                     self._start([tuple(self._order)], stop=self._warmup)
             elif self._lanes is not None:
                 job.lanes_left = len(self._lanes)
-            elif self._warmup == 0:        # costs given: place now
-                self._plan_and_start()
+                if not self._threads:      # costs given: placed already
+                    self._start(self._lanes)
             # else: the lanes start when the warm frames are in (_finish)
             self._cond.notify_all()
         return ticket

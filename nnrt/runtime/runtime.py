@@ -59,7 +59,8 @@ class Runtime:
         ``"<kind>-service"`` for ``"litert"``, the in-process device's name --
         or ``(name, kind)`` pairs), stopped on close, and the in-process CPU
         devices: ``litert`` when LiteRT is installed (and ``litert`` is
-        true), then the reference.
+        true; ``litert=N`` lets it run N executions at once, one core each,
+        e.g. for a pipeline's lanes), then the reference.
 
         ``strict=True`` makes every fallback to the CPU an error (the default
         of ``compile(..., fallback=)``): an operation no other device
@@ -77,6 +78,9 @@ class Runtime:
         credentials of ``NNRT_REMOTE_*`` (docs/operators/remote.md); one that
         does not answer is left out and tried again, as a configured service is."""
         self.app = AppDeclaration.for_process(app)
+        if not isinstance(litert, int) or litert < 0:
+            raise invalid(f"litert must be True, False or a number of executions at once, "
+                          f"got {litert!r}")
         self._litert = litert
         self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
@@ -568,14 +572,14 @@ class Runtime:
             vlog("manager", "device %s is gone", device.name)
 
 
-def in_process_devices(*, litert: bool = True) -> list[Device]:
+def in_process_devices(*, litert: bool | int = True) -> list[Device]:
     """The drivers every runtime runs in its own process: the litert driver
-    when LiteRT is installed (first: it is the faster CPU driver), then the
-    reference CPU driver (the fallback)."""
+    when LiteRT is installed (first: it is the faster CPU driver; ``litert=N``
+    runs N executions at once), then the reference CPU driver (the fallback)."""
     from ..drivers import litert as litert_driver
     devices: list[Device] = []
     if litert and litert_driver.available():
-        devices.append(litert_driver.LiteRTDevice())
+        devices.append(litert_driver.LiteRTDevice(slots=1 if litert is True else litert))
     devices.append(ReferenceDevice())
     return devices
 
