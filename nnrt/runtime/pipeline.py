@@ -21,8 +21,10 @@ release the GIL while they compute. A stage that reads the output of a stage
 on another lane waits for that stage's *sync fence* of the same frame; a
 stage whose producer failed or dropped the frame finds the fence in ERROR
 and skips. Which stages share a lane decides the gain, so :func:`place`
-chooses it from measured costs: the assignment minimising the busiest
-lane's cost per frame (the frame rate), then a frame's latency.
+chooses it from measured costs: it simulates the lanes running frames
+(each lane in frame order, a stage waiting for its lane and its inputs, at
+most ``in_flight`` frames in) for every assignment and keeps the one with
+the shortest period between frames, then the shortest frame.
 
 Costs. Without ``costs=``, the first ``warmup`` frames run on one lane,
 every stage after the other, and each stage's cost is the least time it
@@ -121,14 +123,13 @@ class PipelineStatistics:
 # -- placement (pure) -------------------------------------------------------------
 
 def place(order: Sequence[str], needs: Mapping[str, Iterable[str]], costs: Mapping[str, float],
-          lanes: int) -> tuple[tuple[str, ...], ...]:
+          lanes: int, in_flight: int = 2) -> tuple[tuple[str, ...], ...]:
     """The stages (``order``, a topological order; ``needs[s]``: the stages
     ``s`` reads) on at most ``lanes`` lanes, each lane's stages in ``order``.
-    Chosen from ``costs`` (seconds per frame): the least busy busiest lane
-    (frames overlap, so that lane sets the frame rate), then the shortest
-    frame (a stage waits for its lane and for what it reads), then the fewest
-    lanes. Exhaustive up to 12 stages, else longest-first onto the least
-    loaded lane."""
+    Chosen from ``costs`` (seconds per frame) by :func:`simulate`: the
+    shortest period between frames (the frame rate), then the shortest
+    frame, then the fewest lanes. Exhaustive up to 12 stages, else
+    longest-first onto the least loaded lane."""
     order = list(order)
     if lanes < 1:
         raise invalid(f"lanes must be at least 1, got {lanes}")
@@ -145,11 +146,8 @@ def place(order: Sequence[str], needs: Mapping[str, Iterable[str]], costs: Mappi
     # The first stage on lane 0: lanes are interchangeable.
     for rest in itertools.product(range(lanes), repeat=len(order) - 1):
         lane_of = dict(zip(order, (0, *rest)))
-        load = [0.0] * lanes
-        for s in order:
-            load[lane_of[s]] += costs[s]
-        key = (round(max(load), 12), round(frame_time(order, needs, costs, lane_of), 12),
-               len(set(lane_of.values())))
+        period, latency = simulate(order, needs, costs, lane_of, in_flight)
+        key = (round(period, 12), round(latency, 12), len(set(lane_of.values())))
         if best is None or key < best[0]:
             best = (key, lane_of)
     return _lanes(order, best[1], lanes)
@@ -159,16 +157,27 @@ def _lanes(order, lane_of, lanes) -> tuple[tuple[str, ...], ...]:
     return tuple(t for t in (tuple(s for s in order if lane_of[s] == k) for k in range(lanes)) if t)
 
 
-def frame_time(order: Sequence[str], needs: Mapping[str, Iterable[str]],
-               costs: Mapping[str, float], lane_of: Mapping[str, int]) -> float:
-    """One frame's time alone in the pipeline: each stage starts once its
-    lane is free and what it reads is done."""
+def simulate(order: Sequence[str], needs: Mapping[str, Iterable[str]],
+             costs: Mapping[str, float], lane_of: Mapping[str, int], in_flight: int = 2,
+             frames: int = 16) -> tuple[float, float]:
+    """``(period, latency)`` of a placement, as the lanes run it: each lane
+    takes its stages frame after frame, a stage starts once its lane is free
+    and what it reads is done, a frame enters once the frame ``in_flight``
+    before it has left. ``period``: the steady time between frames (over the
+    second half of ``frames``); ``latency``: the longest frame."""
     free: dict[int, float] = {}
-    done: dict[str, float] = {}
-    for s in order:
-        start = max([free.get(lane_of[s], 0.0)] + [done[n] for n in needs[s]])
-        done[s] = free[lane_of[s]] = start + costs[s]
-    return max(done.values(), default=0.0)
+    ends: list[float] = []
+    latency = 0.0
+    for k in range(frames):
+        enter = ends[k - in_flight] if k >= in_flight else 0.0
+        done: dict[str, float] = {}
+        for s in order:
+            start = max([free.get(lane_of[s], 0.0), enter] + [done[n] for n in needs[s]])
+            done[s] = free[lane_of[s]] = start + costs[s]
+        ends.append(max(done.values(), default=enter))
+        latency = max(latency, ends[-1] - enter)
+    half = frames // 2
+    return (ends[-1] - ends[half - 1]) / (frames - half), latency
 
 
 def _after(order: Sequence[str], needs: Mapping[str, Iterable[str]],
@@ -295,7 +304,8 @@ class Pipeline:
         self._warmup = 0 if costs is not None else warmup
         self._lanes: tuple[tuple[str, ...], ...] | None = None
         if costs is not None:
-            self._lanes = place(self._order, self._needs, self._costs, self._lane_count)
+            self._lanes = place(self._order, self._needs, self._costs, self._lane_count,
+                                 self.in_flight)
         self._slots = [_Slot() for _ in range(in_flight)]
         self._bound = False
         self._frames: dict[int, _Frame] = {}
@@ -446,7 +456,8 @@ class Pipeline:
     def _plan_and_start(self) -> None:
         """Place the stages from the costs and start the lanes (holding
         ``_cond``), from frame ``warmup`` on."""
-        self._lanes = place(self._order, self._needs, self._costs, self._lane_count)
+        self._lanes = place(self._order, self._needs, self._costs, self._lane_count,
+                            self.in_flight)
         for index, job in self._frames.items():
             if index >= self._warmup:
                 job.lanes_left = len(self._lanes)

@@ -10,7 +10,7 @@ import pytest
 import nnrt
 from nnrt import ErrorStatus, NnrtError, OperandType as T, OperationType as Op, Stage, Step
 from nnrt.drivers.reference import ReferenceDevice
-from nnrt.runtime.pipeline import frame_time, place
+from nnrt.runtime.pipeline import place, simulate
 
 
 def add_constant(k: float, n: int = 4) -> nnrt.Model:
@@ -39,26 +39,41 @@ def test_the_issues_split_detection_then_landmarks_beside_segmentation():
     assert place(FACE, FACE_NEEDS, costs, 2) == (("detect", "box", "landmarks"), ("segment",))
 
 
-def test_placement_balances_the_busiest_lane_across_a_chain():
+def test_placement_cuts_a_chain_when_that_balances_the_lanes():
     """When segmentation is cheap, the chain is cut instead: the detector
-    beside segmentation, the rest on the other lane (4.0 against 4.5 for
-    keeping the chain whole)."""
+    beside segmentation, box and landmarks on the other lane -- frames
+    overlap, so a frame every 4 (against 6 keeping the chain whole)."""
     costs = {"detect": 2.0, "box": 0.5, "landmarks": 3.5, "segment": 2.0}
     lanes = place(FACE, FACE_NEEDS, costs, 2)
-    load = [sum(costs[s] for s in lane) for lane in lanes]
-    assert max(load) == 4.0
-    assert set(map(frozenset, lanes)) == {frozenset({"detect", "segment"}),
-                                         frozenset({"box", "landmarks"})}
+    assert lanes == (("detect", "segment"), ("box", "landmarks"))
+    lane_of = {s: k for k, lane in enumerate(lanes) for s in lane}
+    assert simulate(FACE, FACE_NEEDS, costs, lane_of)[0] == 4.0
+    whole = {"detect": 0, "box": 0, "landmarks": 0, "segment": 1}
+    assert simulate(FACE, FACE_NEEDS, costs, whole)[0] == 6.0
+
+
+def test_the_simulation_sees_a_stage_waiting_behind_the_other_lanes_work():
+    """Splitting detect+landmarks from box+segmentation loads each lane 4 per
+    frame, but a lane runs its stages in frame order: box waits behind the
+    previous frame's segmentation and stalls the landmarks, a frame every 5,
+    no better than keeping the chain whole, whose frames are shorter."""
+    costs = {"detect": 2.0, "box": 1.0, "landmarks": 2.0, "segment": 3.0}
+    stalled = {"detect": 0, "box": 1, "landmarks": 0, "segment": 1}
+    whole = {"detect": 0, "box": 0, "landmarks": 0, "segment": 1}
+    assert simulate(FACE, FACE_NEEDS, costs, stalled) == (5.0, 11.0)
+    assert simulate(FACE, FACE_NEEDS, costs, whole) == (5.0, 10.0)
+    assert place(FACE, FACE_NEEDS, costs, 2) == (("detect", "box", "landmarks"), ("segment",))
 
 
 def test_ties_go_to_the_shorter_frame_then_to_fewer_lanes():
-    # A chain of two: one lane or two cost the same busiest lane (2 + 0 vs 2);
-    # the frame is as long either way, so one lane (no hand-over) wins.
+    # A chain of two: one lane or two give a frame every 2 and frames of 2;
+    # one lane (no hand-over) wins.
     assert place(["a", "b"], {"a": set(), "b": {"a"}}, {"a": 2.0, "b": 0.0}, 2) == (("a", "b"),)
+    assert place(["a"], {"a": set()}, {"a": 1.0}, 4) == (("a",),)
+    # in_flight=1: no overlap, so the period is a whole frame's time.
     lane_of = {"detect": 0, "box": 0, "landmarks": 0, "segment": 1}
     costs = {"detect": 1.0, "box": 0.05, "landmarks": 2.0, "segment": 4.5}
-    assert frame_time(FACE, FACE_NEEDS, costs, lane_of) == 4.5
-    assert place(["a"], {"a": set()}, {"a": 1.0}, 4) == (("a",),)
+    assert simulate(FACE, FACE_NEEDS, costs, lane_of, in_flight=1) == (4.5, 4.5)
 
 
 # -- running --------------------------------------------------------------------------
