@@ -544,7 +544,10 @@ class Pipeline:
             fence.signal_error(ErrorStatus.MISSED_DEADLINE_TRANSIENT
                                if job.error is None else job.error.status)
             return
-        except NnrtError as e:
+        except Exception as e:      # noqa: BLE001 -- a lane must settle every fence it owns
+            if not isinstance(e, NnrtError):
+                e = NnrtError(ErrorStatus.GENERAL_FAILURE,
+                              f"internal error: {type(e).__name__}: {e}")
             if e.status in _DROPS:
                 self._drop(job, name)
             elif job.error is None:
@@ -570,8 +573,10 @@ class Pipeline:
                 raise invalid(f"step returned {len(got)} array(s), it declares {len(outs)}")
             for k, (dst, value) in enumerate(zip(outs, got)):
                 value = np.asarray(value)
-                if value.shape != dst.shape:
-                    raise invalid(f"step output {k} is {value.shape}, it declares {dst.shape}")
+                if value.shape != dst.shape or not np.can_cast(value.dtype, dst.dtype,
+                                                               "same_kind"):
+                    raise invalid(f"step output {k} is {value.dtype} {value.shape}, it declares "
+                                  f"{dst.dtype} {dst.shape}")
                 np.copyto(dst, value, casting="same_kind")
             return
         execution = slot.executions[name]
