@@ -29,7 +29,9 @@ the shortest period between frames, then the shortest frame.
 Costs. Without ``costs=``, the first ``warmup`` frames run on one lane,
 every stage after the other, and each stage's cost is the least time it
 took; the placement is made from these, then the lanes start. Costs keep
-being measured (a moving average) for deadlines.
+being measured: a stage's estimate is the least of its last 16 times, the
+time it can still make (a frame is dropped only when it cannot make its
+deadline even then).
 
 Slots. ``in_flight`` frames may be in the pipeline at once, each in a
 *slot* of its own: the frame's buffer and, per stage, an execution bound
@@ -48,6 +50,7 @@ place in the order, with ``dropped_at`` set and no outputs.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import os
@@ -112,7 +115,7 @@ class FrameResult:
 class PipelineStatistics:
     """``frames``: delivered (dropped ones included); ``dropped``: stage ->
     frames dropped there for their deadline; ``stage_seconds``: each stage's
-    estimated cost (moving average); ``lanes``: the placement, the stages of
+    estimated cost (the least of its last 16 times); ``lanes``: the placement, the stages of
     each lane in order (None before it is made)."""
     frames: int
     dropped: dict[str, int]
@@ -317,6 +320,8 @@ class Pipeline:
         self._closed = False
         self._token = None
         self._warm_seen: dict[str, float] = {}
+        self._recent: dict[str, collections.deque] = {
+            s: collections.deque(maxlen=16) for s in self._order}
 
     @staticmethod
     def _output_count(s: Stage | Step) -> int:
@@ -590,8 +595,9 @@ class Pipeline:
                 seen = self._warm_seen.get(name)
                 self._warm_seen[name] = seconds if seen is None else min(seen, seconds)
                 return
-            old = self._costs.get(name)
-            self._costs[name] = seconds if old is None else 0.9 * old + 0.1 * seconds
+            recent = self._recent[name]
+            recent.append(seconds)
+            self._costs[name] = min(recent)
 
     def _drop(self, job: _Frame, name: str) -> None:
         with self._cond:
