@@ -616,6 +616,8 @@ class Pipeline:
                 missing = [s for s in self._order if s not in self._costs]
                 for s in missing:     # a stage every warm frame skipped: no estimate
                     self._costs[s] = 0.0
+                for s, seconds in self._warm_seen.items():
+                    self._recent[s].append(seconds)
                 self._plan_and_start()
         outputs = {}
         if job.dropped_at is None and job.error is None:
