@@ -154,13 +154,16 @@ def face_box(regressors: np.ndarray, scores: np.ndarray):
 
 
 async def compile_all(rt, segment_devices=None, priority=Priority.HIGH):
-    """The five compiled models (the segmenter on ``segment_devices`` if given)."""
+    """The five compiled models; with ``segment_devices``, the segmenter on
+    those and the others on the remaining devices."""
     load = nnrt.tflite.load
+    others = None if segment_devices is None else \
+        [d.name for d in rt.devices if d.name not in segment_devices]
     return {
-        "detect_input": await rt.compile(detect_input_model(), priority=priority),
-        "detect": await rt.compile(load(str(DETECTOR)), priority=priority),
-        "crop": await rt.compile(crop_model(), priority=priority),
-        "landmarks": await rt.compile(load(str(LANDMARKS)), priority=priority),
+        "detect_input": await rt.compile(detect_input_model(), priority=priority, devices=others),
+        "detect": await rt.compile(load(str(DETECTOR)), priority=priority, devices=others),
+        "crop": await rt.compile(crop_model(), priority=priority, devices=others),
+        "landmarks": await rt.compile(load(str(LANDMARKS)), priority=priority, devices=others),
         "segment": await rt.compile(load(str(SEGMENTER)), priority=priority,
                                     devices=segment_devices),
     }

@@ -58,4 +58,5 @@ async def test_a_stage_on_a_litert_service_gives_the_same_outputs():
     async with nnrt.Runtime(litert=2, discover=False, spawn=[("seg", "litert")]) as rt:
         got, _, compiled = await _pipeline_outputs(rt, segment_devices=["seg"])
         assert [d.name for d in compiled["segment"].devices] == ["seg"]
+        assert [d.name for d in compiled["landmarks"].devices] == ["litert"]
     _check_against_litert(got)
