@@ -11,7 +11,10 @@ users run today, on the same synthetic camera frames, in one run:
                     called per frame, in a process of a benchmark-only
                     environment (``--mediapipe-python``; skipped, saying why,
                     when it is not there);
-* ``nnrt``          nnrt's pipeline in process (``Runtime(litert=2)``);
+* ``nnrt``          nnrt's pipeline in process (``Runtime(litert=2)``), frames
+                    as fast as it takes them (``pipe.run``);
+* ``nnrt paced``    the same pipeline, frames arriving one per period at 90%
+                    of the rate ``nnrt`` just sustained, latency from arrival;
 * ``nnrt seg@svc``  the same with segmentation on a litert driver service.
 
 Configurations alternate round by round in this process (MediaPipe's runs
@@ -141,24 +144,43 @@ def litert_models_round(row: Row, app: face.LiteRTSequential, prepared) -> None:
     row.add(len(prepared), time.perf_counter() - began, times)
 
 
-async def pipeline_round(row: Row, pipe, frames, deadline: float | None,
-                         period: float | None = None) -> None:
-    """All frames as fast as the pipeline takes them, or (``period``) one
-    per period, as a camera delivers them."""
+async def pipeline_round(row: Row, pipe, frames, deadline: float | None) -> None:
+    """All frames as fast as the pipeline takes them (``pipe.run``)."""
     latencies, dropped = [], 0
-
-    async def camera():
-        for k, frame in enumerate(frames):
-            if period is not None:
-                await anyio.sleep(max(0.0, began + k * period - time.perf_counter()))
-            yield frame
-
     began = time.perf_counter()
-    async for result in pipe.run(camera(), deadline_per_frame=deadline):
+    async for result in pipe.run(frames, deadline_per_frame=deadline):
         if result.dropped_at is None:
             latencies.append(result.latency)
         else:
             dropped += 1
+    row.add(len(frames), time.perf_counter() - began, latencies, dropped)
+
+
+async def paced_round(row: Row, pipe, frames, deadline: float, period: float) -> None:
+    """One frame per ``period``, as a camera delivers them: a camera task
+    submits each frame when it arrives, this task awaits the results in
+    order; a frame's latency runs from its arrival to its result."""
+    latencies, dropped = [], 0
+    send, receive = anyio.create_memory_object_stream(len(frames))
+    began = time.perf_counter()
+
+    async def camera():
+        async with send:
+            for k, frame in enumerate(frames):
+                arrival = began + k * period
+                await anyio.sleep(max(0.0, arrival - time.perf_counter()))
+                ticket = await pipe.submit(frame, deadline=time.monotonic() + deadline)
+                await send.send((arrival, ticket))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(camera)
+        async with receive:
+            async for arrival, ticket in receive:
+                result = await ticket.result()
+                if result.dropped_at is None:
+                    latencies.append(time.perf_counter() - arrival)
+                else:
+                    dropped += 1
     row.add(len(frames), time.perf_counter() - began, latencies, dropped)
 
 
@@ -238,9 +260,9 @@ async def main_rows(args, frames) -> dict[str, Row]:
                 await pipeline_round(rows["nnrt seg@svc"], pipes[1], frames, deadline)
                 # A camera at 90% of the rate nnrt just sustained: the latency
                 # a frame sees when frames arrive, not when the pipeline asks.
-                await pipeline_round(rows["nnrt paced"], pipes[0], frames, deadline,
-                                     period=1 / (0.9 * rows["nnrt"].fps[-1]))
-            rows["nnrt paced"].note = "frames at 90% of the nnrt row's rate"
+                await paced_round(rows["nnrt paced"], pipes[0], frames, deadline,
+                                  period=1 / (0.9 * rows["nnrt"].fps[-1]))
+            rows["nnrt paced"].note = "frames arriving at 90% of the nnrt row's rate"
             for name, pipe in zip(("nnrt", "nnrt seg@svc"), pipes):
                 rows[name].note = str(pipe.statistics().lanes)
                 await pipe.aclose()

@@ -479,7 +479,11 @@ class Pipeline:
                   deadline_per_frame: float | None = None):
         """Submit every frame of ``frames`` (deadline: ``deadline_per_frame``
         seconds after its submission), keeping ``in_flight`` of them in the
-        pipeline, and yield each :class:`FrameResult` in frame order."""
+        pipeline, and yield each :class:`FrameResult` in frame order. A
+        result is yielded when the pipeline needs its slot for the next
+        frame, or once ``frames`` ran out: for frames that come with time (a
+        live camera), submit them from a task of their own and await the
+        tickets in order (docs/guide/pipelines.md#a-live-camera)."""
         if deadline_per_frame is not None and (
                 isinstance(deadline_per_frame, bool)
                 or not isinstance(deadline_per_frame, (int, float))
