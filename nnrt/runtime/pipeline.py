@@ -28,7 +28,11 @@ the shortest period between frames, then the shortest frame.
 
 Costs. Without ``costs=``, the first ``warmup`` frames run on one lane,
 every stage after the other, and each stage's cost is the least time it
-took; the placement is made from these, then the lanes start. Costs keep
+took; the placement is made from these, then the lanes start. Every
+``REVIEW`` frames the placement is made again from the times measured
+since (:func:`review`); a better one (a tenth shorter period) takes over at
+the next frame not yet submitted: the old lanes stop before it, the new
+ones start from it, so every frame is run by exactly one placement. Costs keep
 being measured: a stage's estimate is the least of its last 16 times, the
 time it can still make (a frame is dropped only when it cannot make its
 deadline even then).
@@ -116,11 +120,13 @@ class PipelineStatistics:
     """``frames``: delivered (dropped ones included); ``dropped``: stage ->
     frames dropped there for their deadline; ``stage_seconds``: each stage's
     estimated cost (the least of its last 16 times); ``lanes``: the placement, the stages of
-    each lane in order (None before it is made)."""
+    each lane in order (None before it is made); ``replaced``: how many
+    times the stages were placed again from the costs measured running."""
     frames: int
     dropped: dict[str, int]
     stage_seconds: dict[str, float]
     lanes: tuple[tuple[str, ...], ...] | None
+    replaced: int = 0
 
 
 # -- placement (pure) -------------------------------------------------------------
@@ -154,6 +160,20 @@ def place(order: Sequence[str], needs: Mapping[str, Iterable[str]], costs: Mappi
         if best is None or key < best[0]:
             best = (key, lane_of)
     return _lanes(order, best[1], lanes)
+
+
+def review(order: Sequence[str], needs: Mapping[str, Iterable[str]], costs: Mapping[str, float],
+           now: tuple[tuple[str, ...], ...], lanes: int, in_flight: int = 2):
+    """A placement for ``costs`` whose simulated period is at least a tenth
+    shorter than that of ``now`` (the lanes in use), else None: a switch
+    costs a drained frame boundary, so a small gain is not worth it."""
+    better = place(order, needs, costs, lanes, in_flight)
+    if better == now:
+        return None
+    period = {p: simulate(order, needs, costs,
+                          {s: k for k, lane in enumerate(p) for s in lane}, in_flight)[0]
+              for p in (now, better)}
+    return better if period[better] < 0.9 * period[now] else None
 
 
 def _lanes(order, lane_of, lanes) -> tuple[tuple[str, ...], ...]:
@@ -203,6 +223,17 @@ def _source(text: str) -> tuple[str, str | int | None]:
     if not key:
         return name, None
     return name, int(key) if key.isdigit() else key
+
+
+REVIEW = 32   # frames between reviews of the placement
+
+
+@dataclass
+class _Plan:
+    """Lanes running frames ``first`` on, up to ``stop`` (excluded) once set."""
+    first: int
+    lanes: tuple[tuple[str, ...], ...]
+    stop: int | None = None
 
 
 class _Slot:
@@ -320,6 +351,10 @@ class Pipeline:
         self._closed = False
         self._token = None
         self._warm_seen: dict[str, float] = {}
+        self._plans: list[_Plan] = []
+        self._next_review = REVIEW
+        self._replaced = 0
+        self._submitting = None
         self._recent: dict[str, collections.deque] = {
             s: collections.deque(maxlen=16) for s in self._order}
 
@@ -420,6 +455,13 @@ class Pipeline:
         values = self._frame_dict(frame)
         if self._token is None:
             self._token = anyio.lowlevel.current_token()
+            self._submitting = anyio.Lock()
+        # One submission at a time: frame numbers have no gaps (a lane waits
+        # for each in turn), even when a submitting task is cancelled.
+        async with self._submitting:
+            return await self._submit(values, deadline)
+
+    async def _submit(self, values: dict, deadline: float | None) -> "Ticket":
         if not self._bound:
             self._bind(values)
         index = self._submitted
@@ -446,31 +488,56 @@ class Pipeline:
         self._submitted += 1
         with self._cond:
             self._frames[index] = job
-            if index < self._warmup:
-                job.lanes_left = 1         # the warm lane: every stage, one after the other
-                if index == 0:
-                    self._start([tuple(self._order)], stop=self._warmup)
-            elif self._lanes is not None:
-                job.lanes_left = len(self._lanes)
-                if not self._threads:      # costs given: placed already
-                    self._start(self._lanes)
-            # else: the lanes start when the warm frames are in (_finish)
+            if index == 0:
+                if self._warmup:       # the warm lane: every stage, one after the other
+                    self._start(_Plan(0, (tuple(self._order),), stop=self._warmup))
+                else:                  # costs given: placed already
+                    self._start(_Plan(0, self._lanes))
+            plan = self._plan_of(index)
+            # None: a frame after the warm ones, before they are in (_finish sets it)
+            job.lanes_left = 0 if plan is None else len(plan.lanes)
             self._cond.notify_all()
         return ticket
 
+    def _plan_of(self, index: int) -> "_Plan | None":
+        for plan in reversed(self._plans):
+            if plan.first <= index and (plan.stop is None or index < plan.stop):
+                return plan
+        return None
+
     def _plan_and_start(self) -> None:
-        """Place the stages from the costs and start the lanes (holding
-        ``_cond``), from frame ``warmup`` on."""
+        """Place the stages from the warm frames' costs and start the lanes
+        (holding ``_cond``), from frame ``warmup`` on."""
         self._lanes = place(self._order, self._needs, self._costs, self._lane_count,
                             self.in_flight)
         for index, job in self._frames.items():
             if index >= self._warmup:
                 job.lanes_left = len(self._lanes)
-        self._start(self._lanes, first=self._warmup)
+        self._start(_Plan(self._warmup, self._lanes))
 
-    def _start(self, lanes, first: int = 0, stop: int | None = None) -> None:
-        for k, stages in enumerate(lanes):
-            t = threading.Thread(target=self._lane, args=(stages, first, stop),
+    def _review(self, done: int) -> None:
+        """Every ``REVIEW`` frames (holding ``_cond``): place the stages again
+        from the costs measured since; when that shortens the simulated
+        period by a tenth or more, the lanes change hands at the next frame
+        not yet submitted (the old lanes finish the frames before it)."""
+        if self._lanes is None or done < self._next_review:
+            return
+        self._next_review = done + REVIEW
+        better = review(self._order, self._needs, self._costs, self._lanes, self._lane_count,
+                        self.in_flight)
+        if better is None:
+            return
+        switch = max([*self._frames, done]) + 1
+        self._plans[-1].stop = switch
+        self._lanes = better
+        self._replaced += 1
+        self._start(_Plan(switch, better))
+        self._cond.notify_all()
+
+    def _start(self, plan: "_Plan") -> None:
+        self._plans.append(plan)
+        for stages in plan.lanes:
+            t = threading.Thread(target=self._lane, args=(stages, plan),
                                  name=f"nnrt-pipeline-lane-{len(self._threads)}", daemon=True)
             self._threads.append(t)
             t.start()
@@ -510,18 +577,20 @@ class Pipeline:
 
     # -- the lanes (threads) ------------------------------------------------------
 
-    def _lane(self, stages: tuple[str, ...], first: int, stop: int | None) -> None:
-        """Run ``stages`` of frames ``first``, ``first + 1``, ... (up to
-        ``stop``, excluded, for the warm lane) in order."""
-        index = first
-        while stop is None or index < stop:
+    def _lane(self, stages: tuple[str, ...], plan: "_Plan") -> None:
+        """Run ``stages`` of frames ``plan.first``, ``plan.first + 1``, ...
+        in order, up to ``plan.stop`` (excluded) once it is set."""
+        index = plan.first
+        while True:
             with self._cond:
                 # A submitted frame is run to its end even when closing: a
                 # lane on it may wait for this lane's fences.
                 while index not in self._frames:
-                    if self._closed:
+                    if self._closed or (plan.stop is not None and index >= plan.stop):
                         return
                     self._cond.wait()
+                if plan.stop is not None and index >= plan.stop:
+                    return
                 job = self._frames[index]
             for name in stages:
                 self._run_stage(job, name)
@@ -623,6 +692,8 @@ class Pipeline:
                 for s, seconds in self._warm_seen.items():
                     self._recent[s].append(seconds)
                 self._plan_and_start()
+                self._next_review = job.index + REVIEW
+            self._review(job.index)
         outputs = {}
         if job.dropped_at is None and job.error is None:
             for text in self.outputs:
@@ -638,7 +709,7 @@ class Pipeline:
     def statistics(self) -> PipelineStatistics:
         with self._cond:
             return PipelineStatistics(self._delivered, dict(self._dropped),
-                                      dict(self._costs), self._lanes)
+                                      dict(self._costs), self._lanes, self._replaced)
 
     def close(self) -> None:
         """Stop the lanes once the frames submitted have run (their results

@@ -199,3 +199,41 @@ async def test_descriptions_that_cannot_work_are_refused_up_front(rt):
         rt.pipeline([Stage("a", a), Stage("b", b, ["a"])], costs={"a": 1.0})
     with pytest.raises(NnrtError, match="no output named"):
         rt.pipeline([Stage("a", a)], outputs=["a:nothing"])
+
+
+def test_a_review_moves_stages_only_for_a_tenth_shorter_period():
+    from nnrt.runtime.pipeline import review
+    now = (("detect", "box", "landmarks"), ("segment",))
+    # Segmentation got cheap: cutting the chain gives a frame every 4, not 6.
+    cheap = {"detect": 2.0, "box": 0.5, "landmarks": 3.5, "segment": 2.0}
+    assert review(FACE, FACE_NEEDS, cheap, now, 2) == (("detect", "segment"), ("box", "landmarks"))
+    # The costs the lanes were placed for: nothing to gain.
+    costs = {"detect": 1.0, "box": 0.05, "landmarks": 2.0, "segment": 4.5}
+    assert review(FACE, FACE_NEEDS, costs, now, 2) is None
+    # A better placement by less than a tenth is not worth a switch.
+    close = {"detect": 0.5, "box": 0.1, "landmarks": 3.0, "segment": 3.0}   # 3.6 -> 3.5
+    better = place(FACE, FACE_NEEDS, close, 2)
+    assert better != now and review(FACE, FACE_NEEDS, close, now, 2) is None
+
+
+async def test_lanes_placed_again_keep_every_frame_in_order(rt, monkeypatch):
+    """Given costs that the measured ones overturn: at a review the lanes
+    change hands at a frame boundary, and no frame is lost or reordered."""
+    from nnrt.runtime import pipeline
+    monkeypatch.setattr(pipeline, "REVIEW", 4)
+    *_, stages = await _chain(rt)
+    # 'c' costs 1000 s by the given costs: alone on a lane. Measured, every
+    # stage takes well under a second, so two lanes of two stages each win.
+    costs = {"a": 1.0, "double": 1.0, "b": 1.0, "c": 1000.0}
+    monkeypatch.setattr(pipeline, "review",
+                        lambda *args: (("a", "double"), ("b", "c")))
+    async with rt.pipeline(stages, costs=costs) as pipe:
+        assert pipe.statistics().lanes == (("a", "double", "b"), ("c",))
+        frames = [np.full((1, 4), i, np.float32) for i in range(20)]
+        got = [r async for r in pipe.run(frames)]
+        stats = pipe.statistics()
+    assert stats.replaced >= 1 and stats.lanes == (("a", "double"), ("b", "c"))
+    assert [r.index for r in got] == list(range(20))
+    for i, r in enumerate(got):
+        np.testing.assert_array_equal(r.outputs["b:0"], np.full((1, 4), (i + 1) * 2 + 10))
+        np.testing.assert_array_equal(r.outputs["c:0"], np.full((1, 4), i + 100))
