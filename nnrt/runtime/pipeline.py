@@ -236,6 +236,20 @@ class _Plan:
     stop: int | None = None
 
 
+def _check_step(step: Step) -> None:
+    if not callable(step.fn):
+        raise invalid(f"pipeline: step {step.name!r}: fn {step.fn!r} is not callable")
+    for k, spec in enumerate(step.outputs):
+        try:
+            shape, dtype = spec
+            np.empty(0, dtype)
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise invalid(f"pipeline: step {step.name!r} output {k} must be (shape, dtype), "
+                          f"got {spec!r}") from None
+
+
 class _Slot:
     """One frame's buffers: the frame, each step's output arrays, each
     stage's bound execution (its outputs are the arrays later stages read)."""
@@ -305,6 +319,8 @@ class Pipeline:
             if isinstance(s, Stage) and len(s.inputs) != len(s.compiled.inputs):
                 raise invalid(f"pipeline: stage {s.name!r} names {len(s.inputs)} input(s), its "
                               f"model takes {len(s.compiled.inputs)}")
+            if isinstance(s, Step):
+                _check_step(s)
             needs = set()
             for text in s.inputs:
                 name, _ = _source(text)
@@ -314,9 +330,9 @@ class Pipeline:
                 if name != FRAME:
                     needs.add(name)
             self._needs[s.name] = needs
-        for name, n, what in ((in_flight, "in_flight", 1), (warmup, "warmup", 0)):
-            if isinstance(name, bool) or not isinstance(name, int) or name < what:
-                raise invalid(f"pipeline: {n} must be an int >= {what}, got {name!r}")
+        for value, label, least in ((in_flight, "in_flight", 1), (warmup, "warmup", 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise invalid(f"pipeline: {label} must be an int >= {least}, got {value!r}")
         self.in_flight = in_flight
         cores = len(os.sched_getaffinity(0))
         self._lane_count = cores if lanes is None else lanes

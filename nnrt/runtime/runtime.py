@@ -36,7 +36,7 @@ from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import DriverFailure, Step, release_all
 from .execution import Execution
-from .pipeline import Pipeline
+from .pipeline import Pipeline, Stage
 from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
 from .. import handoff, trace
@@ -314,6 +314,11 @@ class Runtime:
         frame's result holds. docs/guide/pipelines.md."""
         if self.closed:
             raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
+        for stage in stages:
+            if isinstance(stage, Stage) and not (isinstance(stage.compiled, CompiledModel)
+                                                 and stage.compiled.runtime is self):
+                raise invalid(f"pipeline: stage {stage.name!r} needs a model compiled by this "
+                              f"runtime (await rt.compile(...)), got {stage.compiled!r}")
         return Pipeline(stages, in_flight=in_flight, lanes=lanes, costs=costs, outputs=outputs,
                         warmup=warmup)
 

@@ -188,6 +188,9 @@ async def test_descriptions_that_cannot_work_are_refused_up_front(rt):
         ([Stage("a", a, ["frame", "frame"])], "names 2 input(s)"),
         ([Stage("a", a), "b"], "neither a Stage nor a Step"),
         ([], "no stages"),
+        ([Stage("a", "not a model")], "compiled by this runtime"),
+        ([Stage("a", a), Step("s", len, ["a"], [((1, 4), "no such dtype")])], "(shape, dtype)"),
+        ([Stage("a", a), Step("s", None, ["a"], [((1, 4), np.float32)])], "not callable"),
     ]
     for stages, words in cases:
         with pytest.raises(NnrtError) as e:
