@@ -69,7 +69,7 @@ import anyio.lowlevel
 import numpy as np
 
 from ..errors import ErrorStatus, NnrtError, bad_state, invalid
-from ..fence.sync_fence import SyncFence
+from ..fence.sync_fence import FenceState, SyncFence
 from ..hal.types import check_deadline
 
 _DROPS = (ErrorStatus.MISSED_DEADLINE_TRANSIENT, ErrorStatus.MISSED_DEADLINE_PERSISTENT)
@@ -464,20 +464,40 @@ class Pipeline:
         ``deadline``: absolute ``time.monotonic()`` time for the whole frame.
         A frame of another shape or dtype than the first is INVALID_ARGUMENT
         and changes nothing."""
+        values, deadline = self._check_frame(frame, deadline)
+        # One submission at a time: frame numbers have no gaps (a lane waits
+        # for each in turn), even when a submitting task is cancelled.
+        async with self._submitting:
+            slot = self._next_slot(values)
+            if slot.done is not None:      # the slot's last frame must be delivered first
+                await slot.done.wait_signaled()
+            return self._enter(slot, values, deadline)
+
+    def submit_nowait(self, frame, *, deadline: float | None = None) -> "Ticket":
+        """:meth:`submit`, or ``anyio.WouldBlock`` when ``in_flight`` frames
+        are in the pipeline: what a live camera calls, dropping the frame
+        then rather than falling behind."""
+        values, deadline = self._check_frame(frame, deadline)
+        if self._submitting.locked():
+            raise anyio.WouldBlock
+        slot = self._next_slot(values)
+        if slot.done is not None and slot.done.poll() is FenceState.ACTIVE:
+            raise anyio.WouldBlock
+        return self._enter(slot, values, deadline)
+
+    def _check_frame(self, frame, deadline):
         if self._closed:
             raise bad_state("the pipeline is closed")
         if deadline is not None:
             deadline = check_deadline(deadline)
-        values = self._frame_dict(frame)
         if self._token is None:
             self._token = anyio.lowlevel.current_token()
             self._submitting = anyio.Lock()
-        # One submission at a time: frame numbers have no gaps (a lane waits
-        # for each in turn), even when a submitting task is cancelled.
-        async with self._submitting:
-            return await self._submit(values, deadline)
+        return self._frame_dict(frame), deadline
 
-    async def _submit(self, values: dict, deadline: float | None) -> "Ticket":
+    def _next_slot(self, values: dict) -> _Slot:
+        """The next frame's slot, the buffers bound at the first frame; the
+        frame checked against them."""
         if not self._bound:
             self._bind(values)
         index = self._submitted
@@ -490,12 +510,15 @@ class Pipeline:
             if v.shape != b.shape or v.dtype != b.dtype:
                 raise invalid(f"pipeline: frame {index}{'' if key is None else f' {key!r}'} is "
                               f"{v.dtype} {v.shape}, the first was {b.dtype} {b.shape}")
-        if slot.done is not None:      # the slot's last frame must be delivered first
-            await slot.done.wait_signaled()
-            slot.done.close()
-            slot.done = None
+        return slot
+
+    def _enter(self, slot: _Slot, values: dict, deadline: float | None) -> "Ticket":
+        """The frame into its free slot, and to the lanes."""
         if self._closed:
             raise bad_state("the pipeline is closed")
+        if slot.done is not None:
+            slot.done.close()
+        index = self._submitted
         for key, v in values.items():
             np.copyto(slot.frame[key], v)
         job = _Frame(index, slot, deadline, 0, self._order)

@@ -240,3 +240,25 @@ async def test_lanes_placed_again_keep_every_frame_in_order(rt, monkeypatch):
     for i, r in enumerate(got):
         np.testing.assert_array_equal(r.outputs["b:0"], np.full((1, 4), (i + 1) * 2 + 10))
         np.testing.assert_array_equal(r.outputs["c:0"], np.full((1, 4), i + 100))
+
+
+async def test_submit_nowait_refuses_a_frame_while_the_pipeline_is_full(rt):
+    """A live camera drops the frame instead of falling behind."""
+    import threading
+    import anyio
+    a, *_ = await _chain(rt)
+    release = threading.Event()
+
+    def held(x):
+        assert release.wait(timeout=30), "the test never released the step"
+        return x
+
+    stages = [Stage("a", a), Step("held", held, ["a"], [((1, 4), np.float32)])]
+    async with rt.pipeline(stages, in_flight=1, costs={"a": 0.0, "held": 0.0}) as pipe:
+        first = pipe.submit_nowait(np.zeros((1, 4), np.float32))
+        with pytest.raises(anyio.WouldBlock):                  # held in its step
+            pipe.submit_nowait(np.ones((1, 4), np.float32))
+        release.set()
+        assert (await first.result()).outputs["held:0"][0, 0] == 1
+        second = pipe.submit_nowait(np.full((1, 4), 2, np.float32))
+        assert (second.index, (await second.result()).outputs["held:0"][0, 0]) == (1, 3)
