@@ -21,9 +21,9 @@ from .model.types import (FusedActivation, OperandType, OperationType,  # noqa: 
 from .hal.types import Priority, deadline_in  # noqa: E402
 
 __all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus", "Execution", "ExecutionPreference",
-           "ExecutionTiming", "FenceState", "FusedActivation", "Memory", "MemoryDesc", "Model", "NnrtError",
-           "OperandType", "OperationType", "PaddingScheme", "Placement", "Priority", "Result",
-           "ResultCode", "Runtime", "SyncCompiledModel", "SyncExecution", "SyncFence", "SyncRuntime", "deadline_in",
+           "ExecutionTiming", "FenceState", "FrameResult", "FusedActivation", "Memory", "MemoryDesc", "Model", "NnrtError",
+           "OperandType", "OperationType", "PaddingScheme", "Pipeline", "Placement", "Priority", "Result",
+           "ResultCode", "Runtime", "Stage", "Step", "SyncCompiledModel", "SyncExecution", "SyncFence", "SyncRuntime", "deadline_in",
            "copy", "run", "__version__"]
 
 
@@ -31,7 +31,7 @@ __all__ = ["Burst", "CompiledModel", "DeviceMemory", "DeviceType", "ErrorStatus"
 # nnrt without running apps (a driver service, the CLI's other commands) does
 # not pay for the runtime (about 0.2 s of every service's start).
 _RUNTIME_NAMES = frozenset({"Burst", "CompiledModel", "DeviceMemory", "Execution",
-                            "ExecutionTiming", "MemoryDesc", "Placement", "Result", "Runtime",
+                            "ExecutionTiming", "FrameResult", "MemoryDesc", "Pipeline", "Placement", "Result", "Runtime", "Stage", "Step",
                             "SyncCompiledModel", "SyncExecution", "SyncRuntime", "copy", "run"})
 
 

@@ -8,17 +8,21 @@ device busy; a second app process competes at MEDIUM priority. A live line
 shows progress; the end is a summary table (frames, p50/p99 latency per
 model, deadline misses, preemptions, per-app share of device time) and, with
 ``--report PATH.html``, a self-contained HTML report with latency charts.
+
+``nnrt demo --pipeline`` runs the face pipeline instead (examples/face_pipeline.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import runpy
 import statistics as stats
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -313,11 +317,28 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
+def face_pipeline(argv: list[str]) -> int:
+    """``nnrt demo --pipeline``: the face pipeline, examples/face_pipeline.py
+    of this checkout (its models are the checkout's and ../shared's)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "face_pipeline.py"
+    if not path.exists():
+        print(f"nnrt demo --pipeline runs {path}, which is not here: run it from a checkout",
+              file=sys.stderr)
+        return 2
+    return runpy.run_path(str(path))["main"](argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nnrt demo", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of the camera loop")
     parser.add_argument("--report", metavar="PATH.html", help="write an HTML report")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="instead: the face pipeline (examples/face_pipeline.py; its options "
+                             "follow, see --pipeline --help)")
     parser.add_argument("--competitor", metavar="SOCKET", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--pipeline" in argv:
+        return face_pipeline([a for a in argv if a != "--pipeline"])
     args = parser.parse_args(argv)
     if args.competitor:
         anyio.run(competitor, args.competitor, args.seconds)

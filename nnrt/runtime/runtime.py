@@ -36,6 +36,7 @@ from .fenced import execute_fenced
 from .results import ExecutionTiming, Result, copy_into
 from .step import DriverFailure, Step, release_all
 from .execution import Execution
+from .pipeline import Pipeline, Stage
 from ..hal.types import Priority, check_deadline, check_loop_timeout
 from ..vlog import vlog
 from .. import handoff, trace
@@ -59,7 +60,8 @@ class Runtime:
         ``"<kind>-service"`` for ``"litert"``, the in-process device's name --
         or ``(name, kind)`` pairs), stopped on close, and the in-process CPU
         devices: ``litert`` when LiteRT is installed (and ``litert`` is
-        true), then the reference.
+        true; ``litert=N`` lets it run N executions at once, one core each,
+        e.g. for a pipeline's lanes), then the reference.
 
         ``strict=True`` makes every fallback to the CPU an error (the default
         of ``compile(..., fallback=)``): an operation no other device
@@ -82,6 +84,9 @@ class Runtime:
         with the shortest expected wait, a burst stays on one, a dead
         member's work runs again on the others."""
         self.app = AppDeclaration.for_process(app)
+        if not isinstance(litert, int) or litert < 0:
+            raise invalid(f"litert must be True, False or a number of executions at once, "
+                          f"got {litert!r}")
         self._litert = litert
         self.strict = request.flag(strict, "strict")
         self._given_devices = list(devices) if devices is not None else None
@@ -307,6 +312,25 @@ class Runtime:
 
     def _resolve(self, device: str | Device) -> Device:
         return self.device(device) if isinstance(device, str) else device
+
+    def pipeline(self, stages: Sequence, *, in_flight: int = 2, lanes: int | None = None,
+                 costs=None, outputs: Sequence[str] | None = None, warmup: int = 3):
+        """A :class:`~nnrt.Pipeline` of ``stages`` (``nnrt.Stage`` for a
+        compiled model, ``nnrt.Step`` for a Python function between models):
+        ``in_flight`` frames at once, the stages placed on ``lanes`` threads
+        (default: this process's cores) from ``costs`` (seconds per stage) or,
+        without them, from the times of the first ``warmup`` frames;
+        ``outputs`` (default: the outputs no stage reads) are what each
+        frame's result holds. docs/guide/pipelines.md."""
+        if self.closed:
+            raise bad_state("the runtime is not open: use 'async with nnrt.Runtime() as rt'")
+        for stage in stages:
+            if isinstance(stage, Stage) and not (isinstance(stage.compiled, CompiledModel)
+                                                 and stage.compiled.runtime is self):
+                raise invalid(f"pipeline: stage {stage.name!r} needs a model compiled by this "
+                              f"runtime (await rt.compile(...)), got {stage.compiled!r}")
+        return Pipeline(stages, in_flight=in_flight, lanes=lanes, costs=costs, outputs=outputs,
+                        warmup=warmup)
 
     async def compile(self, model: Model, *,
                       preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
@@ -566,14 +590,14 @@ class Runtime:
             vlog("manager", "device %s is gone", device.name)
 
 
-def in_process_devices(*, litert: bool = True) -> list[Device]:
+def in_process_devices(*, litert: bool | int = True) -> list[Device]:
     """The drivers every runtime runs in its own process: the litert driver
-    when LiteRT is installed (first: it is the faster CPU driver), then the
-    reference CPU driver (the fallback)."""
+    when LiteRT is installed (first: it is the faster CPU driver; ``litert=N``
+    runs N executions at once), then the reference CPU driver (the fallback)."""
     from ..drivers import litert as litert_driver
     devices: list[Device] = []
     if litert and litert_driver.available():
-        devices.append(litert_driver.LiteRTDevice())
+        devices.append(litert_driver.LiteRTDevice(slots=1 if litert is True else litert))
     devices.append(ReferenceDevice())
     return devices
 

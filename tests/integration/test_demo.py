@@ -29,3 +29,14 @@ def test_camera_loop_demo_prints_a_summary_and_writes_a_report(tmp_path):
     # Self-contained: the plotting library is inlined, nothing is fetched.
     assert not re.search(r"<(script|link|img)[^>]+(src|href)=[\"']?https?:", html)
     assert "Plotly.newPlot" in html and len(html) > 1_000_000   # the library itself is inside
+
+
+def test_pipeline_demo_runs_the_face_pipeline_and_matches_litert():
+    """`nnrt demo --pipeline` (examples/face_pipeline.py): the face is found
+    on every frame of the synthetic camera, and the checked frames match
+    LiteRT run one model after another (the script exits 1 otherwise)."""
+    done = subprocess.run([sys.executable, "-m", "nnrt", "demo", "--pipeline", "--frames", "6",
+                           "--check", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "face found on 6;" in done.stdout
+    assert "checked 2 frames against LiteRT" in done.stdout and "MISMATCH" not in done.stdout

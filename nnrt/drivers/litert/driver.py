@@ -62,13 +62,18 @@ class LiteRTDevice(Device):
 
     def __init__(self, name: str = "litert", *, num_threads: int = 1,
                  segment_time: float | None = DEFAULT_SEGMENT_TIME,
-                 segments: int | None = None):
+                 segments: int | None = None, slots: int = 1):
         """``num_threads`` per interpreter (1: the scheduler, not the driver,
         decides concurrency); ``segment_time`` (seconds) bounds a segment's
         estimated run time, None for one segment; ``segments`` instead cuts
-        every partition into that many segments (for measurements)."""
+        every partition into that many segments (for measurements);
+        ``slots``: how many executions the scheduler runs at once (one core
+        each: a pipeline's stages on two cores take 2)."""
         if num_threads < 1:
             raise invalid(f"num_threads must be at least 1, got {num_threads}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise invalid(f"slots must be an int of at least 1, got {slots!r}")
+        self.slots = slots
         if segment_time is not None and segment_time <= 0:
             raise invalid(f"segment_time must be positive, got {segment_time}")
         if segments is not None and segments < 1:
@@ -89,10 +94,10 @@ class LiteRTDevice(Device):
         return list(EXTENSIONS)
 
     def scheduling(self) -> Scheduling:
-        # Stops between segments; one execution at a time (the scheduler, not
-        # the driver, decides how many run at once, and with one thread per
-        # interpreter one slot keeps a core for everyone else).
-        return Scheduling(Boundaries.SEGMENT, slots=1)
+        # Stops between segments; one execution at a time by default (the
+        # scheduler, not the driver, decides how many run at once, and with
+        # one thread per interpreter one slot keeps a core for everyone else).
+        return Scheduling(Boundaries.SEGMENT, slots=self.slots)
 
     async def supported_operations(self, model) -> list[bool]:
         dims = validate_model(model).dims[None]

@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...extensions import tflite as tflite_ext
+from ...extensions import mediapipe as mediapipe_ext, tflite as tflite_ext
 from ...model.types import OperandLifeTime as L, OperandType as T, OperationType as Op
 
 F32, F16, I32, U8, S8, BOOL8 = (T.TENSOR_FLOAT32, T.TENSOR_FLOAT16, T.TENSOR_INT32,
@@ -897,12 +897,43 @@ def _rfft2d(info: OpInfo) -> tuple[Lowered, ...]:
                     builtin="RESHAPE"))
 
 
+# --- com.nnrt.mediapipe ------------------------------------------------------------
+
+def _transpose_conv_bias(info: OpInfo) -> Lowered:
+    """mediapipe's Convolution2DTransposeBias is TFLite's TRANSPOSE_CONV with
+    its bias input (the same OHWI filter, SAME or VALID padding, strides from
+    the 12-byte parameters): XNNPACK runs both with one deconvolution kernel,
+    as it runs the custom op in mediapipe's own interpreter."""
+    operand = info.operand(3)
+    t = operand.type
+    if not (t.is_extension and t.extension == mediapipe_ext.NAME
+            and t.type_within == mediapipe_ext.TRANSPOSE_CONV_PARAMS) \
+            or operand.lifetime not in (L.CONSTANT_COPY, L.CONSTANT_REFERENCE):
+        raise Unsupported("input 3 is not constant TRANSPOSE_CONV_PARAMS")
+    raw = info.model.constant_bytes(operand)
+    if len(raw) != mediapipe_ext.PARAMS_FORMAT.size:
+        raise Unsupported(f"parameters of {len(raw)} bytes")
+    code, stride_w, stride_h = mediapipe_ext.PARAMS_FORMAT.unpack(raw)
+    if code not in (1, 2) or not (0 < stride_w <= 1024 and 0 < stride_h <= 1024):
+        raise Unsupported(f"parameters (padding {code}, strides {stride_w}, {stride_h})")
+    _check_filter(info, info.t(0), 1)
+    if info.dims(1)[3] != info.dims(0)[3]:
+        raise Unsupported("filter depth differs from the input depth")
+    shape = Const(np.array(info.out_dims(), np.int32))
+    return Lowered((shape, info.op.inputs[1], info.op.inputs[0], info.op.inputs[2]),
+                   info.op.outputs, "TransposeConvOptions",
+                   {"Padding": _SAME if code == 1 else _VALID, "StrideW": stride_w,
+                    "StrideH": stride_h, "FusedActivationFunction": 0})
+
+
 # (extension, type within) -> rule; a model numbers its extensions itself.
 EXTENSION_RULES: dict[tuple[str, int], Rule] = {
     (tflite_ext.NAME, tflite_ext.RANGE): Rule("RANGE", frozenset({I32, F32}), _range),
     (tflite_ext.NAME, tflite_ext.RFFT2D): Rule("RFFT2D", frozenset({F32}), _rfft2d),
+    (mediapipe_ext.NAME, mediapipe_ext.CONVOLUTION_2D_TRANSPOSE_BIAS):
+        Rule("TRANSPOSE_CONV", frozenset({F32}), _transpose_conv_bias),
 }
-EXTENSIONS = (tflite_ext.EXTENSION,)
+EXTENSIONS = (tflite_ext.EXTENSION, mediapipe_ext.EXTENSION)
 
 
 def lower(info: OpInfo) -> tuple[Lowered, ...]:
