@@ -63,7 +63,6 @@ NAMES = [
     "mediapipe/pose_detection", "generated/lstm_20x40_unrolled_float32",
     "generated/lstm_20x40_fused_float32", "generated/lstm_20x40_while_float32",
 ]
-NOT_READ = ["selfie_segmentation (its custom op has no NNAPI operation)"]
 
 
 def request(hal, inputs: list[np.ndarray]) -> tuple[Request, list[np.ndarray]]:
@@ -255,7 +254,6 @@ def main() -> None:
     print("|---|---:|---|---|---:|---|---:|---|---:|---|---:|")
     names = [n for n in NAMES if fnmatch.fnmatch(n.split("/")[-1], args.models)]
     anyio.run(table, names, args.runs, segment_time)
-    print("not importable (no numbers): " + "; ".join(NOT_READ))
     print("segs: the litert driver's segments; 'part': partitioned with the reference "
           "driver (no driver-alone column)")
 

@@ -160,8 +160,10 @@ def test_cli_run_inspect_and_refusal(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "DEPTHWISE_CONV_2D" in printed and "nnrt-reference" in printed
 
-    # No device here offers the extension selfie_segmentation's custom op maps to.
-    assert cli(["run", str(_path("selfie_segmentation")), "--random", "--no-discover"]) == 1
+    # The reference device does not offer the extension selfie_segmentation's
+    # custom op maps to (litert runs it, as TRANSPOSE_CONV with a bias).
+    assert cli(["run", str(_path("selfie_segmentation")), "--random", "--no-discover",
+                "--device", "nnrt-reference"]) == 1
     assert "com.nnrt.mediapipe" in capsys.readouterr().err
     assert cli(["run", str(model), "--no-discover"]) == 2
     assert "--random" in capsys.readouterr().err
