@@ -20,15 +20,30 @@ from nnrt.service.remote import nnrt_remote_v1_pb2_grpc as pb_grpc
 from nnrt.service.remote.client import RemoteDevice
 
 from .test_cache_processes import SMALL, _entries, _input
-from ..conftest import stop
-from .test_remote import BOUND, _tls, pki, remote_service  # noqa: F401  (fixtures)
+from ..conftest import start_remote_service, stop
+from .test_remote import HOST, BOUND, _tls, pki, remote_service  # noqa: F401  (fixtures)
 
 
 def _serve(remote_service, pki, state):   # noqa: F811
     """A litert server "far" whose cache key lives in ``state``."""
-    return remote_service("--tls-cert", str(pki["server"]), "--tls-key",
-                          str(pki["server.key"]), "--client-ca", str(pki["ca"]),
-                          kind="litert", env={**os.environ, "XDG_STATE_HOME": str(state)})
+    return remote_service(*_flags(pki), kind="litert",
+                          env={**os.environ, "XDG_STATE_HOME": str(state)})
+
+
+def _flags(pki) -> list[str]:   # noqa: F811
+    return ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server.key"]),
+            "--client-ca", str(pki["ca"])]
+
+
+@pytest.fixture(scope="module")
+def far(pki, tmp_path_factory):   # noqa: F811
+    """One litert server for the module (mutual TLS): its target and the
+    folder of its cache key."""
+    state = tmp_path_factory.mktemp("state")
+    proc, target = start_remote_service(f"{HOST}:0", "litert", "far", *_flags(pki),
+                                        env={**os.environ, "XDG_STATE_HOME": str(state)})
+    yield target, state
+    stop(proc)
 
 
 async def _compile_run(device, model, x, cache_dir):
@@ -46,8 +61,8 @@ def _flip(path, at):
 
 
 async def test_a_remote_litert_compile_hits_the_apps_cache_and_bad_files_are_refused(
-        remote_service, pki, tmp_path):  # noqa: F811
-    _, target = _serve(remote_service, pki, tmp_path / "state")
+        far, pki, tmp_path):  # noqa: F811
+    target, _ = far
     model = nnrt.tflite.load(SMALL)
     x = _input(model)
     camera = await RemoteDevice.connect(target, tls=_tls(pki, "camera"))
@@ -95,8 +110,8 @@ async def test_a_remote_litert_compile_hits_the_apps_cache_and_bad_files_are_ref
 
 
 async def test_cache_messages_of_a_hostile_client_are_refused_and_the_server_serves_on(
-        remote_service, pki, tmp_path):  # noqa: F811
-    _, target = _serve(remote_service, pki, tmp_path / "state")
+        far, pki):  # noqa: F811
+    target, _ = far
     token = bytes(range(32))
     with grpc.secure_channel(target.removeprefix("grpcs://"),
                              _tls(pki, "camera").credentials()) as channel:
@@ -131,24 +146,30 @@ async def test_cache_messages_of_a_hostile_client_are_refused_and_the_server_ser
 
 
 async def test_a_restarted_server_takes_the_files_while_its_cache_key_is_the_same(
-        remote_service, pki, tmp_path):  # noqa: F811
+        far, remote_service, pki, tmp_path):  # noqa: F811
     model = nnrt.tflite.load(SMALL)
     x = _input(model)
     cache = tmp_path / "cache"
 
-    async def compile_on_a_new_server(state):
-        proc, target = _serve(remote_service, pki, state)
+    async def compile_on(target):
         device = await RemoteDevice.connect(target, tls=_tls(pki, "camera"))
         try:
             return await _compile_run(device, model, x, cache)
         finally:
             device.close()
+
+    async def compile_on_a_new_server(state):
+        proc, target = _serve(remote_service, pki, state)
+        try:
+            return await compile_on(target)
+        finally:
             stop(proc)
 
-    first, stats = await compile_on_a_new_server(tmp_path / "state")
+    target, state = far
+    first, stats = await compile_on(target)
     assert (stats.misses, stats.written) == (1, 1)
-    # Another process, the same user's key: a hit.
-    same, stats = await compile_on_a_new_server(tmp_path / "state")
+    # Another server process, the same user's key: a hit.
+    same, stats = await compile_on_a_new_server(state)
     assert (stats.hits, stats.rejects) == (1, {})
     # A server with another key (another user or host): the seal does not
     # hold; compiled afresh and rewritten for it.
