@@ -67,7 +67,8 @@ def test_the_bytes_go_from_the_drivers_memfds_to_the_apps_files_and_back(tmp_pat
         sent = rc.read_app_files(files, (1, 1))
         payloads = rc.unsealed("camera", sent, (1, 1))
         assert [bytes(p) for p in payloads] == [b"plan", DATA]
-        with rc.Scratch((1, 1), TOKEN, payloads) as scratch:
+        with rc.Scratch((1, 1), TOKEN) as scratch:
+            scratch.fill(payloads)
             assert os.pread(scratch.files.data[0], 1000, 0) == DATA
         rc.write_app_files(files, None)              # nothing to cache: left empty
         assert os.fstat(fds[0]).st_size == os.fstat(fds[1]).st_size == 0

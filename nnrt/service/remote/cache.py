@@ -105,8 +105,8 @@ def _read_all(fd: int, limit: int) -> bytes | None:
     if info.st_size > limit:
         return None
     parts, offset = [], 0
-    while offset <= limit:
-        part = os.pread(fd, min(1 << 20, limit + 1 - offset) or 1, offset)
+    while offset <= limit:   # a file that grows past the limit meanwhile: None
+        part = os.pread(fd, min(1 << 20, limit + 1 - offset), offset)
         if not part:
             return b"".join(parts)
         parts.append(part)
@@ -117,22 +117,26 @@ def _read_all(fd: int, limit: int) -> bytes | None:
 # -- the server's side -------------------------------------------------------------
 
 class Scratch:
-    """Memfds for one call's driver cache files, holding ``payloads`` (one
-    bytes-like per file, model files first) or empty; closed on exit."""
+    """Memfds for one call's driver cache files, empty until :meth:`fill`;
+    closed on exit. (The server fills and reads them on a worker thread:
+    MACs over megabytes would stall its event loop.)"""
 
-    def __init__(self, needed: tuple[int, int], token: bytes, payloads=None):
+    def __init__(self, needed: tuple[int, int], token: bytes):
         self.needed = tuple(needed)
         self.fds: list[int] = []
         try:
-            for k in range(sum(self.needed)):
+            for _ in range(sum(self.needed)):
                 self.fds.append(os.memfd_create("nnrt-remote-cache", os.MFD_CLOEXEC))
-                if payloads is not None:
-                    _write_all(self.fds[-1], payloads[k])
         except BaseException:
             self.close()
             raise
         self.files = CacheFiles(tuple(self.fds[:self.needed[0]]),
                                 tuple(self.fds[self.needed[0]:]), token)
+
+    def fill(self, payloads) -> None:
+        """Write ``payloads`` (one bytes-like per file, model files first)."""
+        for fd, payload in zip(self.fds, payloads, strict=True):
+            _write_all(fd, payload)
 
     def sealed(self, app: str) -> pb.CacheFiles | None:
         """What the driver wrote, sealed for ``app``; None when it wrote

@@ -551,7 +551,8 @@ class RemoteDevice(Device):
                                 self._control_timeout(deadline))
         prepared = RemotePreparedModel(self, reply.model_id)
         try:
-            remote_cache.write_app_files(cache, reply.cache if reply.HasField("cache") else None)
+            await run_in_worker(remote_cache.write_app_files, cache,
+                                reply.cache if reply.HasField("cache") else None)
         except OSError as e:   # only the next compilation's speed is lost
             vlog("compilation", "%s: could not write the cache files: %s", self.name, e)
         return prepared
@@ -562,9 +563,10 @@ class RemoteDevice(Device):
                                        app=None) -> "RemotePreparedModel":
         """The remote host prepares from the app's cache files, sent with
         the call; its refusal comes back as CacheRejected with its reason."""
+        files = await run_in_worker(remote_cache.read_app_files, cache, self._cache_files)
         request = pb.PrepareModelFromCacheRequest(
             session=self._session_id, priority=int(priority), deadline=wire.remaining(deadline),
-            cache=remote_cache.read_app_files(cache, self._cache_files))
+            cache=files)
         reply = await self.call(self._stub.PrepareModelFromCache, request,
                                 self._control_timeout(deadline))
         if reply.reject:

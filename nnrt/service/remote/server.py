@@ -67,6 +67,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...errors import ErrorStatus, NnrtError, invalid
+from ...handoff import run_in_worker
 from ...hal import ExecutionPreference, ExecutionResult, Request
 from ...hal.cache import CacheRejected
 from ...hal.types import Priority
@@ -560,7 +561,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         token = remote_cache.check_token(request.token)
         with remote_cache.Scratch(self._cache_files_needed(), token) as scratch:
             model_id = await self._prepare(session, request.prepare, scratch.files)
-            sealed = scratch.sealed(session.app[1])
+            sealed = await run_in_worker(scratch.sealed, session.app[1])
         if sealed is None:
             vlog("driver", "%s: model %d: no cache files to return", self.device.name,
                  model_id)
@@ -573,13 +574,16 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         priority = _enum(Priority, request.priority, "priority")
         deadline = wire.deadline_of(request)
         needed = self._cache_files_needed()
+        token = remote_cache.check_token(request.cache.token)
         try:
-            # A seal that holds means this server wrote the files for this
-            # app from a model PrepareModelCaching accepted, so it passed the
-            # check on extensions there (the local service, which cannot
-            # tell who wrote an app's files, asks its allowlist here).
-            payloads = remote_cache.unsealed(session.app[1], request.cache, needed)
-            with remote_cache.Scratch(needed, request.cache.token, payloads) as scratch:
+            with remote_cache.Scratch(needed, token) as scratch:
+                # A seal that holds means this server wrote the files for
+                # this app from a model PrepareModelCaching accepted, so it
+                # passed the check on extensions there (the local service,
+                # which cannot tell who wrote an app's files, asks its
+                # allowlist here).
+                await run_in_worker(lambda: scratch.fill(
+                    remote_cache.unsealed(session.app[1], request.cache, needed)))
                 prepared = await self.device.prepare_model_from_cache(
                     scratch.files, priority, deadline, app=session.app)
         except CacheRejected as e:
