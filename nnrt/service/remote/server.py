@@ -546,7 +546,6 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         bound.close()
         return pb.Empty()
 
-
     # -- compilation caching (the app keeps the files; see .cache) -------------------
 
     def _cache_files_needed(self) -> tuple[int, int]:
