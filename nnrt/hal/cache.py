@@ -148,6 +148,14 @@ def _mac(parts) -> bytes:
     return h.digest()
 
 
+def keyed_mac(purpose: bytes, parts) -> bytes:
+    """An HMAC-SHA256 of ``parts`` with this user's cache key, for seals of
+    other cache data than the envelope (a remote service's, see
+    nnrt/service/remote/cache.py). ``purpose`` names the use, so a seal made
+    for one can never pass as another's or as an envelope's MAC."""
+    return _mac((len(purpose).to_bytes(2, "little"), purpose, *parts))
+
+
 def _check_regular(fd: int) -> os.stat_result:
     try:
         info = os.fstat(fd)

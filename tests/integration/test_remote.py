@@ -40,13 +40,13 @@ BOUND = 10           # seconds: a guard against a hang, not a timing assertion
 
 @pytest.fixture
 def remote_service():
-    """A factory: ``remote_service(*flags, kind=...)`` starts ``nnrt driver
+    """A factory: ``remote_service(*flags, kind=..., env=...)`` starts ``nnrt driver
     serve --listen 127.0.0.2:0`` and gives ``(process, target)``; stopped at
     the end of the test."""
     started = []
 
-    def start(*extra, kind="reference", name="far", listen=f"{HOST}:0"):
-        proc, target = start_remote_service(listen, kind, name, *extra)
+    def start(*extra, kind="reference", name="far", listen=f"{HOST}:0", env=None):
+        proc, target = start_remote_service(listen, kind, name, *extra, env=env)
         started.append(proc)
         return proc, target
     yield start

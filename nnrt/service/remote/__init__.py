@@ -5,6 +5,7 @@
 messages and back, ``server`` serves a scheduled device on it
 (``nnrt driver serve --listen``), ``client`` is the :class:`RemoteDevice`
 an app uses, ``pool`` the :class:`PoolDevice` of several hosts serving the
-same driver, built from RemoteDevices. Import the submodule you need:
+same driver, built from RemoteDevices, ``cache`` the seal on the
+compilation cache files the server returns to apps. Import the submodule you need:
 importing this package loads no gRPC.
 """

@@ -33,8 +33,12 @@ Every execution reply carries the serving device's load; the device keeps
 the latest (:meth:`RemoteDevice.load_seen`), which a pool of hosts
 (:mod:`.pool`, built from RemoteDevices) picks its member by.
 
+Compilation caching: the app keeps its cache files on its own host; the
+driver's files travel in the calls, sealed by the server for the app
+(:mod:`.cache`).
+
 Not here yet (issue 42): memory domains (the runtime falls back to shared
-memory, as for any driver that declines ``allocate``), compilation caching.
+memory, as for any driver that declines ``allocate``).
 """
 from __future__ import annotations
 
@@ -52,12 +56,14 @@ from ...errors import ErrorStatus, NnrtError, invalid
 from ...handoff import Waiter, run_in_worker
 from ...hal import (BurstExecution, BurstSession, Capabilities, Device, DeviceType, Execution,
                     ExecutionPreference, ExecutionResult, PreparedModel, Request, Scheduling)
+from ...hal.cache import MAX_CACHE_FILES, CacheFiles, CacheReject, CacheRejected, check_counts
 from ...hal.types import Priority
 from ...hal.validate import checked_flags
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ..protocol import (ProtocolError, decode_capabilities, decode_extensions,
                         decode_statistics, encode_model)
+from . import cache as remote_cache
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
 from . import wire
@@ -295,6 +301,10 @@ class RemoteDevice(Device):
         self.target = target
         self._capabilities = capabilities
         self._extensions = extensions
+        # (0, 0) from a server that predates caching or offers none; a count
+        # no driver may need reads as none.
+        needed = (info.model_cache_files, info.data_cache_files)
+        self._cache_files = needed if max(needed) <= MAX_CACHE_FILES else (0, 0)
         self._metadata = metadata
         self._call_timeout = call_timeout
         self._session_id = 0
@@ -517,17 +527,54 @@ class RemoteDevice(Device):
                                 self._control_timeout())
         return checked_flags(reply.supported, model, self.name)
 
+    def number_of_cache_files_needed(self) -> tuple[int, int]:
+        return self._cache_files
+
     async def prepare_model(self, model: HalModel,
                             preference: ExecutionPreference = ExecutionPreference.FAST_SINGLE_ANSWER,
                             priority: Priority = Priority.MEDIUM, deadline: float | None = None,
-                            cache=None, *, app=None) -> "RemotePreparedModel":
+                            cache: CacheFiles | None = None, *, app=None) -> "RemotePreparedModel":
         """Prepare ``model`` on the remote host. ``app`` is not sent: the
-        server knows the caller by its certificate or token."""
+        server knows the caller by its certificate or token. With ``cache``
+        the server returns its driver's cache files (sealed for this app),
+        written here into the app's fds (see .cache)."""
         request = pb.PrepareModelRequest(session=self._session_id, model=encode_model(model),
                                          preference=int(preference), priority=int(priority),
                                          deadline=wire.remaining(deadline))
-        reply = await self.call(self._stub.PrepareModel, request,
+        if cache is None:
+            reply = await self.call(self._stub.PrepareModel, request,
+                                    self._control_timeout(deadline))
+            return RemotePreparedModel(self, reply.model_id)
+        check_counts(cache, self._cache_files)
+        reply = await self.call(self._stub.PrepareModelCaching,
+                                pb.PrepareModelCachingRequest(prepare=request, token=cache.token),
                                 self._control_timeout(deadline))
+        prepared = RemotePreparedModel(self, reply.model_id)
+        try:
+            await run_in_worker(remote_cache.write_app_files, cache,
+                                reply.cache if reply.HasField("cache") else None)
+        except OSError as e:   # only the next compilation's speed is lost
+            vlog("compilation", "%s: could not write the cache files: %s", self.name, e)
+        return prepared
+
+    async def prepare_model_from_cache(self, cache: CacheFiles,
+                                       priority: Priority = Priority.MEDIUM,
+                                       deadline: float | None = None, *,
+                                       app=None) -> "RemotePreparedModel":
+        """The remote host prepares from the app's cache files, sent with
+        the call; its refusal comes back as CacheRejected with its reason."""
+        files = await run_in_worker(remote_cache.read_app_files, cache, self._cache_files)
+        request = pb.PrepareModelFromCacheRequest(
+            session=self._session_id, priority=int(priority), deadline=wire.remaining(deadline),
+            cache=files)
+        reply = await self.call(self._stub.PrepareModelFromCache, request,
+                                self._control_timeout(deadline))
+        if reply.reject:
+            try:
+                reason = CacheReject(reply.reject)
+            except ValueError:
+                reason = CacheReject.UNUSABLE
+            raise CacheRejected(reason, reply.message)
         return RemotePreparedModel(self, reply.model_id)
 
     def __repr__(self) -> str:

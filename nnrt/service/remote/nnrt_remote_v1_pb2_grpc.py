@@ -89,6 +89,16 @@ class RemoteStub:
                 request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.SerializeToString,
                 response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.PrepareModelCaching = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/PrepareModelCaching',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingReply.FromString,
+                _registered_method=True)
+        self.PrepareModelFromCache = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/PrepareModelFromCache',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.FromString,
+                _registered_method=True)
 
 
 class RemoteServicer:
@@ -172,6 +182,22 @@ class RemoteServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareModelCaching(self, request, context):
+        """Compilation caching (the app owns its cache files): PrepareModelCaching
+        prepares as PrepareModel and returns the driver's cache files, sealed
+        for the caller's identity and token; PrepareModelFromCache sends them
+        back and the server prepares from them, or says why it refuses them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareModelFromCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RemoteServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +255,16 @@ def add_RemoteServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.FromString,
                     response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.SerializeToString,
+            ),
+            'PrepareModelCaching': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareModelCaching,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingReply.SerializeToString,
+            ),
+            'PrepareModelFromCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareModelFromCache,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +564,60 @@ class Remote:
             '/nnrt.remote.v1.Remote/Status',
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusRequest.SerializeToString,
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareModelCaching(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/PrepareModelCaching',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelCachingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareModelFromCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/PrepareModelFromCache',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

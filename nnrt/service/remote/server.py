@@ -67,7 +67,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...errors import ErrorStatus, NnrtError, invalid
+from ...handoff import run_in_worker
 from ...hal import ExecutionPreference, ExecutionResult, Request
+from ...hal.cache import CacheRejected
 from ...hal.types import Priority
 from ...model.extensions import uses_extensions
 from ...vlog import vlog
@@ -75,6 +77,7 @@ from ..protocol import (ProtocolError, decode_model, encode_capabilities, encode
                         encode_statistics)
 from ..address import is_loopback
 from ..server import REMOTE_USER, DriverService
+from . import cache as remote_cache
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
 from . import wire
@@ -280,7 +283,9 @@ class RemoteServicer(pb_grpc.RemoteServicer):
             name=device.name, type=int(device.type), version_string=device.version_string,
             feature_level=device.feature_level,
             capabilities=encode_capabilities(device.capabilities()),
-            extensions=encode_extensions(list(device.supported_extensions())))
+            extensions=encode_extensions(list(device.supported_extensions())),
+            model_cache_files=device.number_of_cache_files_needed()[0],
+            data_cache_files=device.number_of_cache_files_needed()[1])
 
     # -- who calls ------------------------------------------------------------------
 
@@ -368,9 +373,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         flags = [bool(x) for x in await self.device.supported_operations(model)]
         return pb.SupportedOperationsReply(supported=flags)
 
-    @_guarded
-    async def PrepareModel(self, request, context):
-        session = self._session(request, context)
+    def _check_model_room(self, session: _Session) -> None:
         if len(session.models) >= MAX_MODELS_PER_SESSION:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
                             f"more than {MAX_MODELS_PER_SESSION} prepared models in one "
@@ -378,6 +381,11 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         refusal = self.service.over_limit_of(session.app, REMOTE_USER, "models")
         if refusal is not None:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, refusal)
+
+    async def _prepare(self, session: _Session, request, cache) -> int:
+        """PrepareModel's work (``cache``: the driver's files, or None): the
+        new model's id."""
+        self._check_model_room(session)
         model = _decode_model(request.model)
         if uses_extensions(model):
             # The allowlist judges a local app by its executable; a remote
@@ -386,13 +394,21 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         preference = _enum(ExecutionPreference, request.preference, "preference")
         priority = _enum(Priority, request.priority, "priority")
         prepared = await self.device.prepare_model(
-            model, preference, priority, wire.deadline_of(request), None, app=session.app)
-        if request.session not in self.sessions:    # the session ended meanwhile
+            model, preference, priority, wire.deadline_of(request), cache, app=session.app)
+        return self._register(session, request.session, prepared)
+
+    def _register(self, session: _Session, session_id: int, prepared) -> int:
+        if session_id not in self.sessions:    # the session ended meanwhile
             prepared.release()
-            raise _Refused(grpc.StatusCode.NOT_FOUND, f"session {request.session} ended")
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"session {session_id} ended")
         model_id = next(self._ids)
         session.models[model_id] = prepared
-        return pb.PrepareModelReply(model_id=model_id)
+        return model_id
+
+    @_guarded
+    async def PrepareModel(self, request, context):
+        session = self._session(request, context)
+        return pb.PrepareModelReply(model_id=await self._prepare(session, request, None))
 
     @_guarded
     async def ReleaseModel(self, request, context):
@@ -529,6 +545,54 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         del session.executions[request.execution_id]
         bound.close()
         return pb.Empty()
+
+    # -- compilation caching (the app keeps the files; see .cache) -------------------
+
+    def _cache_files_needed(self) -> tuple[int, int]:
+        needed = tuple(self.device.number_of_cache_files_needed())
+        if needed == (0, 0):
+            raise invalid(f"device {self.device.name} keeps no compilation cache")
+        return needed
+
+    @_guarded
+    async def PrepareModelCaching(self, request, context):
+        session = self._session(request.prepare, context)
+        token = remote_cache.check_token(request.token)
+        with remote_cache.Scratch(self._cache_files_needed(), token) as scratch:
+            model_id = await self._prepare(session, request.prepare, scratch.files)
+            sealed = await run_in_worker(scratch.sealed, session.app[1])
+        if sealed is None:
+            vlog("driver", "%s: model %d: no cache files to return", self.device.name,
+                 model_id)
+        return pb.PrepareModelCachingReply(model_id=model_id, cache=sealed)
+
+    @_guarded
+    async def PrepareModelFromCache(self, request, context):
+        session = self._session(request, context)
+        self._check_model_room(session)
+        priority = _enum(Priority, request.priority, "priority")
+        deadline = wire.deadline_of(request)
+        needed = self._cache_files_needed()
+        token = remote_cache.check_token(request.cache.token)
+        try:
+            with remote_cache.Scratch(needed, token) as scratch:
+                # A seal that holds means this server wrote the files for
+                # this app from a model PrepareModelCaching accepted, so it
+                # passed the check on extensions there (the local service,
+                # which cannot tell who wrote an app's files, asks its
+                # allowlist here).
+                await run_in_worker(lambda: scratch.fill(
+                    remote_cache.unsealed(session.app[1], request.cache, needed)))
+                prepared = await self.device.prepare_model_from_cache(
+                    scratch.files, priority, deadline, app=session.app)
+        except CacheRejected as e:
+            vlog("driver", "%s: refusing the cache files of %s: %s", self.device.name,
+                 session.app[1], e.message)
+            return pb.PrepareModelFromCacheReply(reject=e.reason.value,
+                                                 message=e.message.removeprefix(
+                                                     f"cache {e.reason.value}: "))
+        return pb.PrepareModelFromCacheReply(
+            model_id=self._register(session, request.session, prepared))
 
 
 class _Burst:
