@@ -40,8 +40,8 @@ def test_a_request_crosses_as_its_regions_and_the_outputs_come_back():
     request = Request((RequestArgument(False, DataLocation(0, 0, 4), (1, 4)),
                        RequestArgument(has_no_value=True)),
                       (RequestArgument(False, DataLocation(1, 4, 4)),), (pool, out_pool))
-    message = pb.ExecuteRequest(inputs=wire.arguments(request.inputs),
-                                outputs=wire.arguments(request.outputs),
+    message = pb.ExecuteRequest(inputs=wire.arguments(request, request.inputs),
+                                outputs=wire.arguments(request, request.outputs),
                                 input_data=wire.input_data(request))
     inputs, outputs, pools = wire.layout(message.inputs, message.outputs)
     wire.fill_inputs(inputs, pools, message.input_data)
