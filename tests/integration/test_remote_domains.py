@@ -216,6 +216,32 @@ async def _allocate_when_freed(device, desc, prepared, roles):
     raise AssertionError("the buffers were never freed")
 
 
+async def test_a_killed_host_takes_its_buffers_with_it():
+    """kill -9 of the serving host: an execution naming its memory and a
+    copy out of it end with DEAD_OBJECT (the contents died there: a remote
+    buffer has no mirror on the app's side), and nothing hangs."""
+    proc, target = start_remote_service(f"{HOST}:0", "reference", "far", "--insecure")
+    try:
+        device = await RemoteDevice.connect(target)
+        async with nnrt.Runtime(devices=[device], strict=True) as rt:
+            compiled = await rt.compile(state_model(4))
+            memory = await rt.allocate(nnrt.MemoryDesc().add_input_role(compiled, 0))
+            with Memory.create(16) as mem:
+                await nnrt.copy(mem, memory)
+                proc.kill()
+                proc.wait()
+                with anyio.fail_after(BOUND):
+                    with pytest.raises(NnrtError) as e:
+                        await compiled.execute([memory, np.ones(4, np.float32)])
+                    assert e.value.status == ErrorStatus.DEAD_OBJECT
+                    with pytest.raises(NnrtError) as e:
+                        await nnrt.copy(memory, mem)
+                    assert e.value.status == ErrorStatus.DEAD_OBJECT
+            assert not device.alive
+    finally:
+        stop(proc)
+
+
 DOMAIN_VECTORS = ["abs.json", "add_v1_2.json", "argmax_1.json"]
 
 
