@@ -21,7 +21,8 @@ from nnrt.service.remote.client import RemoteBuffer, RemoteDevice
 from nnrt.testing import cts
 
 from ..conftest import SHARED, start_remote_service, stop
-from .test_memory_domains_service import add_model, state_model, token_request
+from .test_memory_domains_service import (add_model, assert_copies_hold, state_model,
+                                          token_request)
 
 HOST = "127.0.0.2"   # "another host": loopback, never a routable address
 BOUND = 10           # seconds: a guard against a hang, not a timing assertion
@@ -94,12 +95,7 @@ async def test_state_and_chained_outputs_stay_on_the_serving_host(far):
                 state = state + 1
                 execution.close()
 
-                await nnrt.copy(a, mem)
-                np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
-                await nnrt.copy(a, b)       # device to device, through one shared memory
-                mem.array(np.float32, N)[:] = 0
-                await nnrt.copy(b, mem)
-                np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+                await assert_copies_hold(a, b, mem, state)
             a.close()
             b.close()
     finally:

@@ -501,6 +501,16 @@ class RemoteDevice(Device):
         finally:
             self._places.give()
 
+    def _release_later(self, rpc, message) -> None:
+        """Send a release (not awaited); nothing when the device is dead:
+        the server released it all with the session."""
+        if self.dead is not None:
+            return
+        try:
+            self._start(rpc, message, self._call_timeout).add_done_callback(_forget(self))
+        except NnrtError:
+            pass   # dead meanwhile
+
     def remote_statistics(self) -> RemoteStatistics:
         """Calls on the network now and calls waiting here for a place."""
         return self._places.statistics()
@@ -666,13 +676,8 @@ class RemotePreparedModel(PreparedModel):
             return
         self._released = True
         device = self.device
-        if device.dead is None:
-            try:
-                device._start(device._stub.ReleaseModel,
-                              pb.ModelRef(session=device._session_id, model_id=self.model_id),
-                              device._call_timeout).add_done_callback(_forget(device))
-            except NnrtError:
-                pass   # dead meanwhile: the server released it with the session
+        device._release_later(device._stub.ReleaseModel,
+                              pb.ModelRef(session=device._session_id, model_id=self.model_id))
 
 
 def _forget(device: RemoteDevice):
@@ -787,14 +792,10 @@ class RemoteExecution(Execution):
             return
         self._released = True
         device = self.prepared.device
-        if self._id is not None and device.dead is None and not self.prepared._released:
-            try:
-                device._start(device._stub.ReleaseExecution,
-                              pb.ExecutionRef(session=device._session_id,
-                                              execution_id=self._id),
-                              device._call_timeout).add_done_callback(_forget(device))
-            except NnrtError:
-                pass
+        if self._id is not None and not self.prepared._released:
+            device._release_later(device._stub.ReleaseExecution,
+                                  pb.ExecutionRef(session=device._session_id,
+                                                  execution_id=self._id))
 
     def __repr__(self) -> str:
         return f"<RemoteExecution {self._id} of model {self.prepared.model_id}>"
@@ -1009,13 +1010,8 @@ class RemoteBuffer(Buffer):
             return
         self._released = True
         device = self.device
-        if device.dead is None:
-            try:
-                device._start(device._stub.ReleaseBuffer,
-                              pb.BufferRef(session=device._session_id, token=self.token),
-                              device._call_timeout).add_done_callback(_forget(device))
-            except NnrtError:
-                pass   # dead meanwhile: the server released it with the session
+        device._release_later(device._stub.ReleaseBuffer,
+                              pb.BufferRef(session=device._session_id, token=self.token))
 
     def __repr__(self) -> str:
         return f"<RemoteBuffer {self.token} on {self.device.name}>"

@@ -399,10 +399,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def PrepareModel(self, request, context):
         session = self._session(request, context)
-        if len(session.models) >= MAX_MODELS_PER_SESSION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_MODELS_PER_SESSION} prepared models in one "
-                            f"session; release some")
+        _check_cap(session.models, MAX_MODELS_PER_SESSION, "prepared models")
         refusal = self.service.over_limit_of(session.app, REMOTE_USER, "models")
         if refusal is not None:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, refusal)
@@ -454,10 +451,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def CreateExecution(self, request, context):
         session = self._session(request, context)
-        if len(session.executions) >= MAX_EXECUTIONS_PER_SESSION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_EXECUTIONS_PER_SESSION} executions in one "
-                            f"session; release some")
+        _check_cap(session.executions, MAX_EXECUTIONS_PER_SESSION, "executions")
         prepared = self._model(session, request.model_id)
         inputs, outputs, pools = wire.layout(request.inputs, request.outputs)
         _check_tokens(session, pools)
@@ -567,10 +561,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def Allocate(self, request, context):
         session = self._session(request, context)
-        if len(session.buffers) >= MAX_BUFFERS_PER_SESSION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_BUFFERS_PER_SESSION} buffers in one session; "
-                            f"release some")
+        _check_cap(session.buffers, MAX_BUFFERS_PER_SESSION, "buffers")
         if len(request.dimensions) > wire.MAX_DIMENSIONS:
             raise invalid(f"allocate: {len(request.dimensions)} dimensions")
         prepared = [self._model(session, model_id) for model_id in request.model_ids]
@@ -595,15 +586,9 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         session.buffers[token] = _Kept(buffer, nbytes)
         return pb.AllocateReply(token=token)
 
-    def _kept(self, session: _Session, token: int) -> _Kept:
-        kept = session.buffers.get(token)
-        if kept is None:
-            raise invalid(f"token {token} names no buffer of this session")
-        return kept
-
     @_guarded
     async def CopyTo(self, request, context):
-        kept = self._kept(self._session(request, context), request.token)
+        kept = _kept(self._session(request, context), request.token)
         if request.length > wire.MAX_MESSAGE:
             raise invalid(f"copy_to: {request.length} bytes, more than a message carries "
                           f"({wire.MAX_MESSAGE})")
@@ -614,7 +599,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def CopyFrom(self, request, context):
         session = self._session(request, context)
-        kept = self._kept(session, request.token)
+        kept = _kept(session, request.token)
         if len(request.dimensions) > wire.MAX_DIMENSIONS:
             raise invalid(f"copy_from: {len(request.dimensions)} dimensions")
         grown = len(request.data) - kept.nbytes
@@ -627,7 +612,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def ReleaseBuffer(self, request, context):
         session = self._session(request, context)
-        self._kept(session, request.token)
+        _kept(session, request.token)
         session.buffers.pop(request.token).buffer.release()
         return pb.Empty()
 
@@ -691,12 +676,28 @@ class _Burst:
         self.layouts.clear()
 
 
+def _check_cap(held, cap: int, what: str) -> None:
+    """RESOURCE_EXHAUSTED_PERSISTENT when a session holds ``cap`` of ``what`` already."""
+    if len(held) >= cap:
+        raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                        f"more than {cap} {what} in one session; release some")
+
+
 def _check_tokens(session: _Session, pools) -> None:
     """INVALID_ARGUMENT unless every driver buffer a layout names is one of
     ``session``'s (the driver then checks the app and the role)."""
     for pool in pools:
-        if isinstance(pool, DeviceToken) and pool.token not in session.buffers:
-            raise invalid(f"token {pool.token} names no buffer of this session")
+        if isinstance(pool, DeviceToken):
+            _kept(session, pool.token)
+
+
+def _kept(session: _Session, token: int) -> _Kept:
+    """Driver buffer ``token`` of ``session``; INVALID_ARGUMENT when it names
+    none of this session's (another's, or one released)."""
+    kept = session.buffers.get(token)
+    if kept is None:
+        raise invalid(f"token {token} names no buffer of this session")
+    return kept
 
 
 def _decode_model(data: bytes):
