@@ -13,8 +13,9 @@ import pytest
 
 import nnrt
 from nnrt import ErrorStatus, NnrtError
-from nnrt.hal import BufferDesc, BufferRole
+from nnrt.hal import BufferDesc, BufferRole, Request, RequestArgument
 from nnrt.memory import Memory
+from nnrt.model.graph import DataLocation
 from nnrt.service.remote import nnrt_remote_v1_pb2 as pb
 from nnrt.service.remote import nnrt_remote_v1_pb2_grpc as pb_grpc
 from nnrt.service.remote.client import RemoteBuffer, RemoteDevice
@@ -144,8 +145,9 @@ async def test_another_apps_or_sessions_token_is_refused(far):
 async def test_release_and_session_end_free_buffers_and_hostile_sizes_are_refused(far):
     """Buffers of known size count as the app's mapped_bytes: the fourth
     of N floats is over the limit until one is released; a new session
-    gets all three once the old one ends. A size beyond any buffer, or a
-    copy larger than a message, is refused and the service goes on."""
+    gets all three once the old one ends. A size beyond any buffer (at
+    allocate, or an execution's output), or a copy larger than a message,
+    is refused and the service goes on."""
     device = await connect(far, "bounded")
     try:
         prepared = await device.prepare_model(add_model((N,)))
@@ -165,13 +167,21 @@ async def test_release_and_session_end_free_buffers_and_hostile_sizes_are_refuse
             await RemoteBuffer(device, token).copy_to(bytearray(N * 4))
         assert "names no buffer of this session" in e.value.message
 
-        # Hostile sizes: a buffer of 2^30 floats (4 GiB), a copy of 2^40 bytes.
+        # Hostile sizes: a buffer of 2^30 floats (4 GiB), an execution's
+        # output of as many into a buffer of open size, a copy of 2^40 bytes.
         dynamic = await device.prepare_model(add_model((0,)))
         with pytest.raises(NnrtError) as e:
             await device.allocate(BufferDesc((1 << 30,)), [dynamic],
                                   [BufferRole(0, 0)], [])
         assert e.value.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT
-        big, big_token = await device.allocate(BufferDesc(), [dynamic], [BufferRole(0, 0)], [])
+        big, big_token = await device.allocate(BufferDesc(), [dynamic], [BufferRole(0, 0)],
+                                               [BufferRole(0, 0)])
+        with Memory.create(16) as x:   # an output of 2^30 floats into it
+            request = token_request(big_token, x, (4,))
+            huge = (RequestArgument(False, DataLocation(0, 0, 0), (1 << 30,)),)
+            result = await dynamic.execute(Request((request.inputs[1], request.inputs[1]),
+                                                   huge, request.pools))
+        assert result.status == ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, result.message
         address = far.removeprefix("grpc://")
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as e:
