@@ -45,6 +45,7 @@ Not here yet (issue 42): compilation caching.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import queue
 import statistics
@@ -585,12 +586,14 @@ class RemoteDevice(Device):
                     or prepared._released:
                 raise invalid(f"allocate: prepared model {k} is not a live model of {self.name}")
             ids.append(prepared.model_id)
-        roles = [[pb.BufferRole(model_index=r.model_index, io_index=r.io_index,
-                                frequency=r.frequency) for r in rs]
-                 for rs in (input_roles, output_roles)]
-        reply = await self.call(self._stub.Allocate, pb.AllocateRequest(
-            session=self._session_id, dimensions=tuple(desc.dimensions), model_ids=ids,
-            input_roles=roles[0], output_roles=roles[1]), self._control_timeout())
+        with _as_invalid("allocate"):
+            roles = [[pb.BufferRole(model_index=r.model_index, io_index=r.io_index,
+                                    frequency=r.frequency) for r in rs]
+                     for rs in (input_roles, output_roles)]
+            request = pb.AllocateRequest(session=self._session_id,
+                                         dimensions=tuple(desc.dimensions), model_ids=ids,
+                                         input_roles=roles[0], output_roles=roles[1])
+        reply = await self.call(self._stub.Allocate, request, self._control_timeout())
         return RemoteBuffer(self, reply.token), reply.token
 
     def __repr__(self) -> str:
@@ -967,6 +970,16 @@ class _RemoteBurstExecution(BurstExecution):
         return await self.burst._run(self.request, self._layout, deadline)
 
 
+@contextlib.contextmanager
+def _as_invalid(what: str):
+    """INVALID_ARGUMENT for values a message cannot carry (a negative
+    index or dimension, a role that is no BufferRole)."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError) as e:
+        raise invalid(f"{what}: {e}") from None
+
+
 class RemoteBuffer(Buffer):
     """A driver buffer kept on a remote host (memory domains), named by its
     token; a copy moves its bytes over the connection, raw. Its contents
@@ -1000,7 +1013,8 @@ class RemoteBuffer(Buffer):
     async def copy_from(self, memory, dimensions=()) -> None:
         data = as_buffer(memory).tobytes()
         device = self.device
-        request = pb.CopyFromRequest(data=data, dimensions=tuple(dimensions), **self._ref())
+        with _as_invalid("copy_from"):
+            request = pb.CopyFromRequest(data=data, dimensions=tuple(dimensions), **self._ref())
         device._count(sent=len(data))
         await device.call(device._stub.CopyFrom, request, device._control_timeout())
 
