@@ -280,6 +280,11 @@ class BufferRegistry:
                     dims = buffer.check_dimensions(arg.dimensions, f"request output {i}")
                     if fully_specified(dims):
                         size = buffer.nbytes(dims)
+                        if size > MAX_BUFFER_BYTES:   # before the scratch is made
+                            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                                            f"request output {i}: buffer {buffer.token} at "
+                                            f"{list(dims)} would hold {size} bytes, more than "
+                                            f"the {MAX_BUFFER_BYTES}-byte limit of one buffer")
                     else:
                         data, _ = buffer.snapshot()
                         size = capacity.get(i, 0 if data is None else len(data))

@@ -461,7 +461,7 @@ class _Prepared:
 
     def __init__(self, prepared: PreparedModel, model: HalModel | None, model_pools: list[Memory]):
         # ``model`` is None for a model prepared from a cache: the service
-        # never saw its graph (its buffers then get no mirror, _known_size).
+        # never saw its graph (its buffers then get no mirror, known_buffer_size).
         self.prepared = prepared
         self.model = model
         self.model_pools = model_pools
@@ -1009,8 +1009,9 @@ class ServiceConnection:
             BufferDesc(call.dimensions), [e.prepared for e in entries], call.input_roles,
             call.output_roles, app=self.service.app_of(self.peer))
         self.buffers[token] = buffer
-        nbytes = _known_size(call, entries)
-        if nbytes is None:
+        nbytes = known_buffer_size(call.dimensions, call.input_roles, call.output_roles,
+                                   [e.model for e in entries])
+        if nbytes is None or nbytes > MAX_BUFFER_BYTES:   # no mirror: see known_buffer_size
             return p.Allocated(token)
         try:
             mirror = MirrorWriter(buffer, nbytes)
@@ -1266,25 +1267,23 @@ def _close_reply_fds(reply: p.Reply) -> None:
         os.close(fd)
 
 
-def _known_size(call: p.Allocate, entries: list[_Prepared]) -> int | None:
-    """The bytes of a buffer the driver just allocated for ``call``, when
+def known_buffer_size(dimensions, input_roles, output_roles, models) -> int | None:
+    """The bytes of a buffer the driver just allocated with ``dimensions``
+    for these roles (``BufferRole``s indexing ``models``, HAL models), when
     its dimensions (the desc's and every role operand's) are all known;
-    None otherwise, or when it is larger than a buffer may be, or when a
-    role's model came from a cache (the service has no graph to size it by)."""
-    if any(entries[role.model_index].model is None
-           for role in (*call.input_roles, *call.output_roles)):
+    None otherwise, or when a role's model is None (it came from a cache:
+    there is no graph to size it by)."""
+    if any(models[role.model_index] is None for role in (*input_roles, *output_roles)):
         return None
-    dims, element = tuple(call.dimensions), 0
-    for kind, roles in (("input", call.input_roles), ("output", call.output_roles)):
+    dims, element = tuple(dimensions), 0
+    for kind, roles in (("input", input_roles), ("output", output_roles)):
         for role in roles:
-            main = entries[role.model_index].model.main
+            main = models[role.model_index].main
             indexes = main.input_indexes if kind == "input" else main.output_indexes
             operand = main.operands[indexes[role.io_index]]
             dims = merge_dimensions(dims, operand.dimensions, f"allocate: {kind} role")
             element = operand.type.element_size
-    if not fully_specified(dims) or element * math.prod(dims) > MAX_BUFFER_BYTES:
-        return None
-    return element * math.prod(dims)
+    return element * math.prod(dims) if fully_specified(dims) else None
 
 
 def _map_model(model: HalModel) -> tuple[HalModel, list[Memory]]:

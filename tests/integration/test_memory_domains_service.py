@@ -258,12 +258,19 @@ async def test_the_public_api_over_a_service_keeps_state_there():
             assert after.frames_sent - before.frames_sent == 20
             assert after.bytes_sent - before.bytes_sent < 20 * 512
             assert after.bytes_received - before.bytes_received < 20 * 512
-            await nnrt.copy(a, mem)
-            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
-            await nnrt.copy(a, b)   # device to device, through one shared memory
-            mem.array(np.float32, N)[:] = 0
-            await nnrt.copy(b, mem)
-            np.testing.assert_allclose(mem.array(np.float32, N), state, rtol=1e-5)
+            await assert_copies_hold(a, b, mem, state)
+
+
+async def assert_copies_hold(a, b, mem: Memory, state: np.ndarray) -> None:
+    """Device memory ``a`` holds ``state`` (copied out through ``mem``),
+    and so does ``b`` after a device-to-device copy from ``a``."""
+    n = state.size
+    await nnrt.copy(a, mem)
+    np.testing.assert_allclose(mem.array(np.float32, n), state, rtol=1e-5)
+    await nnrt.copy(a, b)   # device to device, through one shared memory
+    mem.array(np.float32, n)[:] = 0
+    await nnrt.copy(b, mem)
+    np.testing.assert_allclose(mem.array(np.float32, n), state, rtol=1e-5)
 
 
 async def test_concurrent_use_of_one_buffer_never_tears_or_wedges(service):

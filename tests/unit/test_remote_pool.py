@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from nnrt.errors import ErrorStatus, NnrtError
-from nnrt.hal import Capabilities, DeviceType, ExecutionResult
+from nnrt.hal import BufferDesc, BufferRole, Capabilities, DeviceType, ExecutionResult
 from nnrt.qos import SchedulerLoad
 from nnrt.service.remote.client import RemoteStatistics
 from nnrt.service.remote.pool import STALE, PoolDevice, parse_pool, pool_entry
@@ -187,3 +187,14 @@ def test_a_reusable_execution_stays_on_its_member_and_moves_when_it_dies():
         assert result.message.startswith("no member of pool p is left: ")
         assert "a died" in result.message and "b died" in result.message
     anyio.run(run)
+
+
+def test_a_pool_declines_driver_buffers_so_the_runtime_uses_shared_memory():
+    """A pool sends executions to any member, so it keeps no driver buffer:
+    GENERAL_FAILURE, the answer on which rt.allocate falls back to shared
+    memory (nnrt/runtime/memory_domain.py)."""
+    pool = pool_of(Member("a"), Member("b"))
+    with pytest.raises(NnrtError) as e:
+        anyio.run(lambda: pool.allocate(BufferDesc(), [], [BufferRole(0, 0)], []))
+    assert e.value.status == ErrorStatus.GENERAL_FAILURE
+    assert "pool p keeps no driver buffers" in e.value.message

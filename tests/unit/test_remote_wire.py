@@ -1,8 +1,8 @@
 """The remote HAL's pure parts (nnrt/service/remote/wire.py, the generated
 modules, the policy's ``remote`` key): deadlines cross as time left and
 land on the receiver's clock; a layout out of bounds or bytes that do not
-fit it are INVALID_ARGUMENT; a request's regions cross and come back; the
-checked-in generated code is what the .proto generates."""
+fit it are INVALID_ARGUMENT; a request's regions cross and come back (a
+driver buffer's token alone); the checked-in generated code is what the .proto generates."""
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 from nnrt.errors import ErrorStatus, NnrtError
 from nnrt.hal import ExecutionResult, Request, RequestArgument, Timing
 from nnrt.hal.types import OutputShape
+from nnrt.memory import DeviceToken
 from nnrt.model.graph import DataLocation
 from nnrt.qos import SchedulerLoad
 from nnrt.qos.policy import Policy, identify
@@ -40,8 +41,8 @@ def test_a_request_crosses_as_its_regions_and_the_outputs_come_back():
     request = Request((RequestArgument(False, DataLocation(0, 0, 4), (1, 4)),
                        RequestArgument(has_no_value=True)),
                       (RequestArgument(False, DataLocation(1, 4, 4)),), (pool, out_pool))
-    message = pb.ExecuteRequest(inputs=wire.arguments(request.inputs),
-                                outputs=wire.arguments(request.outputs),
+    message = pb.ExecuteRequest(inputs=wire.arguments(request, request.inputs),
+                                outputs=wire.arguments(request, request.outputs),
                                 input_data=wire.input_data(request))
     inputs, outputs, pools = wire.layout(message.inputs, message.outputs)
     wire.fill_inputs(inputs, pools, message.input_data)
@@ -67,12 +68,41 @@ def test_a_request_crosses_as_its_regions_and_the_outputs_come_back():
     ([pb.Argument(has_no_value=True, length=4)], [b""], "has no value but 4 bytes"),
     ([pb.Argument(length=wire.MAX_MESSAGE + 1)], [b""], "more than"),
     ([pb.Argument(length=1, dimensions=[1] * 65)], [b"x"], "65 dimensions"),
+    ([pb.Argument(token=3, length=4)], [b"abcd"], "is driver buffer 3 but has 4 bytes"),
 ])
 def test_a_layout_out_of_bounds_or_bytes_that_do_not_fit_are_invalid(inputs, data, why):
     with pytest.raises(NnrtError) as e:
         layout = wire.layout(inputs, [])
         wire.fill_inputs(layout[0], layout[2], data)
     assert e.value.status == ErrorStatus.INVALID_ARGUMENT and why in e.value.message
+
+
+def test_a_driver_buffer_crosses_as_its_token_and_no_bytes():
+    """Memory domains: an argument in a DeviceToken pool is the token
+    alone both ways; the server's layout names it by a DeviceToken pool
+    that holds no bytes of its own."""
+    x = np.arange(4, dtype=np.float32)
+    request = Request((RequestArgument(False, DataLocation(0, 0, 0), (4,)),
+                       RequestArgument(False, DataLocation(1, 0, 16))),
+                      (RequestArgument(False, DataLocation(0, 0, 0)),),
+                      (DeviceToken(7), x))
+    ins, outs = wire.arguments(request, request.inputs), wire.arguments(request, request.outputs)
+    assert [(a.token, a.length) for a in ins] == [(7, 0), (0, 16)] and outs[0].token == 7
+    assert wire.input_data(request) == [b"", x.tobytes()]
+    inputs, outputs, pools = wire.layout(ins, outs)
+    wire.fill_inputs(inputs, pools, wire.input_data(request))
+    assert pools[0] == DeviceToken(7) and inputs[0].location == DataLocation(0, 0, 0)
+    assert inputs[0].dimensions == (4,) and bytes(pools[1]) == x.tobytes()
+    assert outputs[0].location == DataLocation(2, 0, 0) and pools[2] == DeviceToken(7)
+    assert wire.outputs_of(outputs, pools) == [b""]
+    assert wire.pool_bytes(pools) == 16
+    wire.copy_outputs(request, [b""])        # nothing to write for the buffer
+    # A buffer is used whole.
+    partial = Request(request.inputs, (RequestArgument(False, DataLocation(0, 4, 0)),),
+                      request.pools)
+    with pytest.raises(NnrtError) as e:
+        wire.check_request(partial)
+    assert "used whole" in e.value.message
 
 
 def test_an_unknown_status_from_the_far_end_is_a_general_failure():

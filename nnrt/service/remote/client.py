@@ -37,12 +37,17 @@ Compilation caching: the app keeps its cache files on its own host; the
 driver's files travel in the calls, sealed by the server for the app
 (:mod:`.cache`).
 
-Not here yet (issue 42): memory domains (the runtime falls back to shared
-memory, as for any driver that declines ``allocate``).
+Memory domains: :meth:`RemoteDevice.allocate` makes a driver buffer on the
+serving host (:class:`RemoteBuffer`); a request naming it by token sends
+the token alone, so its bytes stay there between executions until a copy
+moves them (raw bytes). Its contents die with the host: a buffer has no
+mirror on this side (:meth:`~nnrt.hal.Buffer.recover` answers None).
+:meth:`RemoteDevice.traffic` counts the tensor bytes each way.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import queue
 import statistics
@@ -54,11 +59,13 @@ import grpc
 
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...handoff import Waiter, run_in_worker
-from ...hal import (BurstExecution, BurstSession, Capabilities, Device, DeviceType, Execution,
-                    ExecutionPreference, ExecutionResult, PreparedModel, Request, Scheduling)
+from ...hal import (Buffer, BufferDesc, BurstExecution, BurstSession, Capabilities, Device,
+                    DeviceType, Execution, ExecutionPreference, ExecutionResult, PreparedModel,
+                    Request, Scheduling)
 from ...hal.cache import MAX_CACHE_FILES, CacheFiles, CacheReject, CacheRejected, check_counts
 from ...hal.types import Priority
 from ...hal.validate import checked_flags
+from ...memory import as_buffer
 from ...model.graph import HalModel
 from ...vlog import vlog
 from ..protocol import (ProtocolError, decode_capabilities, decode_extensions,
@@ -123,6 +130,16 @@ class RemoteStatistics:
     in_flight: int
     waiting: int
     max_in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTraffic:
+    """Tensor bytes a remote device sent (inputs, copies into its buffers)
+    and received (outputs, copies out of them) since it connected
+    (``RemoteDevice.traffic()``); a driver buffer's token moves none."""
+
+    bytes_sent: int
+    bytes_received: int
 
 
 class _Places:
@@ -313,6 +330,7 @@ class RemoteDevice(Device):
         self._pending: set = set()      # futures of the calls in flight
         self._places = _Places(max_in_flight)
         self._load: tuple | None = None    # (SchedulerLoad, when) of the latest reply
+        self._sent = self._received = 0    # tensor bytes (see traffic)
         self.dead: NnrtError | None = None
 
     @classmethod
@@ -416,6 +434,11 @@ class RemoteDevice(Device):
     def alive(self) -> bool:
         return self.dead is None
 
+    @property
+    def session_id(self) -> int:
+        """The session every call of this device names (the server's id)."""
+        return self._session_id
+
     def close(self) -> None:
         """End the session (the server releases what it made for us) and
         the connection."""
@@ -487,9 +510,29 @@ class RemoteDevice(Device):
         finally:
             self._places.give()
 
+    def _release_later(self, rpc, message) -> None:
+        """Send a release (not awaited); nothing when the device is dead:
+        the server released it all with the session."""
+        if self.dead is not None:
+            return
+        try:
+            self._start(rpc, message, self._call_timeout).add_done_callback(_forget(self))
+        except NnrtError:
+            pass   # dead meanwhile
+
     def remote_statistics(self) -> RemoteStatistics:
         """Calls on the network now and calls waiting here for a place."""
         return self._places.statistics()
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self._sent += sent
+            self._received += received
+
+    def traffic(self) -> RemoteTraffic:
+        """The tensor bytes sent and received so far."""
+        with self._lock:
+            return RemoteTraffic(self._sent, self._received)
 
     def _note_load(self, reply: pb.ExecutionReply) -> None:
         load = wire.load_of(reply)
@@ -577,6 +620,27 @@ class RemoteDevice(Device):
             raise CacheRejected(reason, reply.message)
         return RemotePreparedModel(self, reply.model_id)
 
+    async def allocate(self, desc: BufferDesc, prepared_models, input_roles, output_roles, *,
+                       app=None) -> tuple["RemoteBuffer", int]:
+        """A driver buffer kept on the remote host for these roles of its
+        prepared models (``Allocate``); only its token comes back. ``app``
+        is not sent: the server knows the caller."""
+        ids = []
+        for k, prepared in enumerate(prepared_models):
+            if not isinstance(prepared, RemotePreparedModel) or prepared.device is not self \
+                    or prepared._released:
+                raise invalid(f"allocate: prepared model {k} is not a live model of {self.name}")
+            ids.append(prepared.model_id)
+        with _as_invalid("allocate"):
+            roles = [[pb.BufferRole(model_index=r.model_index, io_index=r.io_index,
+                                    frequency=r.frequency) for r in rs]
+                     for rs in (input_roles, output_roles)]
+            request = pb.AllocateRequest(session=self._session_id,
+                                         dimensions=tuple(desc.dimensions), model_ids=ids,
+                                         input_roles=roles[0], output_roles=roles[1])
+        reply = await self.call(self._stub.Allocate, request, self._control_timeout())
+        return RemoteBuffer(self, reply.token), reply.token
+
     def __repr__(self) -> str:
         return (f"<RemoteDevice {self.name} at {self.target}, round trip "
                 f"{self._capabilities.round_trip * 1e3:.2f} ms{'' if self.alive else ', dead'}>")
@@ -594,7 +658,8 @@ class RemotePreparedModel(PreparedModel):
         wire.check_request(request)
         return pb.ExecuteRequest(
             session=self.device._session_id, model_id=self.model_id,
-            inputs=wire.arguments(request.inputs), outputs=wire.arguments(request.outputs),
+            inputs=wire.arguments(request, request.inputs),
+            outputs=wire.arguments(request, request.outputs),
             input_data=wire.input_data(request), measure=bool(measure),
             deadline=wire.remaining(deadline), loop_timeout=loop_timeout or 0.0)
 
@@ -614,6 +679,7 @@ class RemotePreparedModel(PreparedModel):
             return problem
         try:
             message = self._execute_request(request, measure, deadline, loop_timeout)
+            self.device._count(sent=_data_bytes(message.input_data))
             reply = await self.device.call(self.device._stub.Execute, message,
                                            _execution_timeout(deadline))
             return _finished(request, reply, self.device)
@@ -634,6 +700,7 @@ class RemotePreparedModel(PreparedModel):
             return problem
         try:
             message = self._execute_request(request, measure, deadline, loop_timeout)
+            self.device._count(sent=_data_bytes(message.input_data))
             reply = self.device.call_blocking(self.device._stub.Execute, message,
                                               _execution_timeout(deadline))
             return _finished(request, reply, self.device)
@@ -657,13 +724,8 @@ class RemotePreparedModel(PreparedModel):
             return
         self._released = True
         device = self.device
-        if device.dead is None:
-            try:
-                device._start(device._stub.ReleaseModel,
-                              pb.ModelRef(session=device._session_id, model_id=self.model_id),
-                              device._call_timeout).add_done_callback(_forget(device))
-            except NnrtError:
-                pass   # dead meanwhile: the server released it with the session
+        device._release_later(device._stub.ReleaseModel,
+                              pb.ModelRef(session=device._session_id, model_id=self.model_id))
 
 
 def _forget(device: RemoteDevice):
@@ -681,12 +743,17 @@ def _execution_timeout(deadline: float | None) -> float | None:
     return max(0.001, deadline - time.monotonic() + _DEADLINE_SLACK)
 
 
+def _data_bytes(blobs) -> int:
+    return sum(len(b) for b in blobs)
+
+
 def _finished(request: Request, reply: pb.ExecutionReply,
               device: "RemoteDevice | None" = None) -> ExecutionResult:
     """The result of ``reply``, its outputs written into ``request``'s
     regions; ``device`` notes the load it carries."""
     if device is not None:
         device._note_load(reply)
+        device._count(received=_data_bytes(reply.output_data))
     result = wire.result_of(reply)
     if result.status == ErrorStatus.NONE:
         wire.copy_outputs(request, reply.output_data)
@@ -713,14 +780,15 @@ class RemoteExecution(Execution):
         device = self.prepared.device
         return pb.CreateExecutionRequest(
             session=device._session_id, model_id=self.prepared.model_id,
-            inputs=wire.arguments(self.request.inputs),
-            outputs=wire.arguments(self.request.outputs), measure=self.measure,
+            inputs=wire.arguments(self.request, self.request.inputs),
+            outputs=wire.arguments(self.request, self.request.outputs), measure=self.measure,
             loop_timeout=self.loop_timeout or 0.0)
 
     def _compute_request(self, deadline):
+        data = wire.input_data(self.request)
+        self.prepared.device._count(sent=_data_bytes(data))
         return pb.ComputeRequest(session=self.prepared.device._session_id,
-                                 execution_id=self._id,
-                                 input_data=wire.input_data(self.request),
+                                 execution_id=self._id, input_data=data,
                                  deadline=wire.remaining(deadline))
 
     def _unusable(self) -> ExecutionResult | None:
@@ -772,14 +840,10 @@ class RemoteExecution(Execution):
             return
         self._released = True
         device = self.prepared.device
-        if self._id is not None and device.dead is None and not self.prepared._released:
-            try:
-                device._start(device._stub.ReleaseExecution,
-                              pb.ExecutionRef(session=device._session_id,
-                                              execution_id=self._id),
-                              device._call_timeout).add_done_callback(_forget(device))
-            except NnrtError:
-                pass
+        if self._id is not None and not self.prepared._released:
+            device._release_later(device._stub.ReleaseExecution,
+                                  pb.ExecutionRef(session=device._session_id,
+                                                  execution_id=self._id))
 
     def __repr__(self) -> str:
         return f"<RemoteExecution {self._id} of model {self.prepared.model_id}>"
@@ -862,11 +926,13 @@ class RemoteBurst(BurstSession):
             frame.layout.CopyFrom(layout)
         frame.layout_id, last = known
         for k, blob in enumerate(data):
-            if blob != last[k] and not request.inputs[k].has_no_value:
+            if blob != last[k] and not request.inputs[k].has_no_value \
+                    and not wire.token_of(request.pools, request.inputs[k]):
                 # add(), not append(ChangedInput(...)): appending a message
                 # copies it (upb: ~0.7 ms for a 150 KB camera frame).
                 frame.changed.add(index=k, data=blob)
                 last[k] = blob
+                device._count(sent=len(blob))
         return frame
 
     async def execute(self, request: Request, measure: bool = False,
@@ -926,8 +992,8 @@ _Layout = tuple  # (pb.Layout, its deterministic bytes: the key of the burst's l
 
 
 def _layout_of(request: Request, measure, loop_timeout) -> _Layout:
-    layout = pb.Layout(inputs=wire.arguments(request.inputs),
-                       outputs=wire.arguments(request.outputs), measure=bool(measure),
+    layout = pb.Layout(inputs=wire.arguments(request, request.inputs),
+                       outputs=wire.arguments(request, request.outputs), measure=bool(measure),
                        loop_timeout=loop_timeout or 0.0)
     return layout, layout.SerializeToString(deterministic=True)
 
@@ -947,3 +1013,64 @@ class _RemoteBurstExecution(BurstExecution):
 
     async def execute(self, deadline: float | None = None) -> ExecutionResult:
         return await self.burst._run(self.request, self._layout, deadline)
+
+
+@contextlib.contextmanager
+def _as_invalid(what: str):
+    """INVALID_ARGUMENT for values a message cannot carry (a negative
+    index or dimension, a role that is no BufferRole)."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError) as e:
+        raise invalid(f"{what}: {e}") from None
+
+
+class RemoteBuffer(Buffer):
+    """A driver buffer kept on a remote host (memory domains), named by its
+    token; a copy moves its bytes over the connection, raw. Its contents
+    die with the host (:meth:`recover` answers None)."""
+
+    def __init__(self, device: RemoteDevice, token: int):
+        self.device = device
+        self.token = token
+        self._released = False
+
+    def _ref(self) -> dict:
+        if self._released:
+            raise invalid(f"buffer {self.token} was released")
+        return dict(session=self.device._session_id, token=self.token)
+
+    async def copy_to(self, memory) -> None:
+        dst = as_buffer(memory)
+        if dst.readonly:
+            raise invalid(f"copy_to: the destination of buffer {self.token} is read-only")
+        device = self.device
+        reply = await device.call(device._stub.CopyTo,
+                                  pb.CopyToRequest(length=dst.nbytes, **self._ref()),
+                                  device._control_timeout())
+        if len(reply.data) != dst.nbytes:
+            raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                            f"the remote device sent {len(reply.data)} bytes of buffer "
+                            f"{self.token} for {dst.nbytes}")
+        device._count(received=dst.nbytes)
+        dst[:] = reply.data
+
+    async def copy_from(self, memory, dimensions=()) -> None:
+        data = as_buffer(memory).tobytes()
+        device = self.device
+        with _as_invalid("copy_from"):
+            request = pb.CopyFromRequest(data=data, dimensions=tuple(dimensions), **self._ref())
+        device._count(sent=len(data))
+        await device.call(device._stub.CopyFrom, request, device._control_timeout())
+
+    def release(self) -> None:
+        """Release it on the remote host (not awaited). Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        device = self.device
+        device._release_later(device._stub.ReleaseBuffer,
+                              pb.BufferRef(session=device._session_id, token=self.token))
+
+    def __repr__(self) -> str:
+        return f"<RemoteBuffer {self.token} on {self.device.name}>"

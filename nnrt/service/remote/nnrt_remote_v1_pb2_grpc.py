@@ -99,6 +99,26 @@ class RemoteStub:
                 request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.SerializeToString,
                 response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.FromString,
                 _registered_method=True)
+        self.Allocate = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/Allocate',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateReply.FromString,
+                _registered_method=True)
+        self.CopyTo = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/CopyTo',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyToRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferData.FromString,
+                _registered_method=True)
+        self.CopyFrom = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/CopyFrom',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyFromRequest.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ReleaseBuffer = channel.unary_unary(
+                '/nnrt.remote.v1.Remote/ReleaseBuffer',
+                request_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferRef.SerializeToString,
+                response_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class RemoteServicer:
@@ -198,6 +218,34 @@ class RemoteServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Allocate(self, request, context):
+        """Memory domains: a driver buffer kept on the serving host for roles of
+        the session's prepared models; its token stands for an input or output
+        of Execute, CreateExecution and a burst's layout (Argument.token), so
+        its bytes stay here between executions. Copies move raw bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyTo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyFrom(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RemoteServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +313,26 @@ def add_RemoteServicer_to_server(servicer, server):
                     servicer.PrepareModelFromCache,
                     request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.FromString,
                     response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.SerializeToString,
+            ),
+            'Allocate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Allocate,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateReply.SerializeToString,
+            ),
+            'CopyTo': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyTo,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyToRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferData.SerializeToString,
+            ),
+            'CopyFrom': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyFrom,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyFromRequest.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.SerializeToString,
+            ),
+            'ReleaseBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBuffer,
+                    request_deserializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferRef.FromString,
+                    response_serializer=nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +686,114 @@ class Remote:
             '/nnrt.remote.v1.Remote/PrepareModelFromCache',
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheRequest.SerializeToString,
             nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.PrepareModelFromCacheReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Allocate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/Allocate',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.AllocateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyTo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/CopyTo',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyToRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyFrom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/CopyFrom',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.CopyFromRequest.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nnrt.remote.v1.Remote/ReleaseBuffer',
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.BufferRef.SerializeToString,
+            nnrt_dot_service_dot_remote_dot_nnrt__remote__v1__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -326,6 +326,15 @@ class PoolDevice(Device):
             raise NnrtError(ErrorStatus.DEAD_OBJECT, self._left().message)
         return prepared
 
+    async def allocate(self, desc, prepared_models, input_roles, output_roles, *, app=None):
+        """Declined (GENERAL_FAILURE): a pool sends each execution to any
+        member, and a buffer would tie the memory's executions to the one
+        member that keeps it. The runtime keeps such a memory in shared
+        memory on the app's side instead."""
+        raise NnrtError(ErrorStatus.GENERAL_FAILURE,
+                        f"pool {self.name} keeps no driver buffers: its executions go to any "
+                        f"member; allocate on one member's device instead")
+
     def __repr__(self) -> str:
         up = sum(m.up for m in self._members)
         return f"<PoolDevice {self.name}: {up} of {len(self._members)} members up>"

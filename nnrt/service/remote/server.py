@@ -29,13 +29,23 @@ Prepared models and reusable executions belong to a session; when its
 stream ends -- the client closed it, its process died, its connection was
 reset or its keepalive pings stopped -- the server releases all of it.
 
+Memory domains. ``Allocate`` asks the device for a driver buffer for
+roles of the session's prepared models; the buffer is the session's, and
+its token stands for an input or output of Execute, CreateExecution and a
+burst's layout (``Argument.token``) only in that session: a token of
+another session (another app's, or the same app's other connection) is
+INVALID_ARGUMENT before the driver sees it, and the driver checks the
+app and the role on every use. No bytes of it cross until the client
+copies (``CopyTo``, ``CopyFrom``: raw bytes).
+
 One account with the local socket. The servicer counts against the
 :class:`~nnrt.service.server.DriverService` of the same process
 (:meth:`~nnrt.service.server.DriverService.over_limit_of`). A session is
 one of the app's ``connections``, and its models are ``models``. Its burst
 streams are ``bursts``. The request bytes its reusable executions and burst
-layouts keep are ``mapped_bytes``. All remote apps together are one user
-for ``reserve_percent``.
+layouts keep are ``mapped_bytes``, and so are its driver buffers' bytes (as
+allocated when their dimensions are known then, else the most copied into
+them). All remote apps together are one user for ``reserve_percent``.
 
 A client that stops reading. A burst runs one frame at a time, and the
 handler reads the next frame only after it has written the result.
@@ -68,15 +78,17 @@ from grpc_reflection.v1alpha import reflection
 
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...handoff import run_in_worker
-from ...hal import ExecutionPreference, ExecutionResult, Request
+from ...hal import BufferDesc, BufferRole, ExecutionPreference, ExecutionResult, Request
+from ...hal.buffers import MAX_BUFFER_BYTES
 from ...hal.cache import CacheRejected
 from ...hal.types import Priority
+from ...memory import DeviceToken
 from ...model.extensions import uses_extensions
 from ...vlog import vlog
 from ..protocol import (ProtocolError, decode_model, encode_capabilities, encode_extensions,
                         encode_statistics)
 from ..address import is_loopback
-from ..server import REMOTE_USER, DriverService
+from ..server import REMOTE_USER, DriverService, known_buffer_size
 from . import cache as remote_cache
 from . import nnrt_remote_v1_pb2 as pb
 from . import nnrt_remote_v1_pb2_grpc as pb_grpc
@@ -86,6 +98,7 @@ MAX_MODELS_PER_SESSION = 1024
 MAX_EXECUTIONS_PER_SESSION = 1024
 MAX_BURSTS_PER_SESSION = 64
 MAX_LAYOUTS_PER_BURST = 64
+MAX_BUFFERS_PER_SESSION = 1024    # driver buffers (memory domains) alive
 MAX_TOKEN_FILE = 1 << 16
 # gRPC's HTTP/2 keepalive on the server side: ping an idle client, and
 # allow clients to ping as often as nnrt's client does (every 1 s).
@@ -176,18 +189,20 @@ def load_tokens(path: str) -> dict[str, bytes]:
 
 
 class _Session:
-    """What one client session made: prepared models and bound executions.
-    The service counts it as it counts a local connection
+    """What one client session made: prepared models, bound executions and
+    driver buffers. The service counts it as it counts a local connection
     (:meth:`DriverService.over_limit_of`): one of ``connections``, its
     prepared models as ``models``, its burst streams as ``bursts``, and the
     bytes of the request pools its reusable executions and burst layouts
-    keep between calls as ``mapped_bytes``."""
+    keep between calls, and of its driver buffers, as ``mapped_bytes``."""
 
     def __init__(self, app):
         self.app = app
         self.models: dict[int, object] = {}      # id -> PreparedModel
+        self.graphs: dict[int, object] = {}      # id -> its HalModel (sizes buffers)
         self.executions: dict[int, _Bound] = {}
         self.bursts: set[_Burst] = set()     # burst streams open
+        self.buffers: dict[int, _Kept] = {}      # token -> a driver buffer of this session
 
     def held(self, resource: str) -> int:
         if resource == "connections":
@@ -198,7 +213,8 @@ class _Session:
             return len(self.bursts)
         if resource == "mapped_bytes":
             return sum(b.nbytes for b in self.executions.values()) + \
-                sum(b.nbytes for burst in self.bursts for b in burst.layouts.values())
+                sum(b.nbytes for burst in self.bursts for b in burst.layouts.values()) + \
+                sum(k.nbytes for k in self.buffers.values())
         if resource == "mapped_memories":
             return 0    # the pools are the server's own: no fd, no mapping of the app's
         raise AssertionError(f"no resource {resource!r}")
@@ -207,9 +223,21 @@ class _Session:
         for bound in self.executions.values():
             bound.close()
         self.executions.clear()
+        for kept in self.buffers.values():
+            kept.buffer.release()
+        self.buffers.clear()
         for prepared in self.models.values():
             prepared.release()
         self.models.clear()
+        self.graphs.clear()
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A driver buffer of a session and the bytes it is counted for."""
+
+    buffer: object      # nnrt.hal.Buffer
+    nbytes: int
 
 
 class _Bound:
@@ -220,7 +248,7 @@ class _Bound:
         self.model_id = model_id
         self.execution = execution
         self.inputs, self.outputs, self.pools = inputs, outputs, pools
-        self.nbytes = _pool_bytes(pools)
+        self.nbytes = wire.pool_bytes(pools)
         self.computing = False
 
     def close(self) -> None:
@@ -374,10 +402,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         return pb.SupportedOperationsReply(supported=flags)
 
     def _check_model_room(self, session: _Session) -> None:
-        if len(session.models) >= MAX_MODELS_PER_SESSION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_MODELS_PER_SESSION} prepared models in one "
-                            f"session; release some")
+        _check_cap(session.models, MAX_MODELS_PER_SESSION, "prepared models")
         refusal = self.service.over_limit_of(session.app, REMOTE_USER, "models")
         if refusal is not None:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT, refusal)
@@ -395,14 +420,15 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         priority = _enum(Priority, request.priority, "priority")
         prepared = await self.device.prepare_model(
             model, preference, priority, wire.deadline_of(request), cache, app=session.app)
-        return self._register(session, request.session, prepared)
+        return self._register(session, request.session, prepared, model)
 
-    def _register(self, session: _Session, session_id: int, prepared) -> int:
+    def _register(self, session: _Session, session_id: int, prepared, model=None) -> int:
         if session_id not in self.sessions:    # the session ended meanwhile
             prepared.release()
             raise _Refused(grpc.StatusCode.NOT_FOUND, f"session {session_id} ended")
         model_id = next(self._ids)
         session.models[model_id] = prepared
+        session.graphs[model_id] = model    # None from a cache: no graph to size buffers by
         return model_id
 
     @_guarded
@@ -418,6 +444,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                              if b.model_id == request.model_id]:
             session.executions.pop(execution_id).close()
         del session.models[request.model_id]
+        del session.graphs[request.model_id]
         prepared.release()
         return pb.Empty()
 
@@ -428,6 +455,7 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         deadline = wire.deadline_of(request)
         try:
             inputs, outputs, pools = wire.layout(request.inputs, request.outputs)
+            _check_tokens(session, pools)
             wire.fill_inputs(inputs, pools, request.input_data)
             loop_timeout = wire.loop_timeout_of(request.loop_timeout)
         except NnrtError as e:
@@ -439,12 +467,10 @@ class RemoteServicer(pb_grpc.RemoteServicer):
     @_guarded
     async def CreateExecution(self, request, context):
         session = self._session(request, context)
-        if len(session.executions) >= MAX_EXECUTIONS_PER_SESSION:
-            raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
-                            f"more than {MAX_EXECUTIONS_PER_SESSION} executions in one "
-                            f"session; release some")
+        _check_cap(session.executions, MAX_EXECUTIONS_PER_SESSION, "executions")
         prepared = self._model(session, request.model_id)
         inputs, outputs, pools = wire.layout(request.inputs, request.outputs)
+        _check_tokens(session, pools)
         self._check_room(session, pools)
         execution = prepared.create_execution(Request(inputs, outputs, tuple(pools)),
                                               request.measure,
@@ -454,11 +480,11 @@ class RemoteServicer(pb_grpc.RemoteServicer):
                                                   outputs, pools)
         return pb.CreateExecutionReply(execution_id=execution_id)
 
-    def _check_room(self, session: _Session, pools) -> None:
-        """RESOURCE_EXHAUSTED_TRANSIENT if keeping ``pools`` between calls
-        puts the session's app over its ``mapped_bytes``."""
+    def _check_room(self, session: _Session, pools=(), nbytes: int = 0) -> None:
+        """RESOURCE_EXHAUSTED_TRANSIENT if keeping ``pools`` (and ``nbytes``
+        more) between calls puts the session's app over its ``mapped_bytes``."""
         refusal = self.service.over_limit_of(session.app, REMOTE_USER, "mapped_bytes",
-                                             _pool_bytes(pools))
+                                             wire.pool_bytes(pools) + nbytes)
         if refusal is not None:
             raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_TRANSIENT, refusal)
 
@@ -594,6 +620,66 @@ class RemoteServicer(pb_grpc.RemoteServicer):
         return pb.PrepareModelFromCacheReply(
             model_id=self._register(session, request.session, prepared))
 
+    # -- memory domains: driver buffers kept here, named by token -------------------
+
+    @_guarded
+    async def Allocate(self, request, context):
+        session = self._session(request, context)
+        _check_cap(session.buffers, MAX_BUFFERS_PER_SESSION, "buffers")
+        if len(request.dimensions) > wire.MAX_DIMENSIONS:
+            raise invalid(f"allocate: {len(request.dimensions)} dimensions")
+        prepared = [self._model(session, model_id) for model_id in request.model_ids]
+        roles = [[BufferRole(r.model_index, r.io_index, r.frequency) for r in rs]
+                 for rs in (request.input_roles, request.output_roles)]
+        desc = BufferDesc(tuple(request.dimensions))
+        # The driver checks the roles (models, indexes, types) first.
+        buffer, token = await self.device.allocate(desc, prepared, *roles, app=session.app)
+        try:
+            nbytes = known_buffer_size(desc.dimensions, *roles,
+                                       [session.graphs.get(m) for m in request.model_ids]) or 0
+            if nbytes > MAX_BUFFER_BYTES:
+                raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                                f"allocate: {nbytes} bytes, more than a buffer may hold "
+                                f"({MAX_BUFFER_BYTES})")
+            self._check_room(session, nbytes=nbytes)
+            if request.session not in self.sessions:    # the session ended meanwhile
+                raise _Refused(grpc.StatusCode.NOT_FOUND, f"session {request.session} ended")
+        except BaseException:
+            buffer.release()
+            raise
+        session.buffers[token] = _Kept(buffer, nbytes)
+        return pb.AllocateReply(token=token)
+
+    @_guarded
+    async def CopyTo(self, request, context):
+        kept = _kept(self._session(request, context), request.token)
+        if request.length > wire.MAX_MESSAGE:
+            raise invalid(f"copy_to: {request.length} bytes, more than a message carries "
+                          f"({wire.MAX_MESSAGE})")
+        data = bytearray(request.length)
+        await kept.buffer.copy_to(data)
+        return pb.BufferData(data=bytes(data))
+
+    @_guarded
+    async def CopyFrom(self, request, context):
+        session = self._session(request, context)
+        kept = _kept(session, request.token)
+        if len(request.dimensions) > wire.MAX_DIMENSIONS:
+            raise invalid(f"copy_from: {len(request.dimensions)} dimensions")
+        grown = len(request.data) - kept.nbytes
+        if grown > 0:
+            self._check_room(session, nbytes=grown)
+        await kept.buffer.copy_from(memoryview(request.data), tuple(request.dimensions))
+        kept.nbytes = max(kept.nbytes, len(request.data))
+        return pb.Empty()
+
+    @_guarded
+    async def ReleaseBuffer(self, request, context):
+        session = self._session(request, context)
+        _kept(session, request.token)
+        session.buffers.pop(request.token).buffer.release()
+        return pb.Empty()
+
 
 class _Burst:
     """One burst stream: its layouts, each bound once to an execution on
@@ -619,6 +705,7 @@ class _Burst:
                                 f"more than {MAX_LAYOUTS_PER_BURST} layouts in one burst")
             layout = frame.layout
             inputs, outputs, pools = wire.layout(layout.inputs, layout.outputs)
+            _check_tokens(self.session, pools)
             self.servicer._check_room(self.session, pools)
             execution = self.prepared.create_execution(
                 Request(inputs, outputs, tuple(pools)), layout.measure,
@@ -636,8 +723,9 @@ class _Burst:
         bound = self.bind(frame)
         deadline = wire.deadline_of(frame)
         for change in frame.changed:
-            if change.index >= len(bound.inputs) or bound.inputs[change.index].has_no_value:
-                raise invalid(f"changed input {change.index} is no input with a value")
+            if change.index >= len(bound.inputs) or bound.inputs[change.index].has_no_value \
+                    or wire.token_of(bound.pools, bound.inputs[change.index]):
+                raise invalid(f"changed input {change.index} is no input with bytes of its own")
             pool = bound.pools[bound.inputs[change.index].location.pool_index]
             if len(change.data) != len(pool):
                 raise invalid(f"input {change.index}: {len(change.data)} bytes for a region "
@@ -652,8 +740,28 @@ class _Burst:
         self.layouts.clear()
 
 
-def _pool_bytes(pools) -> int:
-    return sum(len(pool) for pool in pools)
+def _check_cap(held, cap: int, what: str) -> None:
+    """RESOURCE_EXHAUSTED_PERSISTENT when a session holds ``cap`` of ``what`` already."""
+    if len(held) >= cap:
+        raise NnrtError(ErrorStatus.RESOURCE_EXHAUSTED_PERSISTENT,
+                        f"more than {cap} {what} in one session; release some")
+
+
+def _check_tokens(session: _Session, pools) -> None:
+    """INVALID_ARGUMENT unless every driver buffer a layout names is one of
+    ``session``'s (the driver then checks the app and the role)."""
+    for pool in pools:
+        if isinstance(pool, DeviceToken):
+            _kept(session, pool.token)
+
+
+def _kept(session: _Session, token: int) -> _Kept:
+    """Driver buffer ``token`` of ``session``; INVALID_ARGUMENT when it names
+    none of this session's (another's, or one released)."""
+    kept = session.buffers.get(token)
+    if kept is None:
+        raise invalid(f"token {token} names no buffer of this session")
+    return kept
 
 
 def _decode_model(data: bytes):

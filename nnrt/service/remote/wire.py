@@ -6,6 +6,9 @@ A request crosses as a layout (one :class:`Argument` per input and output:
 no-value flag, dimensions, byte length) and the input bytes, one string per
 input; the server gives every argument a pool of its own, so offsets and the
 app's pools never cross. Outputs come back the same way, one string each.
+An argument in a driver buffer (memory domains: a
+:class:`~nnrt.memory.DeviceToken` pool) crosses as its token alone, with
+no bytes either way: the buffer stays on the serving host.
 Deadlines cross as the time left (:func:`remaining`), re-anchored on the
 receiver's monotonic clock (:func:`deadline_of`): the two hosts' clocks
 never need to agree.
@@ -18,6 +21,7 @@ import time
 from ...errors import ErrorStatus, NnrtError, invalid
 from ...hal import ExecutionResult, RequestArgument, Timing
 from ...hal.types import OutputShape, check_deadline
+from ...memory import DeviceToken
 from ...memory.shared import pool_view
 from ...model.graph import DataLocation
 from ...qos.scheduler import SchedulerLoad
@@ -61,16 +65,37 @@ def timeout_of(deadline: float | None, floor: float) -> float:
     return max(floor, deadline - time.monotonic())
 
 
-def arguments(args) -> list[pb.Argument]:
-    """A request's inputs or outputs (``RequestArgument``) as wire arguments."""
-    return [pb.Argument(has_no_value=a.has_no_value, dimensions=a.dimensions,
-                        length=0 if a.has_no_value else a.location.length) for a in args]
+def token_of(pools, a: RequestArgument) -> int:
+    """The driver buffer's token when argument ``a`` is one (its pool a
+    :class:`DeviceToken`), else 0."""
+    loc = a.location
+    if a.has_no_value or loc is None or not 0 <= loc.pool_index < len(pools):
+        return 0
+    pool = pools[loc.pool_index]
+    return pool.token if isinstance(pool, DeviceToken) else 0
+
+
+def arguments(request, args) -> list[pb.Argument]:
+    """Inputs or outputs (``RequestArgument``) of ``request`` as wire
+    arguments; one in a driver buffer as its token."""
+    out = []
+    for a in args:
+        token = token_of(request.pools, a)
+        out.append(pb.Argument(has_no_value=a.has_no_value, dimensions=a.dimensions,
+                               length=0 if a.has_no_value or token else a.location.length,
+                               token=token))
+    return out
 
 
 def _region(request, a: RequestArgument, what: str) -> memoryview:
-    """The bytes of a request argument's region; INVALID_ARGUMENT for a
-    location outside the request's pools."""
+    """The bytes of a request argument's region (none for a driver
+    buffer's); INVALID_ARGUMENT for a location outside the request's pools."""
     loc = a.location
+    if token_of(request.pools, a):
+        if loc.offset or loc.length:
+            raise invalid(f"{what}: a driver buffer is used whole: offset and length must "
+                          f"be 0, not {loc.offset} and {loc.length}")
+        return memoryview(b"")
     if loc is None or not 0 <= loc.pool_index < len(request.pools):
         raise invalid(f"{what} is in pool {None if loc is None else loc.pool_index} of "
                       f"{len(request.pools)}")
@@ -105,7 +130,7 @@ def copy_outputs(request, data) -> None:
                         f"the remote device sent {len(data)} outputs for "
                         f"{len(request.outputs)}")
     for k, (a, blob) in enumerate(zip(request.outputs, data)):
-        if a.has_no_value:
+        if a.has_no_value or token_of(request.pools, a):
             continue
         if len(blob) != a.location.length:
             raise NnrtError(ErrorStatus.GENERAL_FAILURE,
@@ -117,8 +142,9 @@ def copy_outputs(request, data) -> None:
 def layout(inputs, outputs) -> tuple[tuple[RequestArgument, ...], tuple[RequestArgument, ...],
                                      list[bytearray]]:
     """The server's side of a layout: each argument in a pool of its own
-    (inputs first), and those pools, outputs zeroed. INVALID_ARGUMENT for a
-    layout out of bounds."""
+    (inputs first), and those pools, outputs zeroed; an argument naming a
+    driver buffer gets a :class:`DeviceToken` pool (whose token the server
+    checks is its caller's). INVALID_ARGUMENT for a layout out of bounds."""
     if len(inputs) > MAX_ARGUMENTS or len(outputs) > MAX_ARGUMENTS:
         raise invalid(f"{len(inputs)} inputs and {len(outputs)} outputs: at most "
                       f"{MAX_ARGUMENTS} each")
@@ -134,6 +160,12 @@ def layout(inputs, outputs) -> tuple[tuple[RequestArgument, ...], tuple[RequestA
             if a.length:
                 raise invalid(f"{what} has no value but {a.length} bytes")
             return RequestArgument(has_no_value=True)
+        if a.token:
+            if a.length:
+                raise invalid(f"{what} is driver buffer {a.token} but has {a.length} bytes")
+            pools.append(DeviceToken(a.token))
+            return RequestArgument(False, DataLocation(len(pools) - 1, 0, 0),
+                                   tuple(a.dimensions))
         pools.append(bytearray(a.length))
         return RequestArgument(False, DataLocation(len(pools) - 1, 0, a.length),
                                tuple(a.dimensions))
@@ -157,7 +189,14 @@ def fill_inputs(inputs: tuple[RequestArgument, ...], pools, data) -> None:
 
 
 def outputs_of(outputs: tuple[RequestArgument, ...], pools) -> list[bytes]:
-    return [b"" if a.has_no_value else bytes(pools[a.location.pool_index]) for a in outputs]
+    """The bytes of each output's pool (none for a driver buffer's)."""
+    return [b"" if a.has_no_value or token_of(pools, a) else bytes(pools[a.location.pool_index])
+            for a in outputs]
+
+
+def pool_bytes(pools) -> int:
+    """The bytes of a layout's pools (a driver buffer's are counted as the buffer's)."""
+    return sum(0 if isinstance(pool, DeviceToken) else len(pool) for pool in pools)
 
 
 def reply_of(result: ExecutionResult, data=(), *, reply: pb.ExecutionReply | None = None,
