@@ -103,6 +103,34 @@ async def test_state_and_chained_outputs_stay_on_the_serving_host(far):
         device.close()
 
 
+async def test_a_model_prepared_from_the_apps_cache_takes_device_memories(far, tmp_path):
+    """Compilation caching and memory domains together: the second compile
+    comes from the app's cache files, so the server has no graph of the
+    model to size a buffer by; a buffer for its roles still holds the
+    state across executions."""
+    device = await connect(far, "state")
+    try:
+        async with nnrt.Runtime(devices=[device], strict=True) as rt:
+            (await rt.compile(state_model(N), cache_dir=tmp_path)).close()
+            compiled = await rt.compile(state_model(N), cache_dir=tmp_path)
+            assert rt.cache_statistics().hits == 1
+            desc = lambda: (nnrt.MemoryDesc().add_input_role(compiled, 0)
+                            .add_output_role(compiled, 0))
+            a, b = await rt.allocate(desc()), await rt.allocate(desc())
+            state = np.arange(N, dtype=np.float32)
+            x = np.full(N, 2.0, np.float32)
+            with Memory.create(N * 4) as mem:
+                mem.array(np.float32, N)[:] = state
+                await nnrt.copy(mem, a)
+                await compiled.execute([a, x], outputs=[b, np.empty(N, np.float32)])
+                await nnrt.copy(b, mem)
+                np.testing.assert_array_equal(mem.array(np.float32, N), state + x)
+            a.close()
+            b.close()
+    finally:
+        device.close()
+
+
 async def test_another_apps_or_sessions_token_is_refused(far):
     """The owner's token named by another app, and by another session of
     the same app: INVALID_ARGUMENT, never its data; the owner goes on."""
