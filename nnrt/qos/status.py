@@ -4,7 +4,7 @@ reload of a service's policy file (``nnrt driver serve --policy``).
 Formatting only; the CLI does the I/O."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Hashable, Iterable
 
 from ..handoff import run_in_worker
@@ -47,15 +47,18 @@ class AppFigures:
     wait_p99: float | None = None
 
 
+_WORST = ("wait_p50", "wait_p99")     # the worst priority's; every other figure is a sum
+_SUMMED = tuple(f.name for f in fields(AppFigures) if f.name not in _WORST)
+
+
 def per_app(stats: SchedulerStatistics) -> dict:
     """``{app: AppFigures}`` of the scheduler's classes."""
     apps: dict = {}
     for c in stats.classes:
         a = apps.setdefault(c.app, AppFigures())
-        for name in ("queued", "running", "completed", "preempted", "deadline_misses",
-                     "cancelled", "failed", "run_time"):
+        for name in _SUMMED:
             setattr(a, name, getattr(a, name) + getattr(c, name))
-        for name in ("wait_p50", "wait_p99"):
+        for name in _WORST:
             v = getattr(c, name)
             if v is not None:
                 setattr(a, name, v if getattr(a, name) is None else max(getattr(a, name), v))
