@@ -122,8 +122,11 @@ async def test_a_driver_without_boundaries_is_queued_and_prioritised_by_whole_ru
     # waking its thread, which the scheduler does not count as run time).
     assert all(r.preemptions == 0 and r.ran <= r.longest_step
                and r.longest_step == pytest.approx(r.finished_at - r.started_at) for r in lows)
-    longest_low_run = max(r.ran for r in lows)
+    # A HIGH waits at most one whole LOW run: the time that run held the
+    # slot, waking its thread included (its ``ran`` leaves that out, and a
+    # loaded machine makes the difference larger than a HIGH's wait).
+    longest_low_hold = max(r.longest_step for r in lows)
     for h in highs:
-        assert h.status == ErrorStatus.NONE and h.wait <= longest_low_run, \
-            (h.wait, longest_low_run)
+        assert h.status == ErrorStatus.NONE and h.wait <= longest_low_hold, \
+            (h.wait, longest_low_hold)
     assert all(np.array_equal(out, np.full(DIMS, 30.0, np.float32)) for out in low_results)
